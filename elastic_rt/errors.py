@@ -1,0 +1,31 @@
+"""One typed error hierarchy; third-party errors are translated into these at the boundary."""
+
+from __future__ import annotations
+
+
+class ElasticRTError(Exception):
+    """Base class: an error elastic-rt reports to the user as one clear line."""
+
+    exit_code: int = 1
+
+
+class ConfigError(ElasticRTError):
+    """A flag, environment variable or configuration value is invalid."""
+
+    exit_code = 2
+
+
+class EtcdUnavailableError(ElasticRTError):
+    """No etcd endpoint answered."""
+
+
+class RendezvousDataError(ElasticRTError):
+    """Data found under the rendezvous prefix is not what elastic-rt wrote."""
+
+
+class CheckpointError(ElasticRTError):
+    """A checkpoint could not be written, found or verified."""
+
+
+class HealthCheckError(ElasticRTError):
+    """A pre-flight or health check failed."""

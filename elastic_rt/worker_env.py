@@ -1,0 +1,42 @@
+"""Names of the environment variables the agent hands to each worker, and their reader."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+# Set by the agent for every worker it starts (in addition to torch's RANK,
+# WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ... set by torch.distributed.elastic).
+ENV_HEARTBEAT_FILE = "ELASTIC_RT_HEARTBEAT_FILE"  # per-worker step heartbeat file
+ENV_RUN_ID = "ELASTIC_RT_RUN_ID"
+ENV_NODE_ID = "ELASTIC_RT_NODE_ID"
+ENV_ROUND = "ELASTIC_RT_ROUND"  # rendezvous round the worker was started in
+ENV_PARENT_PID = "ELASTIC_RT_AGENT_PID"  # the agent's pid, for the death signal check
+ENV_CHECKPOINT_URL = "ELASTIC_RT_CHECKPOINT_URL"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEnvironment:
+    """What a worker process learns from its agent through the environment."""
+
+    heartbeat_file: str | None = None
+    run_id: str | None = None
+    node_id: str | None = None
+    round: int | None = None
+    agent_pid: int | None = None
+    checkpoint_url: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerEnvironment":
+        env = os.environ if env is None else env
+        rnd = env.get(ENV_ROUND)
+        pid = env.get(ENV_PARENT_PID)
+        return cls(
+            heartbeat_file=env.get(ENV_HEARTBEAT_FILE) or None,
+            run_id=env.get(ENV_RUN_ID) or None,
+            node_id=env.get(ENV_NODE_ID) or None,
+            round=int(rnd) if rnd and rnd.isdigit() else None,
+            agent_pid=int(pid) if pid and pid.isdigit() else None,
+            checkpoint_url=env.get(ENV_CHECKPOINT_URL) or None,
+        )
