@@ -9,6 +9,7 @@ from typing import Mapping
 # Set by the agent for every worker it starts (in addition to torch's RANK,
 # WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ... set by torch.distributed.elastic).
 ENV_HEARTBEAT_FILE = "ELASTIC_RT_HEARTBEAT_FILE"  # per-worker step heartbeat file
+ENV_HEARTBEAT_DIR = "ELASTIC_RT_HEARTBEAT_DIR"  # agent side: <dir>/worker-<LOCAL_RANK>
 ENV_RUN_ID = "ELASTIC_RT_RUN_ID"
 ENV_NODE_ID = "ELASTIC_RT_NODE_ID"
 ENV_ROUND = "ELASTIC_RT_ROUND"  # rendezvous round the worker was started in

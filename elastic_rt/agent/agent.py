@@ -1,0 +1,201 @@
+"""The elastic agent: torch's LocalElasticAgent with peer-loss restarts, complete process-tree stops
+and restart accounting by reason."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any, Protocol
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from elastic_rt.agent.process_tree import stop_tree
+from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
+
+log = logging.getLogger(__name__)
+
+
+class AgentObserver(Protocol):
+    """What the agent reports as it goes (metrics, logs); every method is optional."""
+
+    def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None: ...
+    def on_restart(self, reason: str) -> None: ...
+    def on_recovered(self, duration_s: float) -> None: ...
+    def on_workers_started(self, pids: dict[int, int]) -> None: ...
+    def poll(self, agent: "ElasticRTAgent") -> str | None: ...
+
+
+class NullObserver:
+    def on_rendezvous(self, **_: Any) -> None: ...
+    def on_restart(self, reason: str) -> None: ...
+    def on_recovered(self, duration_s: float) -> None: ...
+    def on_workers_started(self, pids: dict[int, int]) -> None: ...
+    def poll(self, agent: "ElasticRTAgent") -> str | None:
+        return None
+
+
+class ElasticRTAgent(LocalElasticAgent):
+    """Restarts the group when a peer's lease expires, a new round starts, nodes wait to join,
+    or a worker fails; only failures of this node's own workers count against max_restarts."""
+
+    def __init__(
+        self,
+        spec,
+        logs_specs,
+        *,
+        node_id: str,
+        heartbeat_dir: str,
+        restart_grace_s: float = 1.0,
+        shutdown_grace_s: float = 30.0,
+        peer_loss_wait_s: float = 4.0,
+        exit_barrier_timeout_s: float = 300.0,
+        observer: AgentObserver | None = None,
+        log_line_prefix_template: str | None = None,
+    ) -> None:
+        super().__init__(
+            spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout_s,
+            log_line_prefix_template=log_line_prefix_template, shutdown_timeout=int(shutdown_grace_s),
+        )
+        self._node_id = node_id
+        self._heartbeat_dir = heartbeat_dir
+        self._restart_grace_s = restart_grace_s
+        self._shutdown_grace_s = shutdown_grace_s
+        self._peer_loss_wait_s = peer_loss_wait_s
+        self.observer: AgentObserver = observer or NullObserver()
+        self.restarts: dict[str, int] = {}
+
+    # ---- helpers -----------------------------------------------------------
+    def _handler(self):
+        return self._worker_group.spec.rdzv_handler
+
+    def _membership(self):
+        return getattr(self._handler(), "membership", None)
+
+    def _membership_change(self) -> str | None:
+        handler = self._handler()
+        if hasattr(handler, "membership_change"):
+            return handler.membership_change()
+        return "scale_up" if handler.num_nodes_waiting() > 0 else None
+
+    def _prefix(self) -> str:
+        m = self._membership()
+        return f"[{self._node_id} round {m.round if m else '-'}]"
+
+    # ---- worker lifecycle --------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        t0 = time.monotonic()
+        super()._rendezvous(worker_group)
+        m = self._membership()
+        self.observer.on_rendezvous(
+            round=m.round if m else 0,
+            world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
+            nodes=worker_group.group_world_size,
+            duration_s=time.monotonic() - t0,
+        )
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        m = self._membership()
+        os.makedirs(self._heartbeat_dir, exist_ok=True)
+        os.environ.update({
+            ENV_PARENT_PID: str(os.getpid()),
+            ENV_HEARTBEAT_DIR: self._heartbeat_dir,
+            ENV_RUN_ID: self._handler().get_run_id(),
+            ENV_NODE_ID: self._node_id,
+            ENV_ROUND: str(m.round if m else 0),
+        })
+        pids = super()._start_workers(worker_group)
+        self.observer.on_workers_started(dict(pids))
+        return pids
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        """Stop every worker and its descendants: `death_sig`, the grace period, then SIGKILL."""
+        if self._pcontext is not None:
+            pids = list(self._pcontext.pids().values())
+            killed = stop_tree(pids, sig=death_sig, grace_s=float(timeout))
+            if killed:
+                log.info("%s SIGKILLed %d process(es) left after %gs grace", self._prefix(), len(killed), timeout)
+        super()._shutdown(signal.SIGKILL, timeout=5)
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._shutdown(signal.SIGTERM, timeout=self._restart_grace_s)
+
+    def _restart(self, reason: str, detected_at: float) -> None:
+        self.restarts[reason] = self.restarts.get(reason, 0) + 1
+        self.observer.on_restart(reason)
+        log.warning("%s restarting the worker group: %s", self._prefix(), reason.replace("_", " "))
+        before = self._membership()
+        self._restart_workers(self._worker_group)
+        after = self._membership()
+        if reason == "worker_failure" and before and after and set(before.nodes) - set(after.nodes):
+            # The failure was a symptom of a lost peer: give the restart back.
+            self._remaining_restarts += 1
+            log.info("%s peer(s) %s left; restart not counted", self._prefix(),
+                     ",".join(sorted(set(before.nodes) - set(after.nodes))))
+        self.observer.on_recovered(time.monotonic() - detected_at)
+
+    def _wait_for_peer_loss(self) -> str | None:
+        """A worker failure with no restarts left: was it caused by a peer dying?"""
+        deadline = time.monotonic() + self._peer_loss_wait_s
+        while time.monotonic() < deadline:
+            change = self._membership_change()
+            if change:
+                return change
+            time.sleep(0.2)
+        return None
+
+    # ---- the monitor loop --------------------------------------------------
+    def _invoke_run(self, role: str = "default") -> RunResult:
+        spec = self._worker_group.spec
+        log.info("%s starting %d worker(s): %s", self._prefix(), spec.local_world_size, spec.get_entrypoint_name())
+        self._initialize_workers(self._worker_group)
+        while True:
+            time.sleep(spec.monitor_interval)
+            result = self._monitor_workers(self._worker_group)
+            state = result.state
+            self._worker_group.state = state
+            now = time.monotonic()
+            if state == WorkerState.SUCCEEDED:
+                log.info("%s workers finished; waiting for the other nodes", self._prefix())
+                self._exit_barrier()
+                return result
+            if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+                self._log_failures(result)
+                change = self._membership_change()
+                if change in ("round_advanced", "peer_lost"):
+                    self._restart(change, now)
+                elif self._remaining_restarts > 0:
+                    self._remaining_restarts -= 1
+                    self._restart("worker_failure", now)
+                else:
+                    change = self._wait_for_peer_loss()
+                    if change:
+                        self._restart(change, now)
+                        continue
+                    log.error("%s worker group failed and no restarts are left (--max-restarts %d)",
+                              self._prefix(), spec.max_restarts)
+                    self._stop_workers(self._worker_group)
+                    self._worker_group.state = WorkerState.FAILED
+                    return result
+            elif state == WorkerState.HEALTHY:
+                change = self._membership_change() or self.observer.poll(self)
+                if change:
+                    if change == "hang":
+                        if self._remaining_restarts <= 0:
+                            log.error("%s workers hung and no restarts are left", self._prefix())
+                            self._stop_workers(self._worker_group)
+                            self._worker_group.state = WorkerState.FAILED
+                            return RunResult(state=WorkerState.FAILED)
+                        self._remaining_restarts -= 1
+                    self._restart(change, now)
+            else:
+                raise RuntimeError(f"{self._prefix()} worker group in unexpected state {state.name}")
+
+    def _log_failures(self, result: RunResult) -> None:
+        for rank, failure in sorted(result.failures.items()):
+            msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+            first = (msg or "").strip().splitlines()[-1:] or [""]
+            log.warning("%s worker rank %d (pid %s) exited with code %s %s", self._prefix(), rank,
+                        failure.pid, failure.exitcode, first[0][:200])

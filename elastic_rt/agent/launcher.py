@@ -1,0 +1,145 @@
+"""Wire a LaunchConfig into a rendezvous handler, a WorkerSpec and the agent; run it; map the outcome
+to an exit code."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import tempfile
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
+from elastic_rt.config import LaunchConfig
+from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError
+from elastic_rt.rendezvous import registration
+
+log = logging.getLogger(__name__)
+
+
+def _std(value: str, flag: str):
+    try:
+        return Std.from_str(value)
+    except ValueError as exc:
+        raise ConfigError(f"{flag} {value!r}: {exc}") from exc
+
+
+def worker_command(cfg: LaunchConfig) -> tuple[str, tuple[str, ...]]:
+    """The entrypoint and arguments of each worker process."""
+    if cfg.no_python:
+        return cfg.script, cfg.script_args
+    runner = ("-u", "-m", "elastic_rt.agent.worker_main", "--")
+    target = ("-m", cfg.script) if cfg.run_as_module else (cfg.script,)
+    return sys.executable, runner + target + cfg.script_args
+
+
+def build_handler(cfg: LaunchConfig):
+    registration.register()
+    params = RendezvousParameters(
+        backend=cfg.rdzv_backend,
+        endpoint=cfg.rdzv_endpoint,
+        run_id=cfg.rdzv_id,
+        min_nodes=cfg.min_nodes,
+        max_nodes=cfg.max_nodes,
+        local_addr=cfg.local_addr,
+        **cfg.conf,
+    )
+    if cfg.rdzv_backend == "c10d" and cfg.standalone:
+        params.config.setdefault("is_host", "true")
+    try:
+        return get_rendezvous_handler(params)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"rendezvous configuration: {exc}") from exc
+
+
+def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:
+    """Run this node's agent until the job ends. Returns the process exit code."""
+    if not cfg.no_python and not cfg.run_as_module and not os.path.isfile(cfg.script):
+        raise ConfigError(f"training script {cfg.script!r} not found")
+    install_signal_handlers()
+    handler = build_handler(cfg)
+    node_id = getattr(getattr(handler, "settings", None), "node_id", None) or cfg.node_id or f"node-{os.getpid()}"
+    entrypoint, args = worker_command(cfg)
+    spec = WorkerSpec(
+        role="default",
+        local_world_size=cfg.nproc_per_node,
+        entrypoint=entrypoint,
+        args=args,
+        rdzv_handler=handler,
+        max_restarts=cfg.max_restarts,
+        monitor_interval=cfg.monitor_interval_s,
+        local_addr=cfg.local_addr,
+    )
+    log_dir = cfg.log_dir or tempfile.mkdtemp(prefix=f"elastic-rt-{cfg.rdzv_id}-")
+    logs_specs = DefaultLogsSpecs(
+        log_dir=log_dir, redirects=_std(cfg.redirects, "--redirects"), tee=_std(cfg.tee, "--tee")
+    )
+    agent = ElasticRTAgent(
+        spec,
+        logs_specs,
+        node_id=node_id,
+        heartbeat_dir=os.path.join(log_dir, "heartbeat"),
+        restart_grace_s=cfg.restart_grace_s,
+        shutdown_grace_s=cfg.grace_period_s,
+        peer_loss_wait_s=float(cfg.conf.get("lease_ttl", 3.0)) + 1.0,
+        observer=observer,
+    )
+    leave = getattr(handler, "leave", None)
+    try:
+        result = agent.run()
+    except SignalException as exc:
+        log.warning("[%s] received %s: workers stopped, leaving the rendezvous", node_id, exc.sigval.name)
+        if leave:
+            leave()
+        return 128 + int(exc.sigval)
+    except RendezvousClosedError as exc:
+        if leave:
+            leave()
+        raise ElasticRTError(str(exc) or f"rendezvous {cfg.rdzv_id} is closed") from exc
+    except RendezvousTimeoutError as exc:
+        if leave:
+            leave()
+        raise ElasticRTError(str(exc)) from exc
+    except RendezvousConnectionError as exc:
+        raise EtcdUnavailableError(str(exc) or f"cannot reach the rendezvous at {cfg.rdzv_endpoint}") from exc
+    except RendezvousError as exc:
+        if leave:
+            leave()
+        raise ElasticRTError(f"rendezvous failed: {exc}") from exc
+    if result is None:  # torch's run() returns None after a graceful rendezvous exit
+        return 0
+    if result.is_failed():
+        for rank, failure in sorted(result.failures.items()):
+            log.error("[%s] worker rank %d failed with exit code %s (log: %s)", node_id, rank,
+                      failure.exitcode, failure.error_file or log_dir)
+        if leave:
+            leave()
+        return 1
+    if hasattr(handler, "set_closed") and leave:
+        handler.set_closed()  # the job is done: late joiners exit instead of waiting
+        leave()
+    log.info("[%s] job finished", node_id)
+    return 0
+
+
+def _raise_signal(signum: int, _frame) -> None:
+    raise SignalException(f"received signal {signum}", sigval=signal.Signals(signum))
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM/SIGINT/SIGHUP raise SignalException in the agent, so that a signal that arrives
+    during rendezvous (before torch installs its own handlers) also stops and leaves cleanly."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _raise_signal)

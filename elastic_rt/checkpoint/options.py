@@ -1,0 +1,91 @@
+"""Configuration and result types of the checkpoint manager (frozen, keyword-only dataclasses)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal, Mapping
+
+from elastic_rt.errors import ConfigError
+
+# Test hook (see docs/checkpoint.md, "Test hooks"): when this variable names a path P
+# and P exists at the moment a rank has written its shard, the rank creates
+# "P.rank<r>.paused" and waits until P is removed, so a test can SIGKILL it mid-save.
+ENV_TEST_PAUSE_FILE = "ELASTIC_RT_CKPT_TEST_PAUSE_FILE"
+
+IfBusy = Literal["wait", "skip"]
+
+
+def pause_file_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """The one place that reads ELASTIC_RT_CKPT_TEST_PAUSE_FILE."""
+    env = os.environ if env is None else env
+    return env.get(ENV_TEST_PAUSE_FILE) or None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """How a CheckpointManager saves, keeps and loads checkpoints.
+
+    keep_last: committed checkpoints kept; older ones are deleted after a newer commit.
+    async_save: stage to host memory and upload in a background thread.
+    if_busy: a save requested while one is in flight either waits for it or is skipped.
+    verify_on_load: check every file's size and crc32 against the manifest before loading.
+    per_rank_keys: top-level state keys saved separately for every rank (RNG states);
+        every other key is global (replicated tensors are written once, DTensors by shard).
+    collective_timeout_s: timeout of the checkpoint process groups' collectives.
+    sync_files: fsync every file before commit; None means "on local file systems".
+    thread_count: writer threads (one file per thread) per rank.
+    storage_options: passed to fsspec (credentials, endpoints, ...).
+    test_pause_file: see ENV_TEST_PAUSE_FILE.
+    """
+
+    keep_last: int = 3
+    async_save: bool = False
+    if_busy: IfBusy = "wait"
+    verify_on_load: bool = True
+    per_rank_keys: tuple[str, ...] = ("rng",)
+    collective_timeout_s: float = 600.0
+    sync_files: bool | None = None
+    thread_count: int = 1
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    test_pause_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise ConfigError(
+                f"keep_last must be an integer >= 1 (got {self.keep_last!r}); "
+                "the newest committed checkpoint is never deleted"
+            )
+        if self.if_busy not in ("wait", "skip"):
+            raise ConfigError(f"if_busy must be 'wait' or 'skip' (got {self.if_busy!r})")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(
+                f"collective_timeout_s must be > 0 seconds (got {self.collective_timeout_s!r})"
+            )
+        if not isinstance(self.thread_count, int) or self.thread_count < 1:
+            raise ConfigError(f"thread_count must be an integer >= 1 (got {self.thread_count!r})")
+        if isinstance(self.per_rank_keys, str):
+            raise ConfigError("per_rank_keys must be a tuple of key names, not a string")
+        object.__setattr__(self, "per_rank_keys", tuple(self.per_rank_keys))
+        object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveStats:
+    """What one committed save cost; handed to the on_saved callback (e.g. for Prometheus).
+
+    blocked_s: time the training loop was blocked by this save (inside save(), waiting
+        for a previous save, and waiting for staging before the next optimizer step).
+    save_duration_s: from the save() call until the checkpoint was committed.
+    staging_s: time spent copying this rank's share to host buffers (0 for sync saves).
+    """
+
+    step: int
+    world_size: int
+    async_save: bool
+    blocked_s: float
+    save_duration_s: float
+    staging_s: float
+    bytes_written: int
+    url: str

@@ -1,0 +1,217 @@
+"""DCP storage writer/reader over an fsspec file system that records each file's size and crc32."""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Generator, Protocol
+
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from elastic_rt.checkpoint.manifest import FileEntry
+from elastic_rt.errors import CheckpointError
+
+# Buffers at least this large get their crc32 computed in a helper thread while the
+# write proceeds (zlib releases the GIL), so checksumming overlaps with I/O.
+OVERLAP_CRC_MIN_BYTES = 1 << 20
+
+
+PHASE_STAGING = "staging"  # async saves: the plan is known, the copy to host memory not started
+PHASE_WRITTEN = "written"  # this rank's shard files are on storage, the commit is not
+
+
+class PauseHook(Protocol):
+    """Test hook called by each rank's writer at the phases above."""
+
+    def __call__(self, *, rank: int, step: int, phase: str) -> None: ...
+
+
+class FilePauseHook:
+    """If PATH exists: create PATH.rank<r>.paused and wait until PATH is removed (tests)."""
+
+    def __init__(self, path: str, *, poll_s: float = 0.01, max_wait_s: float = 600.0) -> None:
+        self.path = path
+        self.poll_s = poll_s
+        self.max_wait_s = max_wait_s
+
+    def marker(self, rank: int) -> str:
+        return f"{self.path}.rank{rank}.paused"
+
+    def __call__(self, *, rank: int, step: int, phase: str) -> None:
+        if phase != PHASE_WRITTEN or not os.path.exists(self.path):
+            return
+        with open(self.marker(rank), "w") as f:
+            f.write(f"{step}\n")
+        deadline = time.monotonic() + self.max_wait_s
+        while os.path.exists(self.path):
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"test pause file {self.path} was not removed within {self.max_wait_s:.0f} s"
+                )
+            time.sleep(self.poll_s)
+
+
+class _ChecksumStream(io.RawIOBase):
+    """Write-through wrapper that counts bytes and computes a running crc32."""
+
+    def __init__(self, raw: Any, pool: ThreadPoolExecutor) -> None:
+        super().__init__()
+        self.raw = raw
+        self.pool = pool
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        if view.nbytes >= OVERLAP_CRC_MIN_BYTES:
+            pending = self.pool.submit(zlib.crc32, view, self.crc)
+            written = self.raw.write(view)
+            self.crc = pending.result()
+        else:
+            written = self.raw.write(view)
+            self.crc = zlib.crc32(view, self.crc)
+        if written is not None and written != view.nbytes:
+            raise OSError(f"short write: {written} of {view.nbytes} bytes")
+        self.size += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+
+class ChecksumFileSystem(FileSystemBase):
+    """torch's FileSystemBase over a given fsspec instance; records what every write produced."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+        self.written: dict[str, tuple[int, int]] = {}  # path -> (size, crc32)
+        self._lock = threading.Lock()
+        self._crc_pool: ThreadPoolExecutor | None = None
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._crc_pool is None:
+                self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rt-crc")
+            return self._crc_pool
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        path = os.fspath(path)
+        if "r" in mode:
+            with self.fs.open(path, mode) as stream:
+                yield stream
+            return
+        with self.fs.open(path, mode) as raw:
+            stream = _ChecksumStream(raw, self._pool())
+            try:
+                yield stream  # type: ignore[misc]
+            except BaseException:
+                try:
+                    self.fs.rm(path)
+                except OSError:
+                    pass
+                raise
+        with self._lock:
+            self.written[path] = (stream.size, stream.crc)
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return posixpath.join(os.fspath(path), suffix)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        self.fs.mv(os.fspath(path), os.fspath(new_path))
+        with self._lock:
+            if os.fspath(path) in self.written:
+                self.written[os.fspath(new_path)] = self.written.pop(os.fspath(path))
+
+    def init_path(self, path: str | os.PathLike) -> str:
+        return os.fspath(path)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.fs.makedirs(os.fspath(path), exist_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.fs.exists(os.fspath(path))
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.fs.rm(os.fspath(path))
+
+    def ls(self, path: str | os.PathLike) -> list[str]:
+        return self.fs.ls(os.fspath(path), detail=False)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._crc_pool = self._crc_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+class ChecksumWriter(FileSystemWriter):
+    """DCP FileSystemWriter on fsspec that reports (name, size, crc32) of each file it wrote,
+    and calls the pause hook after this rank's shard is on storage."""
+
+    def __init__(
+        self,
+        fs: Any,
+        path: str,
+        *,
+        rank: int,
+        step: int,
+        sync_files: bool,
+        thread_count: int = 1,
+        pause_hook: PauseHook | None = None,
+    ) -> None:
+        super().__init__(
+            path, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count, overwrite=True
+        )
+        self.fs = ChecksumFileSystem(fs)
+        self.path = path
+        self._rank = rank
+        self._step = step
+        self._pause_hook = pause_hook
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        future = super().write_data(plan, planner)
+        if self._pause_hook is not None:
+            self._pause_hook(rank=self._rank, step=self._step, phase=PHASE_WRITTEN)
+        return future
+
+    def close(self) -> None:
+        self.fs.close()
+
+    def file_entries(self) -> list[FileEntry]:
+        """Files this rank wrote (the coordinator also wrote .metadata)."""
+        return [
+            FileEntry(path=posixpath.basename(path), size=size, crc32=crc, rank=self._rank)
+            for path, (size, crc) in sorted(self.fs.written.items())
+        ]
+
+
+class FsspecCheckpointReader(FileSystemReader):
+    """DCP FileSystemReader over a given fsspec instance."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        super().__init__(path)
+        self.fs = ChecksumFileSystem(fs)
+        self.path = path

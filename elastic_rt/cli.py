@@ -1,0 +1,118 @@
+"""Command line: argparse -> config -> run. Errors the user caused print one line and exit non-zero."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from elastic_rt import __version__
+from elastic_rt.config import DEFAULT_METRICS_PORT, KNOWN_BACKENDS
+from elastic_rt.errors import ElasticRTError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage dump) and exits 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", default=None, help="N or MIN:MAX nodes (default 1)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
+                   help="workers per node: a number, 'gpu', 'cpu' or 'auto' (default 1)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default="etcd-v3",
+                   help=f"rendezvous backend: {', '.join(KNOWN_BACKENDS)} (default etcd-v3)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
+                   help="etcd endpoints host:port[,host:port...]; tried in order, failing over")
+    p.add_argument("--rdzv-id", "--rdzv_id", default="none", help="job id, the same on every node")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
+                   help="k=v,... : lease_ttl, join_timeout, last_call_timeout, read_timeout, "
+                        "ca_cert, cert, key, user, password")
+    p.add_argument("--standalone", action="store_true",
+                   help="one node, no external service (an embedded store)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
+                   help="restarts after this node's own worker failures (default 3); "
+                        "membership changes do not count")
+    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
+                   help="seconds between worker checks (default 0.1)")
+    p.add_argument("--local-addr", "--local_addr", default=None,
+                   help="address of this node that peers can reach (default: the host's FQDN)")
+    p.add_argument("--node-id", default=None, help="unique name of this node (default: hostname-pid)")
+    p.add_argument("--log-dir", "--log_dir", default=None, help="directory for per-worker logs")
+    p.add_argument("--tee", "-t", default="0", help="tee worker stdout/stderr to the console: 0-3")
+    p.add_argument("--redirects", "-r", default="0", help="redirect worker stdout/stderr to log files: 0-3")
+    p.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds workers get after SIGTERM (preemption, shutdown) before SIGKILL (default 30)")
+    p.add_argument("--restart-grace", type=float, default=1.0,
+                   help="seconds workers get after SIGTERM when the group restarts (default 1)")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help=f"Prometheus /metrics and /healthz port (default {DEFAULT_METRICS_PORT}; 0 = off)")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics server binds (default all)")
+    p.add_argument("--hang-timeout", type=float, default=0.0,
+                   help="restart the group when workers report no step for this many seconds (0 = off)")
+    p.add_argument("--ntp-server", action="append", default=[], help="NTP server to measure offset against "
+                   "(repeatable)")
+    p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
+    p.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
+    p.add_argument("script", nargs="?", default="", help="training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the training script")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="elastic-rt", description="Elastic, fault-tolerant launcher for PyTorch training.")
+    parser.add_argument("--version", action="version", version=f"elastic-rt {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="agent log level (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    launch = sub.add_parser("launch", help="run a training script on this node")
+    add_launch_arguments(launch)
+    try:
+        from elastic_rt.checkpoint import cli as ckpt_cli
+    except ImportError:  # pragma: no cover - checkpoint package always ships
+        ckpt_cli = None
+    if ckpt_cli is not None and hasattr(ckpt_cli, "add_subparser"):
+        ckpt_cli.add_subparser(sub)
+    try:
+        from elastic_rt.health import doctor
+    except ImportError:
+        doctor = None
+    if doctor is not None and hasattr(doctor, "add_subparser"):
+        doctor.add_subparser(sub)
+    return parser
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s elastic-rt: %(message)s",
+        stream=sys.stderr,
+    )
+    # torch's agent logs multi-line banners at INFO; keep ours readable.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    setup_logging(args.log_level)
+    try:
+        if args.command == "launch":
+            from elastic_rt.agent.launcher import launch
+            from elastic_rt.config import launch_config_from_args
+
+            return launch(launch_config_from_args(args))
+        return int(args.func(args))
+    except ElasticRTError as exc:
+        print(f"elastic-rt {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"elastic-rt {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Frozen launch configuration; the only place that turns CLI arguments into validated values."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from elastic_rt.errors import ConfigError
+from elastic_rt.rendezvous.keys import validate_run_id
+
+KNOWN_BACKENDS = ("etcd-v3", "etcd-v3-torch", "c10d", "static")
+DEFAULT_METRICS_PORT = 9402
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """'4' -> (4, 4); '2:4' -> (2, 4). MIN >= 1 and MIN <= MAX."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text or "")
+    if not m:
+        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX, e.g. 2:4")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) is not None else lo
+    if lo < 1:
+        raise ConfigError(f"--nnodes {text!r}: the minimum number of nodes must be at least 1")
+    if lo > hi:
+        raise ConfigError(f"--nnodes {text!r}: MIN ({lo}) is larger than MAX ({hi})")
+    return lo, hi
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """'k1=v1,k2=v2' -> {'k1': 'v1', 'k2': 'v2'}."""
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--rdzv-conf item {item!r}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def parse_nproc(text: str) -> int:
+    if text in ("cpu", "auto", "gpu"):
+        import torch
+
+        if text in ("gpu", "auto") and torch.cuda.is_available():
+            return torch.cuda.device_count()
+        if text == "gpu":
+            raise ConfigError("--nproc-per-node gpu: no CUDA device is visible")
+        import os
+
+        return os.cpu_count() or 1 if text == "cpu" else 1
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"--nproc-per-node {text!r}: expected a positive integer, 'cpu', 'gpu' or 'auto'")
+    return int(text)
+
+
+def _positive(name: str, value: float, *, zero_ok: bool = False) -> float:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{name} {value:g}: must be {'>= 0' if zero_ok else '> 0'}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """Everything `elastic-rt launch` needs, validated."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    rdzv_backend: str
+    rdzv_endpoint: str
+    rdzv_id: str
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
+    standalone: bool = False
+    max_restarts: int = 3
+    monitor_interval_s: float = 0.1
+    local_addr: str | None = None
+    node_id: str | None = None
+    log_dir: str | None = None
+    tee: str = "0"
+    redirects: str = "0"
+    grace_period_s: float = 30.0
+    restart_grace_s: float = 1.0
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
+    hang_timeout_s: float = 0.0
+    ntp_servers: tuple[str, ...] = ()
+    run_as_module: bool = False
+    no_python: bool = False
+    script: str = ""
+    script_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def conf(self) -> dict[str, str]:
+        return dict(self.rdzv_conf)
+
+
+def launch_config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    """Validate parsed `launch` arguments into a LaunchConfig (raises ConfigError)."""
+    conf = parse_rdzv_conf(args.rdzv_conf)
+    if args.standalone:
+        min_nodes = max_nodes = 1
+        if args.nnodes not in (None, "1", "1:1"):
+            raise ConfigError("--standalone runs one node; drop --nnodes or use --nnodes 1")
+        backend, endpoint = "c10d", "localhost:0"
+        run_id = args.rdzv_id if args.rdzv_id not in (None, "none") else f"standalone-{uuid.uuid4().hex[:8]}"
+    else:
+        min_nodes, max_nodes = parse_nnodes(args.nnodes or "1")
+        backend = args.rdzv_backend
+        if backend not in KNOWN_BACKENDS:
+            raise ConfigError(f"--rdzv-backend {backend!r}: unknown; choose one of {', '.join(KNOWN_BACKENDS)}")
+        endpoint = args.rdzv_endpoint or ""
+        if not endpoint:
+            if max_nodes == 1:
+                # one node and no service given: behave like --standalone
+                backend, endpoint = "c10d", "localhost:0"
+            else:
+                raise ConfigError(
+                    "--rdzv-endpoint is required for several nodes (etcd host:port[,host:port]); "
+                    "for one node without etcd use --standalone"
+                )
+        run_id = args.rdzv_id or "none"
+        if run_id == "none":
+            if max_nodes > 1:
+                raise ConfigError("--rdzv-id is required for several nodes: every node of a job must use the same id")
+            run_id = f"single-{uuid.uuid4().hex[:8]}"
+    validate_run_id(run_id)
+    if args.node_id:
+        conf["node_id"] = args.node_id
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    if not 0 <= args.metrics_port < 65536:
+        raise ConfigError(f"--metrics-port {args.metrics_port}: must be 0 (off) or a TCP port")
+    if args.tee not in ("0", "1", "2", "3") and not re.fullmatch(r"(\d+:[0-3],?)+", args.tee):
+        raise ConfigError(f"--tee {args.tee!r}: expected 0-3 (none, stdout, stderr, both) or local_rank:N,...")
+    if not args.script:
+        raise ConfigError("no training script given: elastic-rt launch [options] SCRIPT [ARGS...]")
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=parse_nproc(str(args.nproc_per_node)),
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_id=run_id,
+        rdzv_conf=tuple(sorted(conf.items())),
+        standalone=bool(args.standalone),
+        max_restarts=args.max_restarts,
+        monitor_interval_s=_positive("--monitor-interval", args.monitor_interval),
+        local_addr=args.local_addr,
+        node_id=args.node_id,
+        log_dir=args.log_dir,
+        tee=args.tee,
+        redirects=args.redirects,
+        grace_period_s=_positive("--grace-period", args.grace_period, zero_ok=True),
+        restart_grace_s=_positive("--restart-grace", args.restart_grace, zero_ok=True),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        hang_timeout_s=_positive("--hang-timeout", args.hang_timeout, zero_ok=True),
+        ntp_servers=tuple(args.ntp_server or ()),
+        run_as_module=bool(args.module),
+        no_python=bool(args.no_python),
+        script=args.script,
+        script_args=tuple(args.script_args),
+    )

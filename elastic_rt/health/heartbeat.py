@@ -1,0 +1,216 @@
+"""Per-worker step heartbeat: a 32-byte record the worker writes and the agent reads."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+from elastic_rt.worker_env import WorkerEnvironment
+
+log = logging.getLogger(__name__)
+
+# Record layout (little-endian, 36 bytes at offset 0 of the file):
+#   magic    4s   b"ERHB"
+#   pid      u32  the writer's pid
+#   seq      u64  number of report_step calls by this writer (1 for the first)
+#   step     i64  the step passed to report_step
+#   mono_ns  i64  the writer's CLOCK_MONOTONIC in nanoseconds (system-wide on Linux)
+#   crc      u32  zlib.crc32 of the 32 bytes above; a torn read fails it
+_MAGIC = b"ERHB"
+_BODY = struct.Struct("<4sIQqq")  # magic, pid, seq, step, mono_ns  (32 bytes)
+_CRC = struct.Struct("<I")
+RECORD_SIZE = _BODY.size + _CRC.size  # 36 bytes
+_READ_ATTEMPTS = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat:
+    """One decoded heartbeat record, as seen by the agent."""
+
+    pid: int
+    seq: int
+    step: int
+    timestamp_s: float  # CLOCK_MONOTONIC of the writer, seconds
+    age_s: float  # reader's clock minus timestamp_s, clamped at 0
+
+
+def encode_record(*, pid: int, seq: int, step: int, mono_ns: int) -> bytes:
+    """Return the on-disk bytes of one heartbeat record."""
+    body = _BODY.pack(_MAGIC, pid & 0xFFFFFFFF, seq, step, mono_ns)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode_record(data: bytes) -> tuple[int, int, int, int] | None:
+    """Return (pid, seq, step, mono_ns), or None for a short, torn or foreign record."""
+    if len(data) < RECORD_SIZE:
+        return None
+    body = data[: _BODY.size]
+    (crc,) = _CRC.unpack_from(data, _BODY.size)
+    if zlib.crc32(body) != crc:
+        return None
+    magic, pid, seq, step, mono_ns = _BODY.unpack(body)
+    if magic != _MAGIC or seq == 0:
+        return None
+    return pid, seq, step, mono_ns
+
+
+class HeartbeatWriter:
+    """Worker side: writes the record into a shared mapping of the heartbeat file.
+
+    A write is a memcpy into the page cache (no system call), so it can be called
+    every step. The reader sees it through read(2) because Linux keeps MAP_SHARED
+    file mappings and the page cache coherent.
+    """
+
+    def __init__(self, path: str, *, clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        self._path = path
+        self._clock_ns = clock_ns
+        self._pid = os.getpid()
+        self._seq = 0
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            if os.fstat(fd).st_size < RECORD_SIZE:
+                os.ftruncate(fd, RECORD_SIZE)
+            self._map = mmap.mmap(fd, RECORD_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def report(self, step: int) -> None:
+        self._seq += 1
+        body = _BODY.pack(_MAGIC, self._pid, self._seq, step, self._clock_ns())
+        self._map[0:RECORD_SIZE] = body + _CRC.pack(zlib.crc32(body))
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class _NullWriter:
+    """Stands in when the process was not started by an elastic-rt agent."""
+
+    path = None
+
+    def report(self, step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+_writer: HeartbeatWriter | _NullWriter | None = None
+_writer_lock = threading.Lock()
+
+
+def _open_writer(env: WorkerEnvironment) -> HeartbeatWriter | _NullWriter:
+    if not env.heartbeat_file:
+        return _NullWriter()
+    try:
+        return HeartbeatWriter(env.heartbeat_file)
+    except OSError as exc:
+        # The worker must keep training even if the agent's heartbeat dir is gone.
+        log.warning("heartbeat file %s cannot be opened (%s); step heartbeats are off", env.heartbeat_file, exc)
+        return _NullWriter()
+
+
+def report_step(step: int) -> None:
+    """Tell the agent this worker finished `step`. Cheap enough for every step.
+
+    The file comes from ELASTIC_RT_HEARTBEAT_FILE (set by the agent); without it
+    this is a no-op, so a training script also runs without elastic-rt.
+    """
+    global _writer
+    writer = _writer
+    if writer is None:
+        with _writer_lock:
+            if _writer is None:
+                _writer = _open_writer(WorkerEnvironment.from_env())
+            writer = _writer
+    writer.report(step)
+
+
+def _reset_after_fork() -> None:
+    # A forked child (a DataLoader worker, a fork-started trainer) must not reuse the
+    # parent's mapping and sequence; it re-opens the file if it ever reports a step.
+    global _writer, _writer_lock
+    _writer = None
+    _writer_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _reset_writer_for_tests() -> None:
+    """Forget the process-wide writer so the next report_step re-reads the environment."""
+    global _writer
+    with _writer_lock:
+        if _writer is not None:
+            _writer.close()
+        _writer = None
+
+
+def prepare_heartbeat_file(path: str) -> None:
+    """Agent side, before starting a worker: remove a stale record, create the directory."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def read_heartbeat(path: str, *, clock: Callable[[], float] = time.monotonic) -> Heartbeat | None:
+    """Agent side: the last record in `path`, or None if missing, empty or garbage.
+
+    `clock` must read CLOCK_MONOTONIC (as time.monotonic does) to give a true age.
+    CLOCK_MONOTONIC is one clock for the whole host on Linux, so the agent and its
+    workers agree, unless a worker runs in a different time namespace (unshare -T),
+    which containers do not do by default.
+    A torn read (the worker wrote while we read) fails the checksum and is retried.
+    """
+    for _ in range(_READ_ATTEMPTS):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.debug("heartbeat %s unreadable: %s", path, exc)
+            return None
+        try:
+            data = os.pread(fd, RECORD_SIZE, 0)
+        except OSError as exc:
+            log.debug("heartbeat %s unreadable: %s", path, exc)
+            return None
+        finally:
+            os.close(fd)
+        if len(data) < RECORD_SIZE or not any(data):
+            return None  # created but never written
+        decoded = decode_record(data)
+        if decoded is not None:
+            pid, seq, step, mono_ns = decoded
+            ts = mono_ns / 1e9
+            return Heartbeat(pid=pid, seq=seq, step=step, timestamp_s=ts, age_s=max(0.0, clock() - ts))
+    return None
+
+
+class HeartbeatReader:
+    """Agent side: reads the heartbeat files of the local workers, keyed by local rank."""
+
+    def __init__(self, paths: dict[int, str], *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._paths = dict(paths)
+        self._clock = clock
+
+    @property
+    def paths(self) -> dict[int, str]:
+        return dict(self._paths)
+
+    def read(self) -> dict[int, Heartbeat | None]:
+        return {rank: read_heartbeat(path, clock=self._clock) for rank, path in self._paths.items()}

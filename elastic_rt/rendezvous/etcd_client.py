@@ -1,0 +1,326 @@
+"""The only module that talks to etcd: a small v3 client over gRPC with endpoint failover.
+
+It uses the generated stubs of `etcd-sdk-python` (import name `pyetcd`), the
+maintained fork of python-etcd3, and nothing else of it, so that every call has
+an explicit deadline, every read returns the header revision that watches start
+from, and every gRPC error is translated here into EtcdUnavailableError.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import grpc
+from pyetcd import etcdrpc
+
+from elastic_rt.errors import ConfigError, EtcdUnavailableError
+
+log = logging.getLogger(__name__)
+
+# gRPC's default reconnect backoff grows to two minutes: an etcd member that comes
+# back would stay unused that long. Rendezvous needs it within a second.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdConfig:
+    """How to reach etcd: endpoints tried in order, TLS and credentials."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    request_timeout_s: float = 5.0
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def describe(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+def _kv(kv) -> KeyValue:
+    return KeyValue(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+
+
+def _is_deadline(exc: grpc.RpcError) -> bool:
+    """A stream that ran out its deadline (etcd reports some as UNKNOWN 'context deadline exceeded')."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else "") or ""
+    return code == grpc.StatusCode.DEADLINE_EXCEEDED or (
+        code == grpc.StatusCode.UNKNOWN and "deadline" in details
+    )
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The range end that selects every key starting with `prefix`."""
+    b = bytearray(prefix.encode())
+    for i in range(len(b) - 1, -1, -1):
+        if b[i] < 0xFF:
+            b[i] += 1
+            return bytes(b[: i + 1])
+    return b"\0"
+
+
+class _Endpoint:
+    def __init__(self, host: str, port: int, config: EtcdConfig) -> None:
+        self.label = f"{host}:{port}"
+        if config.ca_cert or config.cert:
+            try:
+                creds = grpc.ssl_channel_credentials(
+                    _read(config.ca_cert), _read(config.key), _read(config.cert)
+                )
+            except OSError as exc:
+                raise ConfigError(f"cannot read etcd TLS file: {exc}; see --rdzv-conf") from exc
+            self.channel = grpc.secure_channel(self.label, creds, options=_CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(self.label, options=_CHANNEL_OPTIONS)
+        self.kv = etcdrpc.KVStub(self.channel)
+        self.lease = etcdrpc.LeaseStub(self.channel)
+        self.watch = etcdrpc.WatchStub(self.channel)
+        self.auth = etcdrpc.AuthStub(self.channel)
+        self.maintenance = etcdrpc.MaintenanceStub(self.channel)
+        self.metadata: tuple | None = None
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class EtcdClient:
+    """Thread-safe etcd v3 client: KV, transactions, leases, one-shot watches."""
+
+    def __init__(self, config: EtcdConfig) -> None:
+        if not config.endpoints:
+            raise ConfigError("no etcd endpoint given; see --rdzv-endpoint")
+        self.config = config
+        self._endpoints = [_Endpoint(h, p, config) for h, p in config.endpoints]
+        self._current = 0
+        self._lock = threading.Lock()
+
+    # ---- plumbing -------------------------------------------------------
+    def close(self) -> None:
+        for ep in self._endpoints:
+            ep.channel.close()
+
+    def _call(self, fn: Callable[[_Endpoint, float], object], timeout_s: float | None = None):
+        """Run fn on the current endpoint; on an unreachable one, fail over to the next."""
+        timeout = self.config.request_timeout_s if timeout_s is None else timeout_s
+        errors: list[str] = []
+        with self._lock:
+            start = self._current
+        for i in range(len(self._endpoints)):
+            idx = (start + i) % len(self._endpoints)
+            ep = self._endpoints[idx]
+            try:
+                self._authenticate(ep, timeout)
+                result = fn(ep, timeout)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code in _RETRYABLE:
+                    errors.append(f"{ep.label}: {code.name.lower()}")
+                    continue
+                raise EtcdUnavailableError(
+                    f"etcd at {ep.label} refused the request: "
+                    f"{code.name if code else 'error'} {exc.details() if hasattr(exc, 'details') else exc}"
+                ) from exc
+            if idx != start:
+                with self._lock:
+                    self._current = idx
+                log.info("etcd: failed over to %s", ep.label)
+            return result
+        raise EtcdUnavailableError(
+            f"etcd at {self.config.describe()} did not answer within {timeout:g} s "
+            f"({'; '.join(errors)}); is it running? see --rdzv-endpoint"
+        )
+
+    def _authenticate(self, ep: _Endpoint, timeout: float) -> None:
+        if self.config.user is None or ep.metadata is not None:
+            return
+        resp = ep.auth.Authenticate(
+            etcdrpc.AuthenticateRequest(name=self.config.user, password=self.config.password or ""),
+            timeout=timeout,
+        )
+        ep.metadata = (("token", resp.token),)
+
+    # ---- KV ---------------------------------------------------------------
+    def get(self, key: str) -> tuple[KeyValue | None, int]:
+        """The key (or None) and the store revision it was read at."""
+        req = etcdrpc.RangeRequest(key=key.encode())
+        resp = self._call(lambda ep, t: ep.kv.Range(req, timeout=t, metadata=ep.metadata))
+        kv = _kv(resp.kvs[0]) if resp.kvs else None
+        return kv, resp.header.revision
+
+    def get_prefix(self, prefix: str, *, keys_only: bool = False) -> tuple[list[KeyValue], int]:
+        req = etcdrpc.RangeRequest(
+            key=prefix.encode(), range_end=prefix_end(prefix), keys_only=keys_only
+        )
+        resp = self._call(lambda ep, t: ep.kv.Range(req, timeout=t, metadata=ep.metadata))
+        return [_kv(kv) for kv in resp.kvs], resp.header.revision
+
+    def count_prefix(self, prefix: str) -> int:
+        req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix), count_only=True)
+        resp = self._call(lambda ep, t: ep.kv.Range(req, timeout=t, metadata=ep.metadata))
+        return int(resp.count)
+
+    def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        req = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
+        resp = self._call(lambda ep, t: ep.kv.Put(req, timeout=t, metadata=ep.metadata))
+        return resp.header.revision
+
+    def delete(self, key: str) -> bool:
+        req = etcdrpc.DeleteRangeRequest(key=key.encode())
+        resp = self._call(lambda ep, t: ep.kv.DeleteRange(req, timeout=t, metadata=ep.metadata))
+        return resp.deleted > 0
+
+    def delete_prefix(self, prefix: str) -> int:
+        req = etcdrpc.DeleteRangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
+        resp = self._call(lambda ep, t: ep.kv.DeleteRange(req, timeout=t, metadata=ep.metadata))
+        return int(resp.deleted)
+
+    def compare_and_put(
+        self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0
+    ) -> tuple[bool, KeyValue | None]:
+        """Put if the key's mod_revision is `expected` (None: only if absent).
+
+        Returns (succeeded, the key as it is after the transaction).
+        """
+        if expected_mod_revision is None:
+            cmp = etcdrpc.Compare(
+                result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.CREATE,
+                key=key.encode(), create_revision=0,
+            )
+        else:
+            cmp = etcdrpc.Compare(
+                result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD,
+                key=key.encode(), mod_revision=expected_mod_revision,
+            )
+        get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
+        put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease))
+        req = etcdrpc.TxnRequest(compare=[cmp], success=[put, get], failure=[get])
+        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
+        rng = resp.responses[-1].response_range
+        return bool(resp.succeeded), (_kv(rng.kvs[0]) if rng.kvs else None)
+
+    def compare_and_delete(self, key: str, *, expected_mod_revision: int) -> bool:
+        cmp = etcdrpc.Compare(
+            result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD, key=key.encode(),
+            mod_revision=expected_mod_revision,
+        )
+        op = etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode()))
+        req = etcdrpc.TxnRequest(compare=[cmp], success=[op], failure=[])
+        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
+        return bool(resp.succeeded)
+
+    def delete_range(self, start: str, end: str) -> int:
+        """Delete every key k with start <= k < end."""
+        req = etcdrpc.DeleteRangeRequest(key=start.encode(), range_end=end.encode())
+        resp = self._call(lambda ep, t: ep.kv.DeleteRange(req, timeout=t, metadata=ep.metadata))
+        return int(resp.deleted)
+
+    def read_many(self, keys: list[str], prefixes: list[str]) -> tuple[list[KeyValue | None], list[list[KeyValue]], int]:
+        """Read several keys and prefixes in one round trip, at one revision."""
+        ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=k.encode())) for k in keys]
+        ops += [
+            etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=p.encode(), range_end=prefix_end(p)))
+            for p in prefixes
+        ]
+        req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
+        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
+        ranges = [r.response_range for r in resp.responses]
+        singles = [(_kv(r.kvs[0]) if r.kvs else None) for r in ranges[: len(keys)]]
+        multis = [[_kv(kv) for kv in r.kvs] for r in ranges[len(keys):]]
+        return singles, multis, resp.header.revision
+
+    # ---- leases -----------------------------------------------------------
+    def grant_lease(self, ttl_s: float) -> int:
+        req = etcdrpc.LeaseGrantRequest(TTL=max(1, int(round(ttl_s))))
+        resp = self._call(lambda ep, t: ep.lease.LeaseGrant(req, timeout=t, metadata=ep.metadata))
+        return int(resp.ID)
+
+    def refresh_lease(self, lease_id: int) -> float:
+        """Send one keep-alive; returns the remaining TTL (0 or less: the lease is gone)."""
+
+        def once(ep: _Endpoint, t: float) -> float:
+            for resp in ep.lease.LeaseKeepAlive(
+                iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=t, metadata=ep.metadata
+            ):
+                return float(resp.TTL)
+            return 0.0
+
+        return self._call(once)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        req = etcdrpc.LeaseRevokeRequest(ID=lease_id)
+        try:
+            self._call(lambda ep, t: ep.lease.LeaseRevoke(req, timeout=t, metadata=ep.metadata))
+        except EtcdUnavailableError as exc:
+            if "NOT_FOUND" not in str(exc):
+                raise
+
+    # ---- watches ----------------------------------------------------------
+    def wait_for_change(self, key: str, *, after_revision: int, timeout_s: float, prefix: bool = False) -> bool:
+        """Block until `key` (or any key under it, with prefix) changes after `after_revision`.
+
+        Returns True on a change, False when timeout_s passed first. The caller
+        re-reads and re-checks its condition: no event can be missed between its
+        read (at after_revision) and this watch, which starts at the next revision.
+        """
+        if timeout_s <= 0:
+            return False
+        create = etcdrpc.WatchCreateRequest(
+            key=key.encode(),
+            range_end=prefix_end(key) if prefix else b"",
+            start_revision=after_revision + 1,
+        )
+
+        def watch(ep: _Endpoint, t: float) -> bool:
+            stream = ep.watch.Watch(iter([etcdrpc.WatchRequest(create_request=create)]), timeout=t, metadata=ep.metadata)
+            try:
+                for resp in stream:
+                    if resp.compact_revision:
+                        return True  # history compacted: re-read to be safe
+                    if resp.canceled:
+                        raise EtcdUnavailableError(f"etcd cancelled a watch: {resp.cancel_reason}")
+                    if resp.events:
+                        return True
+                return False
+            except grpc.RpcError as exc:
+                if _is_deadline(exc):
+                    return False
+                raise
+            finally:
+                stream.cancel()
+
+        return self._call(watch, timeout_s=timeout_s)
+
+    def status_latency_s(self) -> tuple[str, float]:
+        """Round trip of one Status call to the current endpoint: (version, seconds)."""
+        t0 = time.monotonic()
+        resp = self._call(
+            lambda ep, t: ep.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=ep.metadata)
+        )
+        return resp.version, time.monotonic() - t0
+
+    def iter_endpoints(self) -> Iterator[str]:
+        return (ep.label for ep in self._endpoints)

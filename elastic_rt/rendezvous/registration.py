@@ -1,0 +1,118 @@
+"""Build rendezvous handlers from torch's RendezvousParameters and register them with torch.
+
+`etcd-v3` is elastic-rt's lease-based handler; `etcd-v3-torch` is torch's own
+DynamicRendezvousHandler over the etcd v3 backend and store (for comparison and
+for users who want torch's exact protocol).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+from elastic_rt.errors import ConfigError
+from elastic_rt.rendezvous.backend import EtcdV3RendezvousBackend
+from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+from elastic_rt.rendezvous.handler import EtcdRendezvousHandler, RendezvousSettings
+from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.store import EtcdStore
+
+DEFAULT_PORT = 2379
+
+
+def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
+    """'h1:2379,h2,[::1]:2380' -> ((h1, 2379), (h2, 2379), (::1, 2380)). Schemes http:// are accepted."""
+    out = []
+    for raw in (text or "").split(","):
+        item = raw.strip()
+        item = re.sub(r"^[a-z]+://", "", item).rstrip("/")
+        if not item:
+            continue
+        m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?|([^:\[\]]+)(?::(\d+))?", item)
+        if not m:
+            raise ConfigError(f"invalid etcd endpoint {raw.strip()!r} in --rdzv-endpoint; expected host:port")
+        host = m.group(1) or m.group(3)
+        port_text = m.group(2) or m.group(4)
+        port = int(port_text) if port_text else DEFAULT_PORT
+        if not 0 < port < 65536:
+            raise ConfigError(f"invalid port {port} in --rdzv-endpoint {raw.strip()!r}")
+        out.append((host, port))
+    if not out:
+        raise ConfigError("--rdzv-endpoint is empty; give host:port[,host:port...] of etcd")
+    return tuple(out)
+
+
+def _float(params: RendezvousParameters, key: str, default: float) -> float:
+    value = params.get(key, default)
+    try:
+        result = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"--rdzv-conf {key}={value!r} is not a number of seconds") from exc
+    if result <= 0:
+        raise ConfigError(f"--rdzv-conf {key}={value!r} must be > 0")
+    return result
+
+
+def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
+    return EtcdConfig(
+        endpoints=parse_endpoints(params.endpoint),
+        request_timeout_s=_float(params, "read_timeout", 5.0),
+        ca_cert=params.get("ca_cert"),
+        cert=params.get("cert") or params.get("ssl_cert"),
+        key=params.get("key") or params.get("ssl_cert_key"),
+        user=params.get("user") or params.get("username"),
+        password=params.get("password"),
+    )
+
+
+def default_node_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64] or "node"
+    return f"{host}-{os.getpid()}"
+
+
+def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
+    node_id = str(params.get("node_id") or default_node_id())
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", node_id):
+        raise ConfigError(f"invalid node id {node_id!r}: use letters, digits, '.', '_' or '-'")
+    return RendezvousSettings(
+        run_id=params.run_id,
+        node_id=node_id,
+        local_addr=params.local_addr or socket.getfqdn(),
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        lease_ttl_s=_float(params, "lease_ttl", 3.0),
+        join_timeout_s=_float(params, "join_timeout", 600.0),
+        last_call_timeout_s=_float(params, "last_call_timeout", 10.0),
+        store_timeout_s=_float(params, "store_timeout", 300.0),
+    )
+
+
+def create_etcd_v3_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+    settings = settings_from_params(params)  # validates the run id and timeouts first
+    RunKeys(params.run_id)
+    return EtcdRendezvousHandler(EtcdClient(etcd_config_from_params(params)), settings)
+
+
+def create_etcd_v3_torch_handler(params: RendezvousParameters):
+    """torch's DynamicRendezvousHandler on the etcd v3 backend (its heartbeat and last-call timing)."""
+    keys = RunKeys(params.run_id)
+    client = EtcdClient(etcd_config_from_params(params))
+    return create_handler(EtcdStore(client, keys.store), EtcdV3RendezvousBackend(client, params.run_id), params)
+
+
+def register() -> None:
+    """Make `--rdzv-backend etcd-v3` (and etcd-v3-torch) known to torch in this process."""
+    for name, creator in (("etcd-v3", create_etcd_v3_handler), ("etcd-v3-torch", create_etcd_v3_torch_handler)):
+        try:
+            rendezvous_handler_registry.register(name, creator)
+        except ValueError:
+            pass  # already registered (e.g. by the torchrun.handlers entry point)
+
+
+def etcd_v3_handler_factory():
+    """Target of the `torchrun.handlers` entry point: torch calls it and registers what it returns."""
+    return create_etcd_v3_handler

@@ -1,0 +1,34 @@
+"""Shared fixtures: a real etcd server on free loopback ports."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from elastic_rt.chaos.etcd_server import EtcdCluster
+from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    with EtcdCluster(1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def etcd_endpoint(etcd_server) -> str:
+    return etcd_server.endpoints
+
+
+@pytest.fixture
+def etcd_client(etcd_server):
+    m = etcd_server.members[0]
+    client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),)))
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def run_id() -> str:
+    return "t-" + uuid.uuid4().hex[:12]
