@@ -287,6 +287,8 @@ class CheckpointManager:
         error = coll.broadcast(error, io_group)
         if error is not None:
             raise CheckpointError(error)
+        if self.rank == 0:
+            self._apply_retention(job.step)
         written = sum(f.size for f in files)
         stats = SaveStats(
             step=job.step,
@@ -321,7 +323,7 @@ class CheckpointManager:
         return "go"
 
     def _commit(self, job: _SaveJob, step_dir: str, files: list[FileEntry]) -> str | None:
-        """Rank 0: write the manifest (the commit point), then apply retention."""
+        """Rank 0: write the manifest, the commit point; returns an error message or None."""
         try:
             manifest = Manifest(
                 step=job.step,
@@ -334,13 +336,16 @@ class CheckpointManager:
             self._store.write_manifest(step_dir, manifest)
         except (OSError, ElasticRTError) as exc:
             return f"committing step {job.step} to {self.url} failed: {exc}"
+        return None
+
+    def _apply_retention(self, newest_step: int) -> None:
+        """Rank 0, after the commit was announced: other ranks do not wait for the deletes."""
         try:
-            deleted = self._store.apply_retention(self.options.keep_last, job.step)
+            deleted = self._store.apply_retention(self.options.keep_last, newest_step)
             if deleted:
                 log.info("checkpoint retention under %s deleted steps %s", self.url, deleted)
         except (OSError, ElasticRTError) as exc:
             log.warning("checkpoint retention under %s failed: %s", self.url, exc)
-        return None
 
     # ----------------------------------------------------------------- loading
 

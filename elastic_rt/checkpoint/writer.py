@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Generator, Protocol
 
+import torch
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -58,6 +59,32 @@ class FilePauseHook:
                     f"test pause file {self.path} was not removed within {self.max_wait_s:.0f} s"
                 )
             time.sleep(self.poll_s)
+
+
+_zip_crc_lock = threading.Lock()
+_zip_crc_users = 0
+_zip_crc_saved = True
+
+
+@contextmanager
+def zip_crc32_disabled() -> Generator[None, None, None]:
+    """torch.save's per-record zip crc32 is redundant with the manifest's whole-file crc32 and
+    costs as much CPU again, so it is off while checkpoint shards are written. The setting is
+    process-wide: a torch.save elsewhere in the process meanwhile also skips it, which
+    torch.load accepts (only external unzip tools would complain)."""
+    global _zip_crc_users, _zip_crc_saved
+    with _zip_crc_lock:
+        if _zip_crc_users == 0:
+            _zip_crc_saved = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _zip_crc_users += 1
+    try:
+        yield
+    finally:
+        with _zip_crc_lock:
+            _zip_crc_users -= 1
+            if _zip_crc_users == 0:
+                torch.serialization.set_crc32_options(_zip_crc_saved)
 
 
 class _ChecksumStream(io.RawIOBase):
@@ -192,7 +219,8 @@ class ChecksumWriter(FileSystemWriter):
         self._pause_hook = pause_hook
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        future = super().write_data(plan, planner)
+        with zip_crc32_disabled():
+            future = super().write_data(plan, planner)
         if self._pause_hook is not None:
             self._pause_hook(rank=self._rank, step=self._step, phase=PHASE_WRITTEN)
         return future

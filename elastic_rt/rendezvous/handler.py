@@ -137,7 +137,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         t0 = time.monotonic()
-        self.membership = self._io(self._next_round, t0 + self.settings.join_timeout_s)
+        self.membership = self._retrying(self._next_round, t0 + self.settings.join_timeout_s)
         m = self.membership
         store = EtcdStore(self._client, self.keys.round_store(m.round))
         from datetime import timedelta
@@ -184,6 +184,20 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return fn(*args)
         except EtcdUnavailableError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
+
+    def _retrying(self, fn, deadline: float):
+        """Run fn(deadline); while etcd is unreachable, retry until the join deadline."""
+        warned = False
+        while True:
+            try:
+                return fn(deadline)
+            except EtcdUnavailableError as exc:
+                if time.monotonic() + 1.0 >= deadline:
+                    raise RendezvousConnectionError(str(exc)) from exc
+                if not warned:
+                    log.warning("node %s: %s; retrying until the join timeout", self.settings.node_id, exc)
+                    warned = True
+                time.sleep(1.0)
 
     def _ensure_lease(self) -> None:
         if not self._lease_started:

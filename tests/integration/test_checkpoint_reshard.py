@@ -41,7 +41,7 @@ def flat_full(model, optim) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters and optimizer state; collective, complete on rank 0."""
     model_sd, optim_sd = get_state_dict(model, optim, options=FULL)
     flat = {f"model/{k}": v for k, v in model_sd.items()}
-    for fqn, per_param in optim_sd["state"].items():
+    for fqn, per_param in optim_sd.get("state", {}).items():  # empty off rank 0
         for key, value in per_param.items():
             flat[f"optim/{fqn}/{key}"] = value
     return flat

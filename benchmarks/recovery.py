@@ -1,0 +1,595 @@
+#!/usr/bin/env python3
+"""Recovery-time benchmark: elastic-rt vs torchrun after a SIGKILLed worker and after a SIGKILLed node.
+
+Runs launch/train_example.py under each launcher, kills a worker (one node, two workers) or a
+whole node (two agents on loopback, --nnodes 1:2), and measures the seconds from the kill to the
+first training step completed after recovery, read from the launchers' tee'd stdout.
+See benchmarks/README.md for how to run it and how to read the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import psutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join("launch", "train_example.py")
+TAG_ENV = "ELASTIC_RT_BENCH_TAG"  # inherited by every process a launcher starts: finds orphans too
+
+STEP_RE = re.compile(r"(?<![\w])step=(\d+) loss=\S+ world_size=(\d+)")
+START_RE = re.compile(r"(?<![\w])start step=\d+ world_size=(\d+)")
+REASON_RE = re.compile(r"restarting the worker group: (.+?)\s*$")
+FAILED_RE = re.compile(r"\] failed \(exitcode: (-?\d+)\)")  # torch's agent noticed a failed worker group
+
+
+class Deadline(Exception):
+    """A poll ran past its deadline."""
+
+
+class TrialFailed(Exception):
+    """The trial could not be set up (no measurement); the message says why."""
+
+
+@dataclass
+class Event:
+    t: float            # time.monotonic() when the line arrived
+    src: str            # node name
+    text: str | None    # None: the node's stdout closed (the launcher exited)
+
+
+@dataclass
+class TrialResult:
+    outcome: str                     # recovered | timeout | crashed | error
+    recovery_s: float | None = None  # kill -> first completed step after recovery
+    restart_s: float | None = None   # kill -> the restarted job's "start step=0" line
+    detect_s: float | None = None    # kill -> the survivor's agent logs a failed worker ("failed (exitcode")
+    cold_start_s: float | None = None  # launcher start -> first step (the floor a restart cannot beat)
+    group_failures: int = 0          # worker-group failures the survivor saw between kill and recovery
+    reasons: list[str] = field(default_factory=list)  # elastic-rt's "restarting the worker group: REASON"
+    detail: str = ""
+    victim: str = ""
+    rank0_node: str = ""
+
+
+@dataclass
+class Scenario:
+    key: str
+    fault: str          # worker | node
+    launcher: str       # elastic-rt | torchrun
+    rdzv: str           # short description of the rendezvous
+    kill: str           # which process/node is killed
+    results: list[TrialResult] = field(default_factory=list)
+
+    def label(self, trial: int) -> str:
+        """A name usable as a directory and as a --rdzv-id."""
+        return f"{self.key.replace('/', '-')}-{trial}"
+
+
+class Node:
+    """One launcher process in its own session; its stdout+stderr read line by line into a queue."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], events: queue.Queue, log_dir: str):
+        self.name, self.cmd = name, cmd
+        self.tag = env[TAG_ENV]
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.tail: list[str] = []
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1, errors="replace",
+        )
+        self._thread = threading.Thread(target=self._read, args=(events,), daemon=True)
+        self._thread.start()
+
+    def _read(self, events: queue.Queue) -> None:
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(self.cmd) + "\n")
+            for raw in self.proc.stdout:
+                t = time.monotonic()
+                text = raw.rstrip("\n")
+                log.write(f"{t:.3f} {text}\n")
+                self.tail = (self.tail + [text])[-30:]
+                events.put(Event(t, self.name, text))
+        events.put(Event(time.monotonic(), self.name, None))
+
+    def workers(self) -> list[psutil.Process]:
+        """The agent's direct children that run the training script."""
+        try:
+            children = psutil.Process(self.proc.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        out = []
+        for c in children:
+            try:
+                if any(a.endswith("train_example.py") for a in c.cmdline()):
+                    out.append(c)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return out
+
+    def kill(self) -> float:
+        """SIGKILL the whole node: the agent's process group and every process carrying this node's
+        tag (torch starts workers in sessions of their own, so killpg alone would miss them).
+        Returns time.monotonic() taken just before the first signal."""
+        pids = tagged_pids(self.tag)
+        t = time.monotonic()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return t
+
+    def close(self) -> None:
+        self.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._thread.join(timeout=5)
+
+
+def tagged_pids(prefix: str) -> list[int]:
+    """Pids of this user's processes whose TAG_ENV starts with prefix."""
+    me, out = os.getuid(), []
+    for p in psutil.process_iter(["pid", "uids"]):
+        try:
+            if p.info["uids"] is None or p.info["uids"].real != me or p.pid == os.getpid():
+                continue
+            if p.environ().get(TAG_ENV, "").startswith(prefix):
+                out.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def kill_tagged(prefix: str) -> None:
+    procs = []
+    for pid in tagged_pids(prefix):
+        try:
+            p = psutil.Process(pid)
+            p.kill()
+            procs.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+class Trial:
+    """Starts launcher nodes for one trial and kills all of them (and their orphans) on exit."""
+
+    def __init__(self, bench: "Bench", label: str):
+        self.bench = bench
+        self.tag = f"{bench.run_tag}/{label}/"
+        self.log_dir = os.path.join(bench.scratch, label)
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.nodes: dict[str, Node] = {}
+
+    def start(self, name: str, cmd: list[str]) -> Node:
+        tmp = os.path.join(self.log_dir, f"tmp-{name}")
+        os.makedirs(tmp, exist_ok=True)
+        env = dict(os.environ, TMPDIR=tmp, PYTHONUNBUFFERED="1", **{TAG_ENV: self.tag + name})
+        if self.bench.args.omp_threads > 0:
+            env["OMP_NUM_THREADS"] = str(self.bench.args.omp_threads)
+        node = self.nodes[name] = Node(name, cmd, env, self.events, self.log_dir)
+        self.bench.log(f"  [{name}] $ {' '.join(cmd)}")
+        return node
+
+    def next(self, deadline: float) -> Event:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise Deadline()
+        try:
+            ev = self.events.get(timeout=remaining)
+        except queue.Empty:
+            raise Deadline() from None
+        if self.bench.args.verbose and ev.text is not None:
+            print(f"    {ev.src}| {ev.text}", file=sys.stderr)
+        return ev
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {n.name} (last lines; log {n.log_path})\n" + "\n".join(n.tail[-12:])
+                         for n in self.nodes.values())
+
+    def __enter__(self) -> "Trial":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for node in self.nodes.values():
+            node.close()
+        kill_tagged(self.tag)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.run_tag = f"recovery-{uuid.uuid4().hex[:8]}"
+        self.scratch = tempfile.mkdtemp(prefix="elastic-rt-bench-", dir=args.scratch_dir)
+        self.etcd = None
+        bindir = os.path.dirname(sys.executable)
+        self.ert = self._exe(bindir, "elastic-rt", ["-m", "elastic_rt.cli"])
+        self.torchrun = self._exe(bindir, "torchrun", ["-m", "torch.distributed.run"])
+
+    @staticmethod
+    def _exe(bindir: str, name: str, module: list[str]) -> list[str]:
+        path = os.path.join(bindir, name)
+        return [path] if os.access(path, os.X_OK) else [sys.executable, *module]
+
+    def log(self, msg: str) -> None:
+        if self.args.verbose:
+            print(msg, file=sys.stderr, flush=True)
+
+    def etcd_endpoint(self) -> str:
+        if self.etcd is None:
+            from elastic_rt.chaos.etcd_server import EtcdCluster
+
+            self.etcd = EtcdCluster(1).start()
+        return self.etcd.endpoints
+
+    def job_args(self) -> list[str]:
+        a = self.args
+        return [SCRIPT, "--steps", str(a.steps), "--batch-size", str(a.batch_size), "--step-sleep", str(a.step_sleep)]
+
+    def close(self) -> None:
+        kill_tagged(self.run_tag)
+        if self.etcd is not None:
+            self.etcd.stop()
+        if self.args.keep_logs:
+            print(f"logs kept in {self.scratch}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    # ---- commands ------------------------------------------------------------------------------
+    def worker_cmd(self, sc: Scenario, rdzv_id: str) -> list[str]:
+        if sc.launcher == "torchrun":
+            return [*self.torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
+                    "--tee", "3", *self.job_args()]
+        if sc.rdzv == "standalone":
+            return [*self.ert, "launch", "--standalone", "--nproc-per-node", "2", "--metrics-port", "0",
+                    "--tee", "3", *self.job_args()]
+        return [*self.ert, "launch", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint",
+                self.etcd_endpoint(), "--rdzv-id", rdzv_id, "--local-addr", "127.0.0.1", "--node-id", "node0",
+                "--metrics-port", "0", "--tee", "3", *self.job_args()]
+
+    def node_cmd(self, sc: Scenario, rdzv_id: str, node: str, port: int) -> list[str]:
+        if sc.launcher == "torchrun":
+            return [*self.torchrun, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, "--max-restarts", "3",
+                    "--tee", "3", *self.job_args()]
+        backend = ["--rdzv-backend", "etcd-v3-torch"] if sc.rdzv == "etcd-v3-torch" else []
+        return [*self.ert, "launch", "--nnodes", "1:2", "--nproc-per-node", "1", *backend,
+                "--rdzv-endpoint", self.etcd_endpoint(), "--rdzv-id", rdzv_id, "--local-addr", "127.0.0.1",
+                "--node-id", node, "--metrics-port", "0", "--tee", "3", *self.job_args()]
+
+    # ---- (a) a worker is SIGKILLed ---------------------------------------------------------------
+    def worker_trial(self, sc: Scenario, i: int) -> TrialResult:
+        a = self.args
+        with Trial(self, sc.label(i)) as tr:
+            t_start = time.monotonic()
+            node = tr.start("node0", self.worker_cmd(sc, f"{self.run_tag}-{sc.label(i)}"))
+            deadline, cold = t_start + a.startup_timeout, None
+            try:
+                while True:  # training is running: a few steps logged
+                    ev = tr.next(deadline)
+                    if ev.text is None:
+                        raise TrialFailed(f"launcher exited (rc={node.proc.wait()}) before step {a.warmup_steps}")
+                    m = STEP_RE.search(ev.text)
+                    if m:
+                        cold = cold or ev.t - t_start
+                    if m and int(m[1]) >= a.warmup_steps:
+                        break
+                victim = None
+                while victim is None:  # both workers are up by now; poll anyway
+                    for w in node.workers():
+                        try:
+                            if w.environ().get("LOCAL_RANK") == str(a.kill_local_rank):
+                                victim = w
+                        except (psutil.NoSuchProcess, psutil.AccessDenied):
+                            pass
+                    if victim is None:
+                        if time.monotonic() > deadline:
+                            raise Deadline()
+                        time.sleep(0.05)
+            except Deadline:
+                raise TrialFailed(f"no step {a.warmup_steps} within {a.startup_timeout:g} s of start") from None
+            t_kill = time.monotonic()
+            victim.kill()
+            res = TrialResult("timeout", victim=f"local rank {a.kill_local_rank} (pid {victim.pid})",
+                              cold_start_s=cold)
+            return self._await_recovery(tr, res, t_kill, a.worker_timeout, survivor="node0", world=None)
+
+    # ---- (b) a whole node is SIGKILLed ----------------------------------------------------------
+    def node_trial(self, sc: Scenario, i: int) -> TrialResult:
+        a = self.args
+        from elastic_rt.chaos.etcd_server import free_port
+
+        port = free_port() if sc.launcher == "torchrun" else 0
+        rdzv_id = f"{self.run_tag}-{sc.label(i)}"
+        with Trial(self, sc.label(i)) as tr:
+            t_start = time.monotonic()
+            deadline, cold = t_start + a.startup_timeout, None
+            tr.start("nodeA", self.node_cmd(sc, rdzv_id, "nodeA", port))
+            if sc.launcher == "torchrun":  # nodeA must be the store host: wait until it listens
+                while not any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                              for c in psutil.net_connections("tcp")):
+                    if tr.nodes["nodeA"].proc.poll() is not None or time.monotonic() > deadline:
+                        raise TrialFailed(f"nodeA never listened on the c10d store port {port}")
+                    time.sleep(0.05)
+            tr.start("nodeB", self.node_cmd(sc, rdzv_id, "nodeB", port))
+            rank0, world2_started = None, set()
+            try:
+                while rank0 is None:  # both nodes train together: steps at world size 2
+                    ev = tr.next(deadline)
+                    if ev.text is None:
+                        raise TrialFailed(f"{ev.src} exited (rc={tr.nodes[ev.src].proc.wait()}) before training")
+                    m = START_RE.search(ev.text)
+                    if m and m[1] == "2":
+                        world2_started.add(ev.src)
+                    m = STEP_RE.search(ev.text)
+                    if m and m[2] == "2" and ev.src in world2_started:
+                        cold = cold or ev.t - t_start
+                        if int(m[1]) >= a.warmup_steps:
+                            rank0 = ev.src
+            except Deadline:
+                raise TrialFailed(f"no step {a.warmup_steps} at world size 2 within {a.startup_timeout:g} s") from None
+            other = "nodeB" if rank0 == "nodeA" else "nodeA"
+            victim = {"rank0": rank0, "non-rank0": other, "store-host": "nodeA", "non-host": "nodeB"}[sc.kill]
+            survivor = "nodeB" if victim == "nodeA" else "nodeA"
+            t_kill = tr.nodes[victim].kill()
+            res = TrialResult("timeout", victim=victim, rank0_node=rank0, cold_start_s=cold)
+            return self._await_recovery(tr, res, t_kill, a.node_timeout, survivor=survivor, world="1")
+
+    def _await_recovery(self, tr: Trial, res: TrialResult, t_kill: float, limit_s: float, *,
+                        survivor: str, world: str | None) -> TrialResult:
+        """Poll the survivor's output until it completes a step after recovering: at world size `world`,
+        or (world None) after the restarted job's 'start' line."""
+        deadline, restarted = t_kill + limit_s, False
+        try:
+            while True:
+                ev = tr.next(deadline)
+                if ev.src != survivor:
+                    continue
+                if ev.text is None:
+                    rc = tr.nodes[survivor].proc.wait()
+                    res.outcome = "crashed"
+                    res.detail = f"survivor's launcher exited rc={rc} {ev.t - t_kill:.1f} s after the kill"
+                    break
+                m = REASON_RE.search(ev.text)
+                if m:
+                    res.reasons.append(m[1])
+                if FAILED_RE.search(ev.text):
+                    res.group_failures += 1
+                    res.detect_s = res.detect_s or ev.t - t_kill
+                m = START_RE.search(ev.text)
+                if m and (world is None or m[1] == world):
+                    restarted = True
+                    res.restart_s = res.restart_s or ev.t - t_kill
+                m = STEP_RE.search(ev.text)
+                if m and restarted and (world is None or m[2] == world):
+                    res.outcome, res.recovery_s = "recovered", ev.t - t_kill
+                    break
+        except Deadline:
+            res.detail = f"no recovery within {limit_s:g} s"
+        if res.outcome != "recovered" and self.args.verbose:
+            print(tr.tails(), file=sys.stderr)
+        return res
+
+
+# ---- scenarios, statistics, output ---------------------------------------------------------------
+def all_scenarios() -> list[Scenario]:
+    return [
+        Scenario("worker/ert-standalone", "worker", "elastic-rt", "standalone", "local rank 1"),
+        Scenario("worker/ert-etcd", "worker", "elastic-rt", "etcd-v3 (--nnodes 1)", "local rank 1"),
+        Scenario("worker/torchrun", "worker", "torchrun", "standalone (c10d)", "local rank 1"),
+        Scenario("node/ert-rank0", "node", "elastic-rt", "etcd-v3", "rank0"),
+        Scenario("node/ert-non-rank0", "node", "elastic-rt", "etcd-v3", "non-rank0"),
+        Scenario("node/torchrun-non-host", "node", "torchrun", "c10d", "non-host"),
+        Scenario("node/torchrun-store-host", "node", "torchrun", "c10d", "store-host"),
+        Scenario("node/ert-torch-non-rank0", "node", "elastic-rt", "etcd-v3-torch", "non-rank0"),
+        Scenario("node/ert-torch-rank0", "node", "elastic-rt", "etcd-v3-torch", "rank0"),
+    ]
+
+
+DEFAULT_SCENARIOS = [s.key for s in all_scenarios() if s.key != "node/ert-torch-rank0"]
+
+
+def median_s(results: list[TrialResult]) -> float | None:
+    """Median over trials, a trial that did not recover counting as infinitely slow; None if not finite."""
+    vals = [r.recovery_s if r.outcome == "recovered" else float("inf") for r in results if r.outcome != "error"]
+    if not vals:
+        return None
+    m = statistics.median(vals)
+    return m if m != float("inf") else None
+
+
+def _med(vals: list) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(scenarios: list[Scenario], args: argparse.Namespace) -> dict:
+    by_key = {s.key: s for s in scenarios}
+    rows = []
+    for s in scenarios:
+        ok = [r.recovery_s for r in s.results if r.outcome == "recovered"]
+        rows.append({
+            "scenario": s.key, "fault": s.fault, "launcher": s.launcher, "rendezvous": s.rdzv, "kill": s.kill,
+            "trials": len(s.results), "recovered": len(ok), "median_s": median_s(s.results),
+            "min_s": min(ok) if ok else None, "max_s": max(ok) if ok else None,
+            "median_detect_s": _med([r.detect_s for r in s.results]),
+            "median_cold_start_s": _med([r.cold_start_s for r in s.results]),
+            "group_failures": [r.group_failures for r in s.results if r.outcome != "error"],
+            "outcomes": sorted({r.outcome for r in s.results}),
+            "results": [asdict(r) for r in s.results],
+        })
+    ratios, targets = {}, {}
+    pairs = [(k, "worker/torchrun") for k in ("worker/ert-standalone", "worker/ert-etcd")]
+    pairs += [(k, t) for k in ("node/ert-rank0", "node/ert-non-rank0")
+              for t in ("node/torchrun-non-host", "node/torchrun-store-host")]
+    for key, tkey in pairs:
+        if key in by_key and tkey in by_key:
+            e, t = median_s(by_key[key].results), median_s(by_key[tkey].results)
+            ratios[f"{key} / {tkey}"] = e / t if e is not None and t else None
+    node_keys = [k for k in ("node/ert-rank0", "node/ert-non-rank0") if k in by_key]
+    if node_keys:
+        meds = [median_s(by_key[k].results) for k in node_keys]
+        targets["node loss: elastic-rt (etcd-v3) recovers in < 5 s, median of every variant"] = all(
+            m is not None and m < 5.0 for m in meds)
+    worker_ratios = [v for k, v in ratios.items() if k.startswith("worker/")]
+    if worker_ratios:
+        targets["worker loss: elastic-rt no slower than torchrun (ratio <= 1)"] = all(
+            r is not None and r <= 1.0 for r in worker_ratios)
+        targets["worker loss: elastic-rt at most half of torchrun's (ratio <= 0.5, aim)"] = all(
+            r is not None and r <= 0.5 for r in worker_ratios)
+    return {"rows": rows, "ratios": ratios, "targets": targets}
+
+
+def fmt(v: float | None, unit: str = "") -> str:
+    return "-" if v is None else f"{v:.2f}{unit}"
+
+
+def print_table(summary: dict, args: argparse.Namespace) -> None:
+    head = ["scenario", "rendezvous", "killed", "ok/n", "median s", "min s", "max s", "detect s", "cold s",
+            "fails", "notes"]
+    lines = []
+    for r in summary["rows"]:
+        limit = args.worker_timeout if r["fault"] == "worker" else args.node_timeout
+        med = fmt(r["median_s"]) if r["median_s"] is not None else f"none<{limit:g}"
+        notes = []
+        r0 = sorted({x["rank0_node"] for x in r["results"] if x["rank0_node"]})
+        if r0 and r["launcher"] == "torchrun":
+            notes.append(f"rank0 on {'/'.join(r0)} (store host nodeA)")
+        reasons = sorted({why for x in r["results"] for why in x["reasons"]})
+        if reasons:
+            notes.append("restart reasons: " + ", ".join(reasons))
+        notes += [f"#{i + 1}: {x['outcome']}: {x['detail']}" for i, x in enumerate(r["results"]) if x["detail"]]
+        lines.append([r["scenario"], r["rendezvous"], r["kill"], f"{r['recovered']}/{r['trials']}", med,
+                      fmt(r["min_s"]), fmt(r["max_s"]), fmt(r["median_detect_s"]), fmt(r["median_cold_start_s"]),
+                      ",".join(map(str, r["group_failures"])) or "-", "; ".join(notes)])
+    widths = [max(len(str(x[i])) for x in [head] + lines) for i in range(len(head) - 1)]
+    for row in [head] + lines:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    print("\nratios elastic-rt / torchrun of the medians ('-': one side did not recover):")
+    for k, v in summary["ratios"].items():
+        print(f"  {k}: {fmt(v)}")
+    print("\ntargets:")
+    for k, v in summary["targets"].items():
+        print(f"  [{'MET' if v else 'NOT MET'}] {k}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=3, help="trials per scenario (default 3)")
+    p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
+                   help="comma-separated scenario keys or prefixes ('worker', 'node', 'all'); "
+                        f"known: {', '.join(s.key for s in all_scenarios())}")
+    p.add_argument("--node-timeout", type=float, default=60.0,
+                   help="seconds to wait for the survivor of a node loss (default 60)")
+    p.add_argument("--worker-timeout", type=float, default=60.0,
+                   help="seconds to wait for recovery after a worker kill (default 60)")
+    p.add_argument("--startup-timeout", type=float, default=120.0,
+                   help="seconds for a job to start and log --warmup-steps steps (default 120)")
+    p.add_argument("--warmup-steps", type=int, default=5, help="steps logged before the kill (default 5)")
+    p.add_argument("--kill-local-rank", type=int, default=1, choices=(0, 1),
+                   help="local rank of the worker killed in the worker scenarios (default 1)")
+    p.add_argument("--steps", type=int, default=100000)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--omp-threads", type=int, default=1,
+                   help="OMP_NUM_THREADS for every launcher (default 1; 0 leaves the environment alone)")
+    p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
+    p.add_argument("--scratch-dir", default=None, help="parent of the scratch directory (default $TMPDIR)")
+    p.add_argument("--keep-logs", action="store_true", help="keep every launcher's output in the scratch directory")
+    p.add_argument("-v", "--verbose", action="store_true", help="echo commands and launcher output to stderr")
+    args = p.parse_args(argv)
+    if args.trials < 1:
+        p.error("--trials must be >= 1")
+    return args
+
+
+def select(spec: str) -> list[Scenario]:
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    out = [s for s in all_scenarios()
+           if "all" in wanted or any(s.key == w or s.key.startswith(w.rstrip("/") + "/") for w in wanted)]
+    unknown = [w for w in wanted if w != "all" and not any(s.key == w or s.key.startswith(w.rstrip("/") + "/")
+                                                           for s in all_scenarios())]
+    if unknown or not out:
+        raise SystemExit(f"recovery.py: unknown scenario(s) {', '.join(unknown) or spec!r}; see --help")
+    return out
+
+
+def _sigterm(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    scenarios = select(args.scenarios)
+    signal.signal(signal.SIGTERM, _sigterm)
+    bench = Bench(args)
+    t0 = time.monotonic()
+    interrupted = False
+    try:
+        for s in scenarios:
+            for i in range(args.trials):
+                print(f"[{time.monotonic() - t0:6.1f}s] {s.key} trial {i + 1}/{args.trials} ...",
+                      end=" ", file=sys.stderr, flush=True)
+                try:
+                    res = (bench.worker_trial if s.fault == "worker" else bench.node_trial)(s, i)
+                except TrialFailed as exc:
+                    res = TrialResult("error", detail=str(exc))
+                s.results.append(res)
+                print(f"{res.outcome} {fmt(res.recovery_s, ' s')} {res.detail}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: cleaning up; results so far follow", file=sys.stderr)
+    finally:
+        bench.close()
+    done = [s for s in scenarios if s.results]
+    summary = summarize(done, args)
+    print(f"\nrecovery benchmark: {args.trials} trial(s), --step-sleep {args.step_sleep:g}, "
+          f"torch {_torch_version()}, {os.cpu_count()} CPU(s), wall {time.monotonic() - t0:.0f} s\n")
+    print_table(summary, args)
+    if args.json:
+        payload = {
+            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": _torch_version(),
+                     "loadavg": os.getloadavg()},
+            **summary,
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+    return 130 if interrupted else 0
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Bad input gets one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastic_rt.chaos.etcd_server import free_port
+from tests.chaos.harness import EXAMPLE, ROOT
+
+
+def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elastic_rt.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=str(ROOT))
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--nnodes", "3:2"], "MIN (3) is larger than MAX (2)"),
+    (["--nnodes", "0"], "at least 1"),
+    (["--rdzv-backend", "nosuch", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-id", "x"], "unknown"),
+    (["--max-restarts", "many"], "invalid int value"),
+])
+def test_bad_flags(argv, words):
+    proc = run_cli("launch", *argv, EXAMPLE)
+    assert proc.returncode == 2
+    assert words in _one_error_line(proc)
+
+
+def test_etcd_unreachable_names_endpoint_and_exits_within_join_timeout():
+    port = free_port()
+    t0 = time.monotonic()
+    proc = run_cli("launch", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "x",
+                   "--metrics-port", "0", "--rdzv-conf", "join_timeout=4", EXAMPLE)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    line = _one_error_line(proc)
+    assert f"127.0.0.1:{port}" in line and "--rdzv-endpoint" in line
+    assert elapsed < 4 + 20  # the join timeout plus interpreter start-up, not minutes
+
+
+def test_garbage_in_round_key_is_a_clear_error_not_a_crash_loop(etcd_client, etcd_endpoint, run_id):
+    etcd_client.put(f"/elastic-rt/{run_id}/round", b"\x00\xffgarbage")
+    proc = run_cli("launch", "--nnodes", "1:2", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id,
+                   "--metrics-port", "0", "--rdzv-conf", "join_timeout=20", EXAMPLE, "--steps", "2")
+    assert proc.returncode == 1
+    line = _one_error_line(proc)
+    assert f"/elastic-rt/{run_id}/round" in line and "etcdctl del" in line
+    kv, _ = etcd_client.get(f"/elastic-rt/{run_id}/round")
+    assert kv.value == b"\x00\xffgarbage"  # reported, not overwritten
+
+
+def test_missing_script():
+    proc = run_cli("launch", "--standalone", "does_not_exist.py")
+    assert proc.returncode == 2
+    assert "not found" in _one_error_line(proc)

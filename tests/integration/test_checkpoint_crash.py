@@ -1,0 +1,86 @@
+"""A rank SIGKILLed in the middle of a save (paused by ELASTIC_RT_CKPT_TEST_PAUSE_FILE): nothing
+is committed, the survivor's save fails, the previous checkpoint stays the latest and loads."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from contextlib import redirect_stderr, redirect_stdout
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from elastic_rt.checkpoint import ENV_TEST_PAUSE_FILE, CheckpointManager
+from elastic_rt.checkpoint.cli import main as ckpt_cli
+from elastic_rt.checkpoint.testing import World
+from elastic_rt.errors import CheckpointError
+
+
+def wait_for(path: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.02)
+
+
+def worker(rank: int, world_size: int, url: str, pause_file: str, signal_dir: str) -> str:
+    os.environ[ENV_TEST_PAUSE_FILE] = pause_file  # as the agent would set it for the worker
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(64, 64))
+    mgr = CheckpointManager(url, collective_timeout_s=60.0)
+    state = {"model": model.state_dict(), "extra": {"step": 1}}
+    mgr.save(1, state)
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, f"{signal_dir}/step1.pt")
+    open(f"{signal_dir}/saved1.rank{rank}", "w").close()
+    wait_for(f"{signal_dir}/go")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    try:
+        mgr.save(2, {"model": model.state_dict(), "extra": {"step": 2}})  # paused, then killed
+    except CheckpointError as exc:
+        return f"CheckpointError: {exc}"
+    return "saved"
+
+
+def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    url = f"file://{tmp_path}/ckpt"
+    pause_file = str(tmp_path / "pause")
+    signal_dir = str(tmp_path)
+    with World(worker, 2, url, pause_file, signal_dir) as world:
+        world.start()
+        for rank in (0, 1):
+            wait_for(f"{signal_dir}/saved1.rank{rank}")
+        open(pause_file, "w").close()  # the next save pauses after each rank's shard
+        open(f"{signal_dir}/go", "w").close()
+        for rank in (0, 1):
+            wait_for(f"{pause_file}.rank{rank}.paused")
+        step_dir = tmp_path / "ckpt" / "step_00000002"
+        assert any(p.name.endswith(".distcp") for p in step_dir.iterdir())  # mid-save indeed
+        world.kill(1)  # SIGKILL
+        os.remove(pause_file)  # let the survivor run into its dead peer
+        survivor = world.results(ranks=[0], timeout_s=120)[0]
+        assert survivor.ok, survivor.error
+        assert survivor.value.startswith("CheckpointError: saving step 2"), survivor.value
+        assert "previous checkpoint stays the latest" in survivor.value
+        assert not (step_dir / "MANIFEST.json").exists()
+
+    expected = torch.load(tmp_path / "step1.pt", weights_only=True)
+    target = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}, "extra": {"step": 0}}
+    with CheckpointManager(url) as mgr:
+        assert mgr.latest_committed_step() == 1
+        assert mgr.load_latest(target) == 1
+    assert target["extra"] == {"step": 1}
+    for key, value in expected.items():
+        assert torch.equal(target["model"][key], value), key
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = ckpt_cli(["ckpt", "list", url])
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.getvalue().splitlines()[1:]}
+    assert "uncommitted" not in rows["1"] and "uncommitted" in rows["2"]

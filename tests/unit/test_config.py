@@ -1,0 +1,74 @@
+"""Flag parsing and validation (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_rt.cli import build_parser
+from elastic_rt.config import launch_config_from_args, parse_nnodes, parse_rdzv_conf
+from elastic_rt.errors import ConfigError
+from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.registration import parse_endpoints
+
+
+@pytest.mark.parametrize("text,expected", [("1", (1, 1)), ("4", (4, 4)), ("2:4", (2, 4)), (" 1:2 ", (1, 2))])
+def test_parse_nnodes(text, expected):
+    assert parse_nnodes(text) == expected
+
+
+@pytest.mark.parametrize("text,words", [("3:2", "larger"), ("0", "at least 1"), ("0:2", "at least 1"),
+                                         ("a", "expected"), ("1:", "expected"), ("", "expected")])
+def test_parse_nnodes_rejects(text, words):
+    with pytest.raises(ConfigError, match=words):
+        parse_nnodes(text)
+
+
+def test_parse_rdzv_conf():
+    assert parse_rdzv_conf("a=1, b = x ,") == {"a": "1", "b": "x"}
+    with pytest.raises(ConfigError):
+        parse_rdzv_conf("novalue")
+
+
+def test_parse_endpoints():
+    assert parse_endpoints("h1:2379,h2, http://h3:1/ ,[::1]:5") == (("h1", 2379), ("h2", 2379), ("h3", 1), ("::1", 5))
+    for bad in ("", "h:0", "h:99999", "a:b:c"):
+        with pytest.raises(ConfigError):
+            parse_endpoints(bad)
+
+
+def _cfg(*argv):
+    args = build_parser().parse_args(["launch", *argv])
+    return launch_config_from_args(args)
+
+
+def test_launch_config_multi_node():
+    c = _cfg("--nnodes", "2:4", "--nproc-per-node", "8", "--rdzv-endpoint", "etcd:2379", "--rdzv-id", "job1",
+             "--rdzv-conf", "lease_ttl=2", "train.py", "--lr", "0.1")
+    assert (c.min_nodes, c.max_nodes, c.nproc_per_node, c.rdzv_backend) == (2, 4, 8, "etcd-v3")
+    assert c.script == "train.py" and c.script_args == ("--lr", "0.1")
+    assert c.conf == {"lease_ttl": "2"}
+
+
+def test_standalone_uses_embedded_store():
+    c = _cfg("--standalone", "--nproc-per-node", "2", "train.py")
+    assert (c.min_nodes, c.max_nodes, c.rdzv_backend, c.rdzv_endpoint) == (1, 1, "c10d", "localhost:0")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--nnodes", "2", "--rdzv-id", "j", "t.py"], "--rdzv-endpoint is required"),
+    (["--nnodes", "2", "--rdzv-endpoint", "e:1", "t.py"], "--rdzv-id is required"),
+    (["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "e:1", "t.py"], "unknown"),
+    (["--nnodes", "2", "--rdzv-endpoint", "e:1", "--rdzv-id", "bad/id", "t.py"], "invalid --rdzv-id"),
+    (["--nproc-per-node", "0", "t.py"], "positive"),
+    (["--standalone", "--nnodes", "2", "t.py"], "--standalone"),
+    (["--standalone"], "no training script"),
+])
+def test_launch_config_rejects(argv, words):
+    with pytest.raises(ConfigError, match=words):
+        _cfg(*argv)
+
+
+def test_run_keys_layout_sorts_rounds_numerically():
+    k = RunKeys("job")
+    assert k.join(2, "n1") == "/elastic-rt/job/rounds/0000000002/join/n1"
+    assert k.round_prefix(9) < k.round_prefix(10)
