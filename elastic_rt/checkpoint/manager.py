@@ -123,6 +123,8 @@ class CheckpointManager:
         self.rank, self.world_size = self._groups.rank, self._groups.world_size
         self._pool = BufferPool()
         self._executor: ThreadPoolExecutor | None = None
+        self._gc_executor: ThreadPoolExecutor | None = None
+        self._retention: Future | None = None
         self._inflight: _SaveJob | None = None
         self._guarded: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
@@ -287,8 +289,10 @@ class CheckpointManager:
         error = coll.broadcast(error, io_group)
         if error is not None:
             raise CheckpointError(error)
-        if self.rank == 0:
-            self._apply_retention(job.step)
+        if self.rank == 0:  # deleting old checkpoints is off the training loop's path
+            if self._gc_executor is None:
+                self._gc_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rt-ckpt-gc")
+            self._retention = self._gc_executor.submit(self._apply_retention, job.step)
         written = sum(f.size for f in files)
         stats = SaveStats(
             step=job.step,
@@ -308,8 +312,15 @@ class CheckpointManager:
                 log.warning("checkpoint on_saved callback failed: %s", exc)
         return stats
 
+    def _wait_retention(self) -> None:
+        """Rank 0: retention must not run while a save is writing a new step directory."""
+        if self._retention is not None:
+            self._retention.result()  # _apply_retention never raises
+            self._retention = None
+
     def _prepare_step_dir(self, step: int, step_dir: str) -> str:
         """Rank 0: 'exists' if the step is committed, else clear leftovers of a crashed save."""
+        self._wait_retention()
         try:
             if self._store.fs.exists(step_dir):
                 try:
@@ -356,6 +367,7 @@ class CheckpointManager:
         self._wait_inflight()
         candidates: Any = None
         if self.rank == 0:
+            self._wait_retention()
             try:
                 candidates = [(e.step, e.manifest) for e in reversed(self._store.list()) if e.committed]
             except ElasticRTError as exc:
@@ -418,9 +430,11 @@ class CheckpointManager:
 
     def list_checkpoints(self) -> list[CheckpointEntry]:
         """Step directories under the URL, oldest first (committed or not; not verified)."""
+        self._wait_retention()
         return self._store.list()
 
     def latest_committed_step(self) -> int | None:
+        self._wait_retention()
         committed = [e.step for e in self._store.list() if e.committed]
         return committed[-1] if committed else None
 
@@ -442,6 +456,9 @@ class CheckpointManager:
             self._guarded.clear()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+            self._wait_retention()
+            if self._gc_executor is not None:
+                self._gc_executor.shutdown(wait=True)
             self._pool.clear()
             self._groups.destroy()
 
