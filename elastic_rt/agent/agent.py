@@ -158,6 +158,7 @@ class ElasticRTAgent(LocalElasticAgent):
             self._worker_group.state = state
             now = time.monotonic()
             if state == WorkerState.SUCCEEDED:
+                getattr(self.observer, "on_workers_finished", lambda _s: None)("succeeded")
                 log.info("%s workers finished; waiting for the other nodes", self._prefix())
                 self._exit_barrier()
                 return result

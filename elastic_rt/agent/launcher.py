@@ -86,17 +86,31 @@ def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:
     logs_specs = DefaultLogsSpecs(
         log_dir=log_dir, redirects=_std(cfg.redirects, "--redirects"), tee=_std(cfg.tee, "--tee")
     )
+    heartbeat_dir = os.path.join(log_dir, "heartbeat")
+    if observer is None:
+        from elastic_rt.agent.observer import MetricsObserver
+
+        observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, heartbeat_dir=heartbeat_dir,
+                                   hang_timeout_s=cfg.hang_timeout_s)
+        observer.serve(cfg.metrics_host, cfg.metrics_port)
     agent = ElasticRTAgent(
         spec,
         logs_specs,
         node_id=node_id,
-        heartbeat_dir=os.path.join(log_dir, "heartbeat"),
+        heartbeat_dir=heartbeat_dir,
         restart_grace_s=cfg.restart_grace_s,
         shutdown_grace_s=cfg.grace_period_s,
         peer_loss_wait_s=float(cfg.conf.get("lease_ttl", 3.0)) + 1.0,
         observer=observer,
     )
     leave = getattr(handler, "leave", None)
+    try:
+        return _run(agent, cfg, node_id, log_dir, handler, leave)
+    finally:
+        getattr(observer, "close", lambda: None)()
+
+
+def _run(agent, cfg: LaunchConfig, node_id: str, log_dir: str, handler, leave) -> int:
     try:
         result = agent.run()
     except SignalException as exc:

@@ -13,7 +13,7 @@ from elastic_rt.health.rdma import RdmaCollector
 from elastic_rt.health.timex import TimexStatus, read_timex
 from elastic_rt.health.workers import WorkerCollector
 
-RESTART_REASONS = ("worker_failure", "peer_lost", "scale_up", "hang", "probe_failure")
+RESTART_REASONS = ("worker_failure", "peer_lost", "round_advanced", "scale_up", "hang", "probe_failure")
 # torch.distributed.elastic WorkerState names, lower-cased.
 WORKER_STATES = ("unknown", "init", "healthy", "unhealthy", "stopped", "succeeded", "failed")
 
