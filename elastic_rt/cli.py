@@ -54,6 +54,11 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="restart the group when workers report no step for this many seconds (0 = off)")
     p.add_argument("--ntp-server", action="append", default=[], help="NTP server to measure offset against "
                    "(repeatable)")
+    p.add_argument("--probe-bytes", type=int, default=4 << 20,
+                   help="size of the all-reduce probe run across the nodes after every rendezvous "
+                        "(default 4 MiB; 0 = off)")
+    p.add_argument("--probe-timeout", type=float, default=30.0, help="seconds before the probe counts as failed")
+    p.add_argument("--probe-backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
     p.add_argument("script", nargs="?", default="", help="training script")

@@ -89,6 +89,9 @@ class LaunchConfig:
     metrics_host: str = "0.0.0.0"
     hang_timeout_s: float = 0.0
     ntp_servers: tuple[str, ...] = ()
+    probe_bytes: int = 4 << 20
+    probe_timeout_s: float = 30.0
+    probe_backend: str = "auto"
     run_as_module: bool = False
     no_python: bool = False
     script: str = ""
@@ -137,6 +140,10 @@ def launch_config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise ConfigError(f"--metrics-port {args.metrics_port}: must be 0 (off) or a TCP port")
     if args.tee not in ("0", "1", "2", "3") and not re.fullmatch(r"(\d+:[0-3],?)+", args.tee):
         raise ConfigError(f"--tee {args.tee!r}: expected 0-3 (none, stdout, stderr, both) or local_rank:N,...")
+    if args.probe_bytes < 0:
+        raise ConfigError(f"--probe-bytes {args.probe_bytes}: must be >= 0 (0 = no probe)")
+    if args.probe_backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"--probe-backend {args.probe_backend!r}: choose auto, gloo or nccl")
     if not args.script:
         raise ConfigError("no training script given: elastic-rt launch [options] SCRIPT [ARGS...]")
     return LaunchConfig(
@@ -161,6 +168,9 @@ def launch_config_from_args(args: argparse.Namespace) -> LaunchConfig:
         metrics_host=args.metrics_host,
         hang_timeout_s=_positive("--hang-timeout", args.hang_timeout, zero_ok=True),
         ntp_servers=tuple(args.ntp_server or ()),
+        probe_bytes=args.probe_bytes,
+        probe_timeout_s=_positive("--probe-timeout", args.probe_timeout),
+        probe_backend=args.probe_backend,
         run_as_module=bool(args.module),
         no_python=bool(args.no_python),
         script=args.script,

@@ -95,6 +95,10 @@ class ElasticRTAgent(LocalElasticAgent):
             nodes=worker_group.group_world_size,
             duration_s=time.monotonic() - t0,
         )
+        on_round = getattr(self.observer, "on_round", None)
+        if on_round is not None and m is not None:
+            on_round(round=m.round, store=worker_group.store, group_rank=worker_group.group_rank,
+                     group_world_size=worker_group.group_world_size)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         m = self._membership()

@@ -91,8 +91,11 @@ def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:
         from elastic_rt.agent.observer import MetricsObserver
 
         observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, heartbeat_dir=heartbeat_dir,
-                                   hang_timeout_s=cfg.hang_timeout_s)
+                                   hang_timeout_s=cfg.hang_timeout_s, probe_bytes=cfg.probe_bytes,
+                                   probe_timeout_s=cfg.probe_timeout_s, probe_backend=cfg.probe_backend,
+                                   ntp_servers=cfg.ntp_servers)
         observer.serve(cfg.metrics_host, cfg.metrics_port)
+        observer.start_ntp()
     agent = ElasticRTAgent(
         spec,
         logs_specs,

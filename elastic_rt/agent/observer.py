@@ -8,11 +8,23 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from elastic_rt.errors import ElasticRTError
+import threading
+
+import torch.distributed as dist
+
+from elastic_rt.errors import ElasticRTError, HealthCheckError
+from elastic_rt.health import sntp
+from elastic_rt.health.clock import SkewEstimate, skew_warning
 from elastic_rt.health.exporter import MetricsExporter
 from elastic_rt.health.hang import HangDetector
 from elastic_rt.health.heartbeat import HeartbeatReader, prepare_heartbeat_file
 from elastic_rt.health.metrics import AgentMetrics
+from elastic_rt.health.probe import run_allreduce_probe
+from elastic_rt.health.store_skew import measure_skew_via_store, serve_skew
+
+# torch's DynamicRendezvousHandler declares a node dead when its heartbeat, stamped with
+# that node's clock, looks older than 5 s x 3 on the reader's clock.
+TORCH_HEARTBEAT_TOLERANCE_S = 15.0
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +33,20 @@ class MetricsObserver:
     """AgentObserver that exports everything the agent sees and detects hung workers."""
 
     def __init__(self, *, run_id: str, node: str, heartbeat_dir: str, hang_timeout_s: float = 0.0,
-                 sysfs_root: str | None = "/sys") -> None:
+                 sysfs_root: str | None = "/sys", probe_bytes: int = 4 << 20, probe_timeout_s: float = 30.0,
+                 probe_backend: str = "auto", ntp_servers: tuple[str, ...] = (), ntp_interval_s: float = 60.0,
+                 skew_samples: int = 8) -> None:
+        self._node = node
+        self._probe_bytes = probe_bytes
+        self._probe_timeout_s = probe_timeout_s
+        self._probe_backend = probe_backend
+        self._skew_samples = skew_samples
+        self._round = -1
+        self.last_probe = None
+        self.last_skew = None
+        self._stop = threading.Event()
+        self._ntp_servers = ntp_servers
+        self._ntp_interval_s = ntp_interval_s
         self.registry = CollectorRegistry()
         self._pids: dict[int, int] = {}
         self._heartbeat_dir = heartbeat_dir
@@ -54,8 +79,73 @@ class MetricsObserver:
         return exporter.port
 
     def close(self) -> None:
+        self._stop.set()
         if self._exporter is not None:
             self._exporter.stop()
+
+    def start_ntp(self) -> None:
+        """Query each --ntp-server now and every ntp_interval_s (SNTP); failures are counted, not fatal."""
+        if not self._ntp_servers:
+            return
+
+        def loop() -> None:
+            warned: set[str] = set()
+            while True:
+                for server in self._ntp_servers:
+                    try:
+                        self.metrics.clock.on_ntp(sntp.query(server, timeout_s=2.0))
+                    except ElasticRTError as exc:
+                        self.metrics.clock.on_ntp_failure(server)
+                        if server not in warned:
+                            log.warning("NTP server %s: %s", server, exc)
+                            warned.add(server)
+                if self._stop.wait(self._ntp_interval_s):
+                    return
+
+        threading.Thread(target=loop, name="elastic-rt-ntp", daemon=True).start()
+
+    # ---- after each rendezvous: collective probe and clock skew -----------------
+    def on_round(self, *, round: int, store, group_rank: int, group_world_size: int) -> None:
+        self._round = round
+        if group_world_size < 2:
+            return
+        threading.Thread(
+            target=self._round_checks, args=(round, store, group_rank, group_world_size),
+            name=f"elastic-rt-checks-{round}", daemon=True,
+        ).start()
+
+    def _round_checks(self, rnd: int, store, rank: int, world: int) -> None:
+        if self._probe_bytes > 0:
+            try:
+                result = run_allreduce_probe(
+                    dist.PrefixStore("elastic-rt/probe", store), rank, world, nbytes=self._probe_bytes,
+                    timeout_s=self._probe_timeout_s, backend=self._probe_backend,
+                )
+                self.last_probe = result
+                self.metrics.on_probe(latency_s=result.latency_s, bus_bandwidth_bytes_per_s=result.busbw_bytes_per_s)
+                log.info("[%s round %d] probe: %s all-reduce of %d bytes over %d nodes: %.2f ms, busbw %.2f GB/s",
+                         self._node, rnd, result.backend, result.nbytes, world, result.latency_s * 1e3,
+                         result.busbw_bytes_per_s / 1e9)
+            except HealthCheckError as exc:
+                if rnd == self._round:  # a failure of an outdated round says nothing
+                    self.metrics.on_probe_failure()
+                    self.healthy = False
+                    log.warning("[%s round %d] %s", self._node, rnd, exc)
+        try:
+            if rank == 0:  # the reference clock: its skew is 0 by definition
+                serve_skew(store, list(range(1, world)), samples=self._skew_samples)
+                self.metrics.clock.on_skew(SkewEstimate(offset_s=0.0, round_trip_s=0.0, error_bound_s=0.0, samples=0))
+                return
+            est = measure_skew_via_store(store, rank, samples=self._skew_samples)
+        except Exception as exc:  # noqa: BLE001 - the round may have ended under us
+            if rnd == self._round:
+                log.warning("[%s round %d] clock skew measurement failed: %s", self._node, rnd, exc)
+            return
+        self.last_skew = est
+        self.metrics.clock.on_skew(est)
+        warning = skew_warning(est.offset_s, TORCH_HEARTBEAT_TOLERANCE_S)
+        if warning:
+            log.warning("[%s round %d] %s", self._node, rnd, warning)
 
     # ---- AgentObserver --------------------------------------------------------
     def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None:

@@ -8,71 +8,22 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable, MutableMapping
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_rt.checkpoint import collectives as coll
-from elastic_rt.checkpoint.manifest import FileEntry, Manifest, ManifestError
+from elastic_rt.checkpoint import loader
 from elastic_rt.checkpoint.options import CheckpointOptions, IfBusy, SaveStats, pause_file_from_env
-from elastic_rt.checkpoint.staging import BufferPool, StagingSavePlanner
-from elastic_rt.checkpoint.state import (
-    decode_per_rank,
-    encode_per_rank,
-    optimizer_storage_ptrs,
-    snapshot,
-    split_state,
-    storage_ptr,
-)
-from elastic_rt.checkpoint.store import CheckpointEntry, CheckpointStore, rank_filename
-from elastic_rt.checkpoint.writer import (
-    PHASE_STAGING,
-    ChecksumWriter,
-    FilePauseHook,
-    FsspecCheckpointReader,
-    PauseHook,
-)
+from elastic_rt.checkpoint.saver import SaveContext, SaveJob, describe_error, run_save
+from elastic_rt.checkpoint.staging import BufferPool
+from elastic_rt.checkpoint.state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
+from elastic_rt.checkpoint.store import CheckpointEntry, CheckpointStore
+from elastic_rt.checkpoint.writer import FilePauseHook, PauseHook
 from elastic_rt.errors import CheckpointError, ElasticRTError
 
 log = logging.getLogger(__name__)
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line for an error, also for DCP's CheckpointException (which carries tracebacks)."""
-    if isinstance(exc, CheckpointException):
-        return "; ".join(f"rank {rank}: {describe_error(err)}" for rank, (err, _) in sorted(exc.failures.items()))
-    if isinstance(exc, ElasticRTError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
-@dataclass(kw_only=True)
-class _SaveJob:
-    """Bookkeeping of one save, shared by the training thread and the writer thread."""
-
-    step: int
-    global_state: dict[str, Any]
-    per_rank: dict[str, Any]
-    async_save: bool
-    started: float = field(default_factory=time.monotonic)
-    staged: threading.Event = field(default_factory=threading.Event)
-    staging_s: float = 0.0
-    blocked_s: float = 0.0
-    balance_ptrs: frozenset[int] = frozenset()
-    future: Future | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add_blocked(self, seconds: float) -> None:
-        with self.lock:
-            self.blocked_s += seconds
-
-    def mark_staged(self, staging_s: float) -> None:
-        self.staging_s = staging_s
-        self.staged.set()
 
 
 class CheckpointManager:
@@ -121,11 +72,21 @@ class CheckpointManager:
         if self._groups.io is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
         self.rank, self.world_size = self._groups.rank, self._groups.world_size
-        self._pool = BufferPool()
+        self._ctx = SaveContext(
+            url=url,
+            store=self._store,
+            groups=self._groups,
+            options=self.options,
+            sync_files=self._sync_files,
+            pool=BufferPool(),
+            pause_hook=self._pause_hook,
+            before_prepare=self._wait_retention,
+        )
         self._executor: ThreadPoolExecutor | None = None
         self._gc_executor: ThreadPoolExecutor | None = None
         self._retention: Future | None = None
-        self._inflight: _SaveJob | None = None
+        self._inflight: SaveJob | None = None
+        self._retention_lock = threading.Lock()
         self._guarded: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
         self._last_stats: SaveStats | None = None
@@ -150,7 +111,7 @@ class CheckpointManager:
         global_part, per_rank = split_state(state, self.options.per_rank_keys)
         protected = frozenset(optimizer_storage_ptrs(self._guarded))
         if not self.options.async_save:
-            job = _SaveJob(
+            job = SaveJob(
                 step=step,
                 global_state=snapshot(global_part, keep_live=lambda t: True),
                 per_rank=per_rank,
@@ -162,7 +123,7 @@ class CheckpointManager:
             return True
         overlap = bool(self._guarded)
         keep_live = (lambda t: storage_ptr(t) in protected) if overlap else (lambda t: True)
-        job = _SaveJob(
+        job = SaveJob(
             step=step,
             global_state=snapshot(global_part, keep_live=keep_live),
             per_rank=copy.deepcopy(per_rank),
@@ -230,80 +191,15 @@ class CheckpointManager:
                 f"background checkpoint save failed: {describe_error(exc)}"
             ) from exc
 
-    def _run_job(self, job: _SaveJob) -> SaveStats | None:
-        try:
-            return self._save_and_commit(job)
-        except ElasticRTError:
-            raise
-        except (Exception, CheckpointException) as exc:
-            raise CheckpointError(
-                f"saving step {job.step} to {self.url} failed ({describe_error(exc)}); "
-                "the previous checkpoint stays the latest"
-            ) from exc
-        finally:
-            job.staged.set()
-
-    def _save_and_commit(self, job: _SaveJob) -> SaveStats | None:
-        store, io_group = self._store, self._groups.io
-        step_dir = store.step_dir(job.step)
-        decision = self._prepare_step_dir(job.step, step_dir) if self.rank == 0 else None
-        decision = coll.broadcast(decision, io_group)
-        if decision == "exists":
-            log.info("checkpoint step %d already committed under %s; not saving it again", job.step, self.url)
+    def _run_job(self, job: SaveJob) -> SaveStats | None:
+        stats = run_save(job, self._ctx)
+        if stats is None:
             return None
-        if decision != "go":
-            raise CheckpointError(str(decision))
-        store.makedirs(step_dir)
-        files: list[FileEntry] = []
-        if job.per_rank:
-            name = rank_filename(self.rank)
-            size, crc = store.write_file(step_dir, name, encode_per_rank(job.per_rank), sync=self._sync_files)
-            files.append(FileEntry(path=name, size=size, crc32=crc, rank=self.rank))
-        writer = ChecksumWriter(
-            store.fs,
-            step_dir,
-            rank=self.rank,
-            step=job.step,
-            sync_files=self._sync_files,
-            thread_count=self.options.thread_count,
-            pause_hook=self._pause_hook,
-        )
-        hook = self._pause_hook
-        planner = StagingSavePlanner(
-            pool=self._pool if job.async_save else None,
-            on_staged=job.mark_staged,
-            balance_ptrs=job.balance_ptrs,
-            before_stage=(lambda: hook(rank=self.rank, step=job.step, phase=PHASE_STAGING)) if hook else None,
-        )
-        try:
-            dcp.save(job.global_state, storage_writer=writer, planner=planner, process_group=io_group, no_dist=io_group is None)
-        finally:
-            writer.close()
-        files.extend(writer.file_entries())
-        if self._sync_files:
-            store.fsync_dir(step_dir)
-        gathered = coll.gather(files, io_group)
-        error = None
-        if self.rank == 0:
-            error = self._commit(job, step_dir, [f for per_rank in gathered for f in per_rank])  # type: ignore[union-attr]
-        error = coll.broadcast(error, io_group)
-        if error is not None:
-            raise CheckpointError(error)
         if self.rank == 0:  # deleting old checkpoints is off the training loop's path
-            if self._gc_executor is None:
-                self._gc_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rt-ckpt-gc")
-            self._retention = self._gc_executor.submit(self._apply_retention, job.step)
-        written = sum(f.size for f in files)
-        stats = SaveStats(
-            step=job.step,
-            world_size=self.world_size,
-            async_save=job.async_save,
-            blocked_s=(time.monotonic() - job.started) if not job.async_save else job.blocked_s,
-            save_duration_s=time.monotonic() - job.started,
-            staging_s=job.staging_s if job.async_save else 0.0,
-            bytes_written=written,
-            url=self.url,
-        )
+            with self._retention_lock:
+                if self._gc_executor is None:
+                    self._gc_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rt-ckpt-gc")
+                self._retention = self._gc_executor.submit(self._apply_retention, job.step)
         self._last_stats = stats
         if self._on_saved is not None:
             try:
@@ -312,45 +208,8 @@ class CheckpointManager:
                 log.warning("checkpoint on_saved callback failed: %s", exc)
         return stats
 
-    def _wait_retention(self) -> None:
-        """Rank 0: retention must not run while a save is writing a new step directory."""
-        if self._retention is not None:
-            self._retention.result()  # _apply_retention never raises
-            self._retention = None
-
-    def _prepare_step_dir(self, step: int, step_dir: str) -> str:
-        """Rank 0: 'exists' if the step is committed, else clear leftovers of a crashed save."""
-        self._wait_retention()
-        try:
-            if self._store.fs.exists(step_dir):
-                try:
-                    self._store.read_manifest(step_dir)
-                    return "exists"
-                except ManifestError:
-                    self._store.delete(step_dir)
-            self._store.makedirs(step_dir)
-        except OSError as exc:
-            return f"cannot prepare {step_dir} on {self.url} ({exc})"
-        return "go"
-
-    def _commit(self, job: _SaveJob, step_dir: str, files: list[FileEntry]) -> str | None:
-        """Rank 0: write the manifest, the commit point; returns an error message or None."""
-        try:
-            manifest = Manifest(
-                step=job.step,
-                world_size=self.world_size,
-                files=tuple(files),
-                created_unix_s=time.time(),
-                torch_version=torch.__version__,
-                per_rank_keys=tuple(sorted(job.per_rank)),
-            )
-            self._store.write_manifest(step_dir, manifest)
-        except (OSError, ElasticRTError) as exc:
-            return f"committing step {job.step} to {self.url} failed: {exc}"
-        return None
-
     def _apply_retention(self, newest_step: int) -> None:
-        """Rank 0, after the commit was announced: other ranks do not wait for the deletes."""
+        """Rank 0, after the commit was announced, so no other rank waits for the deletes."""
         try:
             deleted = self._store.apply_retention(self.options.keep_last, newest_step)
             if deleted:
@@ -358,73 +217,23 @@ class CheckpointManager:
         except (OSError, ElasticRTError) as exc:
             log.warning("checkpoint retention under %s failed: %s", self.url, exc)
 
+    def _wait_retention(self) -> None:
+        """Rank 0: retention must not run while a save writes a new step directory."""
+        with self._retention_lock:
+            pending, self._retention = self._retention, None
+        if pending is not None:
+            pending.result()  # _apply_retention never raises
+
     # ----------------------------------------------------------------- loading
 
     def load_latest(self, state: MutableMapping[str, Any]) -> int | None:
-        """Load the newest committed checkpoint that verifies into `state` (in place); falls back
-        to older ones with a warning. Returns its step, or None when there is none at all."""
+        """Load the newest committed checkpoint that verifies into `state` (in place: tensors are
+        copied into the given ones, other values replaced); older ones are the fallback, with a
+        warning. Returns its step; None when no checkpoint was ever committed under the URL."""
         self._check_open()
         self._wait_inflight()
-        candidates: Any = None
-        if self.rank == 0:
-            self._wait_retention()
-            try:
-                candidates = [(e.step, e.manifest) for e in reversed(self._store.list()) if e.committed]
-            except ElasticRTError as exc:
-                candidates = str(exc)
-        candidates = coll.broadcast(candidates, self._groups.ctl)
-        if isinstance(candidates, str):
-            raise CheckpointError(candidates)
-        failures = []
-        for i, (step, manifest) in enumerate(candidates):
-            step_dir = self._store.step_dir(step)
-            problems = []
-            if self.options.verify_on_load:
-                mine = [f for j, f in enumerate(manifest.files) if j % self.world_size == self.rank]
-                problems = self._store.verify_files(step_dir, mine)
-            problems = sorted(p for per_rank in coll.all_gather(problems, self._groups.ctl) for p in per_rank)
-            if problems:
-                following = f"step {candidates[i + 1][0]}" if i + 1 < len(candidates) else "nothing"
-                failures.append(f"step {step}: {problems[0]}")
-                if self.rank == 0:
-                    log.warning(
-                        "checkpoint step %d under %s is corrupt (%s); falling back to %s",
-                        step, self.url, "; ".join(problems), following,
-                    )
-                continue
-            self._load_step(step, step_dir, manifest, state)
-            return step
-        if failures:
-            raise CheckpointError(
-                f"none of the {len(failures)} committed checkpoints under {self.url} verifies "
-                f"({'; '.join(failures)}); move them aside to start from scratch"
-            )
-        return None
-
-    def _load_step(self, step: int, step_dir: str, manifest: Manifest, state: MutableMapping[str, Any]) -> None:
-        global_part, per_rank = split_state(state, self.options.per_rank_keys)
-        reader = FsspecCheckpointReader(self._store.fs, step_dir)
-        try:
-            dcp.load(global_part, storage_reader=reader, process_group=self._groups.io, no_dist=self._groups.io is None)
-        except (Exception, CheckpointException) as exc:
-            raise CheckpointError(
-                f"loading step {step} from {self.url} failed ({describe_error(exc)}); "
-                "does the state passed to load_latest() have the keys and shapes that were saved?"
-            ) from exc
-        state.update(global_part)
-        wanted = set(per_rank) & set(manifest.per_rank_keys)
-        name = rank_filename(self.rank)
-        if not wanted:
-            return
-        if not any(f.path == name for f in manifest.files):
-            log.info(
-                "rank %d: step %d was saved at world size %d and has no %s for this rank; keeping current",
-                self.rank, step, manifest.world_size, sorted(wanted),
-            )
-            return
-        loaded = decode_per_rank(self._store.read_file(step_dir, name))
-        for key in wanted & set(loaded):
-            state[key] = loaded[key]
+        self._wait_retention()
+        return loader.load_latest(state, store=self._store, groups=self._groups, options=self.options)
 
     # --------------------------------------------------------------- inspection / lifecycle
 
@@ -459,7 +268,7 @@ class CheckpointManager:
             self._wait_retention()
             if self._gc_executor is not None:
                 self._gc_executor.shutdown(wait=True)
-            self._pool.clear()
+            self._ctx.pool.clear()
             self._groups.destroy()
 
     def __enter__(self) -> "CheckpointManager":
