@@ -54,6 +54,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="restart the group when workers report no step for this many seconds (0 = off)")
     p.add_argument("--ntp-server", action="append", default=[], help="NTP server to measure offset against "
                    "(repeatable)")
+    p.add_argument("--checkpoint-url", default=None,
+                   help="fsspec URL handed to workers as ELASTIC_RT_CHECKPOINT_URL (shared storage for "
+                        "several nodes; e.g. file:///mnt/shared/job42, s3://bucket/job42)")
     p.add_argument("--probe-bytes", type=int, default=4 << 20,
                    help="size of the all-reduce probe run across the nodes after every rendezvous "
                         "(default 4 MiB; 0 = off)")

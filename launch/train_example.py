@@ -1,9 +1,12 @@
 """Example elastic training job: a small deterministic DDP regression on synthetic data.
 
 Run it on one machine with no etcd:
-    elastic-rt launch --standalone --nproc-per-node 2 launch/train_example.py --steps 50
-It logs one line per step from rank 0 (step, loss, world size), uses gloo on CPU and
-nccl on GPU, and is the workload of elastic-rt's tests and benchmarks.
+    elastic-rt launch --standalone --nproc-per-node 2 --tee 3 launch/train_example.py --steps 50
+Rank 0 logs one line per step (step, loss, world size). It uses gloo on CPU and nccl on
+GPU, the elastic sampler (every sample once per epoch across restarts and resizes) and,
+with --ckpt-url (or ELASTIC_RT_CHECKPOINT_URL), sharded checkpoints: after any restart
+or resize it resumes from the last committed one. SIGTERM (preemption) saves and exits 0.
+It is the workload of elastic-rt's tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -18,16 +21,14 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
+from elastic_rt import report_step
+from elastic_rt.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from elastic_rt.data import ElasticDistributedSampler
-
-try:
-    from elastic_rt.health.heartbeat import report_step
-except ImportError:  # the heartbeat is optional for this example
-    def report_step(step: int) -> None:
-        return None
+from elastic_rt.worker_env import WorkerEnvironment
 
 
 def parse_args(argv=None):
@@ -42,7 +43,11 @@ def parse_args(argv=None):
                    help="simulated extra compute per step, in seconds (tests use it to stretch a run)")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--log-indices", action="store_true",
-                   help="log a digest of the sample indices every rank trained on at each step")
+                   help="log the sample indices all ranks trained on at each step (rank 0)")
+    p.add_argument("--ckpt-url", default=None,
+                   help="fsspec URL of the checkpoints (default: $ELASTIC_RT_CHECKPOINT_URL; none: no checkpoints)")
+    p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
+    p.add_argument("--async-save", action="store_true", help="upload checkpoints in the background")
     return p.parse_args(argv)
 
 
@@ -68,22 +73,50 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    stop = {"signal": None}
-    signal.signal(signal.SIGTERM, lambda s, _f: stop.update(signal=s))
+    sigterm: list[int] = []
+    signal.signal(signal.SIGTERM, lambda s, _f: sigterm.append(s))
 
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(16, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1)).to(device)
     ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     dataset = make_dataset(args.dataset_size, args.seed)
     sampler = ElasticDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+
+    url = args.ckpt_url or WorkerEnvironment.from_env().checkpoint_url
+    mgr = None
+    if url:
+        def on_saved(stats) -> None:
+            if rank == 0:
+                print(f"checkpoint saved step={stats.step} world_size={stats.world_size} "
+                      f"blocked_s={stats.blocked_s:.4f} save_s={stats.save_duration_s:.4f}", flush=True)
+
+        mgr = CheckpointManager(url, keep_last=3, async_save=args.async_save, on_saved=on_saved)
+        mgr.guard_optimizer(opt)
+
+    def checkpoint_state(step: int) -> dict:
+        model_sd, optim_sd = get_state_dict(ddp, opt)
+        return {"model": model_sd, "optim": optim_sd, "sampler": sampler.state_dict(),
+                "rng": capture_rng_state(), "extra": {"step": step}}
+
     step = 0
+    if mgr is not None:
+        state = checkpoint_state(0)
+        loaded = mgr.load_latest(state)
+        if loaded is not None:
+            set_state_dict(ddp, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            sampler.load_state_dict(state["sampler"])
+            restore_rng_state(state["rng"])
+            step = loaded
     if rank == 0:
         print(f"start step={step} world_size={world} backend={backend} "
               f"restart={os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", flush=True)
-    while step < args.steps and stop["signal"] is None:
-        sampler.set_epoch(step * args.batch_size * world // max(1, args.dataset_size))
-        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=False)
+
+    stop = False
+    epoch = sampler.epoch
+    while step < args.steps and not stop:
+        sampler.set_epoch(epoch)  # the restored epoch keeps its progress
+        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
         for idx, x, y in loader:
             x, y = x.to(device), y.to(device)
             loss = nn.functional.mse_loss(ddp(x), y)
@@ -95,19 +128,28 @@ def main(argv=None) -> int:
             report_step(step)
             if args.log_indices:
                 gathered = [torch.zeros_like(idx) for _ in range(world)]
-                dist.all_gather(gathered, idx.to(device) if backend == "nccl" else idx)
+                dist.all_gather(gathered, idx.to(device) if use_cuda else idx)
                 if rank == 0:
-                    print(f"indices step={step} epoch={sampler.epoch} "
+                    print(f"indices step={step} epoch={epoch} "
                           f"idx={','.join(str(int(i)) for t in gathered for i in t)}", flush=True)
             if rank == 0 and step % args.log_every == 0:
                 print(f"step={step} loss={loss.item():.6f} world_size={world}", flush=True)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-            if step >= args.steps or stop["signal"] is not None:
+            flag = torch.tensor([float(bool(sigterm))], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+            stop = bool(flag.item())
+            if mgr is not None and (step % args.save_every == 0 or stop):
+                mgr.save(step, checkpoint_state(step))
+            if step >= args.steps or stop:
                 break
+        else:
+            epoch += 1
+    if mgr is not None:
+        mgr.close()  # waits for a background upload; raises if it failed
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     if rank == 0:
-        state = "stopped" if stop["signal"] is not None else "done"
+        state = "stopped" if stop else "done"
         print(f"{state} steps={step} world_size={world} param_digest={digest(params)}", flush=True)
     dist.barrier()  # nobody tears down gloo while a peer still talks to it
     dist.destroy_process_group()

@@ -25,6 +25,7 @@ from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
 from elastic_rt.config import LaunchConfig
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError
 from elastic_rt.rendezvous import registration
+from elastic_rt.worker_env import ENV_CHECKPOINT_URL
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:
     if not cfg.no_python and not cfg.run_as_module and not os.path.isfile(cfg.script):
         raise ConfigError(f"training script {cfg.script!r} not found")
     install_signal_handlers()
+    if cfg.checkpoint_url:
+        os.environ[ENV_CHECKPOINT_URL] = cfg.checkpoint_url  # inherited by every worker
     handler = build_handler(cfg)
     node_id = getattr(getattr(handler, "settings", None), "node_id", None) or cfg.node_id or f"node-{os.getpid()}"
     entrypoint, args = worker_command(cfg)
