@@ -62,6 +62,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 4 MiB; 0 = off)")
     p.add_argument("--probe-timeout", type=float, default=30.0, help="seconds before the probe counts as failed")
     p.add_argument("--probe-backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl")
+    p.add_argument("--sysfs-root", default="/sys",
+                   help="where sysfs is mounted (RDMA ports are read under it; default /sys)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
     p.add_argument("script", nargs="?", default="", help="training script")

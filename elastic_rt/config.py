@@ -90,6 +90,7 @@ class LaunchConfig:
     hang_timeout_s: float = 0.0
     ntp_servers: tuple[str, ...] = ()
     checkpoint_url: str | None = None
+    sysfs_root: str = "/sys"
     probe_bytes: int = 4 << 20
     probe_timeout_s: float = 30.0
     probe_backend: str = "auto"
@@ -170,6 +171,7 @@ def launch_config_from_args(args: argparse.Namespace) -> LaunchConfig:
         hang_timeout_s=_positive("--hang-timeout", args.hang_timeout, zero_ok=True),
         ntp_servers=tuple(args.ntp_server or ()),
         checkpoint_url=args.checkpoint_url,
+        sysfs_root=args.sysfs_root,
         probe_bytes=args.probe_bytes,
         probe_timeout_s=_positive("--probe-timeout", args.probe_timeout),
         probe_backend=args.probe_backend,

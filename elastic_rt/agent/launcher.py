@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
 from elastic_rt.config import LaunchConfig
-from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError
+from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
 from elastic_rt.rendezvous import registration
 from elastic_rt.worker_env import ENV_CHECKPOINT_URL
 
@@ -35,6 +35,18 @@ def _std(value: str, flag: str):
         return Std.from_str(value)
     except ValueError as exc:
         raise ConfigError(f"{flag} {value!r}: {exc}") from exc
+
+
+def preflight(cfg: LaunchConfig, sysfs_root: str = "/sys") -> None:
+    """The hard pre-flight checks (`elastic-rt doctor` runs them all): refuse to join with one line.
+
+    etcd reachability is left to the rendezvous, which retries until the join timeout.
+    """
+    from elastic_rt.health.doctor import first_failure, hard_checks
+
+    failure = first_failure(hard_checks(etcd_client=None, sysfs_root=sysfs_root))
+    if failure:
+        raise HealthCheckError(f"{failure}; not joining the rendezvous")
 
 
 def worker_command(cfg: LaunchConfig) -> tuple[str, tuple[str, ...]]:
@@ -70,6 +82,7 @@ def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:
     if not cfg.no_python and not cfg.run_as_module and not os.path.isfile(cfg.script):
         raise ConfigError(f"training script {cfg.script!r} not found")
     install_signal_handlers()
+    preflight(cfg, cfg.sysfs_root)
     if cfg.checkpoint_url:
         os.environ[ENV_CHECKPOINT_URL] = cfg.checkpoint_url  # inherited by every worker
     handler = build_handler(cfg)
@@ -96,7 +109,7 @@ def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:
         observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, heartbeat_dir=heartbeat_dir,
                                    hang_timeout_s=cfg.hang_timeout_s, probe_bytes=cfg.probe_bytes,
                                    probe_timeout_s=cfg.probe_timeout_s, probe_backend=cfg.probe_backend,
-                                   ntp_servers=cfg.ntp_servers)
+                                   ntp_servers=cfg.ntp_servers, sysfs_root=cfg.sysfs_root)
         observer.serve(cfg.metrics_host, cfg.metrics_port)
         observer.start_ntp()
     agent = ElasticRTAgent(

@@ -22,15 +22,13 @@ from elastic_rt.health.doctor_checks import (
     check_free_space,
     check_gpus,
     check_kernel_clock,
-    check_nccl_env,
     check_ntp,
-    check_rdma,
     failures,
     guarded,
-    list_dir,
     one_line,
     probe_gpus,
 )
+from elastic_rt.health.doctor_net import check_nccl_env, check_rdma, list_dir
 
 __all__ = [
     "CheckResult",
@@ -174,7 +172,9 @@ def run_doctor(options: DoctorOptions, sources: DoctorSources) -> list[CheckResu
 
     results = [
         guarded("etcd", lambda: _etcd_row(options, sources.etcd_client_factory)),
-        guarded("clock", lambda: check_kernel_clock(read_timex, max_offset_s=options.max_clock_offset_s)),
+        guarded("clock", lambda: check_kernel_clock(
+            read_timex, max_offset_s=options.max_clock_offset_s, ntp_given=bool(options.ntp_servers)
+        )),  # fmt: skip
     ]
     for server in options.ntp_servers:
         results.append(guarded(f"ntp {server}", lambda s=server: check_ntp(
@@ -235,7 +235,8 @@ def render_json(results: Iterable[CheckResult]) -> str:
     doc = {
         "ok": not failures(results),
         "checks": [
-            {"name": r.name, "status": r.status.value, "detail": one_line(r.detail), "data": dict(r.data)}
+            {"name": r.name, "status": r.status.value, "detail": one_line(r.detail), "data": dict(r.data),
+             "elapsed_s": r.elapsed_s}
             for r in results
         ],
     }

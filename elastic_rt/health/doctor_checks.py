@@ -1,21 +1,22 @@
-"""Pre-flight checks for `elastic-rt doctor` and the agent: each takes its data sources and returns a CheckResult."""
+"""Pre-flight check rows and the etcd, clock, GPU and free-space checks; each takes its data sources as arguments."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from elastic_rt.errors import ElasticRTError, HealthCheckError
 
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
-_ACTIVE = 4  # IB logical port state 4: ACTIVE
 
 
 class Status(str, Enum):
@@ -33,6 +34,7 @@ class CheckResult:
     status: Status
     detail: str
     data: Mapping[str, Any] = field(default_factory=dict)
+    elapsed_s: float | None = None  # how long the check ran, set by guarded()
 
     @property
     def failed(self) -> bool:
@@ -43,15 +45,23 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def guarded(name: str, check: Callable[[], CheckResult]) -> CheckResult:
-    """Run one check; any exception becomes a failed row with its message (never a traceback)."""
+def describe_error(exc: BaseException) -> str:
+    """Our errors say what to do already; anything else is named by its type."""
+    return one_line(str(exc) if isinstance(exc, ElasticRTError) else f"{type(exc).__name__}: {exc}")
+
+
+def guarded(
+    name: str, check: Callable[[], CheckResult], *, clock: Callable[[], float] = time.monotonic
+) -> CheckResult:
+    """Run one check, timed; any exception becomes a failed row with its message (never a traceback)."""
+    start = clock()
     try:
-        return check()
-    except ElasticRTError as exc:
-        return CheckResult(name=name, status=Status.FAIL, detail=one_line(str(exc)))
+        result = check()
     except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
-        log.debug("doctor: check %s raised", name, exc_info=True)
-        return CheckResult(name=name, status=Status.FAIL, detail=one_line(f"{type(exc).__name__}: {exc}"))
+        if not isinstance(exc, ElasticRTError):
+            log.debug("doctor: check %s raised", name, exc_info=True)
+        result = CheckResult(name=name, status=Status.FAIL, detail=describe_error(exc))
+    return dataclasses.replace(result, elapsed_s=clock() - start)
 
 
 # ---- etcd -------------------------------------------------------------------
@@ -83,7 +93,7 @@ def check_etcd(
         try:
             answers[label] = fut.result()
         except Exception as exc:  # noqa: BLE001 - reported per endpoint
-            errors[label] = one_line(str(exc) if isinstance(exc, ElasticRTError) else f"{type(exc).__name__}: {exc}")
+            errors[label] = describe_error(exc)
     data = {
         "endpoints": {
             label: {"version": answers[label][0], "latency_s": answers[label][1]} if label in answers
@@ -118,7 +128,7 @@ def check_etcd(
 # ---- clock ------------------------------------------------------------------
 
 
-def check_kernel_clock(read_timex: Callable[[], Any], *, max_offset_s: float) -> CheckResult:
+def check_kernel_clock(read_timex: Callable[[], Any], *, max_offset_s: float, ntp_given: bool = False) -> CheckResult:
     """adjtimex: unreadable or unsynchronized -> warn; synchronized but |offset| > max_offset_s -> fail."""
     try:
         st = read_timex()
@@ -134,9 +144,12 @@ def check_kernel_clock(read_timex: Callable[[], Any], *, max_offset_s: float) ->
         return CheckResult(
             name="clock", status=Status.WARN, data=data,
             detail=f"kernel clock is not synchronized (adjtimex, max error {st.max_error_s:g} s); "
-                   "is chronyd/ntpd running? measure with --ntp-server",
+                   "is chronyd/ntpd running?" + ("" if ntp_given else " measure with --ntp-server"),
         )  # fmt: skip
-    text = f"kernel clock synchronized, offset {st.offset_s * 1e3:+.3f} ms, est. error {st.estimated_error_s * 1e3:.3f} ms"
+    text = (
+        f"kernel clock synchronized, offset {st.offset_s * 1e3:+.3f} ms, "
+        f"est. error {st.estimated_error_s * 1e3:.3f} ms"
+    )
     if abs(st.offset_s) > max_offset_s:
         return CheckResult(
             name="clock", status=Status.FAIL, data=data,
@@ -170,151 +183,6 @@ def check_ntp(
             detail=f"{text}: above --max-clock-offset {max_offset_s:g} s; fix time sync (chronyd/ntpd) on this node",
         )  # fmt: skip
     return CheckResult(name=name, status=Status.OK, detail=text, data=data)
-
-
-# ---- RDMA and NCCL selection lists -------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class NcclList:
-    """An NCCL interface/HCA list: '^' excludes, '=' matches names exactly, else names are prefixes."""
-
-    exclude: bool
-    exact: bool
-    items: tuple[tuple[str, str | None], ...]  # (name, port or None)
-
-    @classmethod
-    def parse(cls, text: str) -> "NcclList":
-        text = text.strip()
-        exclude = text.startswith("^")
-        text = text[1:] if exclude else text
-        exact = text.startswith("=")
-        text = text[1:] if exact else text
-        items = []
-        for raw in text.split(","):
-            name, _, port = raw.strip().partition(":")
-            if name:
-                items.append((name, port or None))
-        return cls(exclude=exclude, exact=exact, items=tuple(items))
-
-    def _matches(self, name: str, port: str | None) -> bool:
-        for item, item_port in self.items:
-            if (name == item if self.exact else name.startswith(item)) and (item_port is None or item_port == port):
-                return True
-        return False
-
-    def selects(self, name: str, port: str | None = None) -> bool:
-        return self._matches(name, port) != self.exclude
-
-
-def _port_label(p: Any) -> str:
-    return f"{p.device}/{p.port}"
-
-
-def nccl_ports(ports: Sequence[Any], env: Mapping[str, str]) -> list[Any]:
-    """The ports NCCL would use: all of them, or those NCCL_IB_HCA selects."""
-    hca = env.get("NCCL_IB_HCA", "").strip()
-    if not hca:
-        return list(ports)
-    chosen = NcclList.parse(hca)
-    return [p for p in ports if chosen.selects(p.device, p.port)]
-
-
-def check_rdma(ports: Sequence[Any], env: Mapping[str, str], *, where: str = "sysfs") -> CheckResult:
-    """A port that exists (and NCCL_IB_HCA selects) but is not ACTIVE fails; with NCCL_IB_DISABLE=1 it only warns."""
-    if not ports:
-        return CheckResult(name="rdma", status=Status.SKIP, detail=f"no RDMA ports under {where}")
-    used = nccl_ports(ports, env)
-    ignored = len(ports) - len(used)
-    note = f" ({ignored} not selected by NCCL_IB_HCA)" if ignored else ""
-    if not used:
-        return CheckResult(
-            name="rdma", status=Status.WARN,
-            detail=f"NCCL_IB_HCA={env.get('NCCL_IB_HCA')} selects none of the {len(ports)} ports here",
-        )  # fmt: skip
-    bad, unknown, good = [], [], []
-    for p in used:
-        if p.state is None:
-            unknown.append(f"{_port_label(p)} state unreadable")
-        elif p.state[0] != _ACTIVE:
-            phys = f", phys {p.phys_state[1]}" if p.phys_state else ""
-            bad.append(f"{_port_label(p)} is {p.state[1] or p.state[0]}{phys}")
-        else:
-            rate = f" {p.rate_bytes_per_s * 8 / 1e9:g} Gb/s" if p.rate_bytes_per_s else ""
-            good.append(f"{_port_label(p)}{rate} {p.link_layer or ''}".rstrip())
-    data = {"active": len(good), "not_active": len(bad), "unknown": len(unknown), "not_selected": ignored}
-    if bad:
-        fix = "bring the link up, or leave the port out with NCCL_IB_HCA"
-        if env.get("NCCL_IB_DISABLE", "").strip() == "1":
-            return CheckResult(
-                name="rdma", status=Status.WARN, data=data,
-                detail=f"{'; '.join(bad)} (unused: NCCL_IB_DISABLE=1){note}",
-            )  # fmt: skip
-        return CheckResult(name="rdma", status=Status.FAIL, data=data, detail=f"{'; '.join(bad)}{note}; {fix}")
-    if unknown:
-        return CheckResult(name="rdma", status=Status.WARN, data=data, detail="; ".join(unknown + good) + note)
-    return CheckResult(name="rdma", status=Status.OK, data=data, detail=f"{len(good)} ACTIVE: {', '.join(good)}{note}")
-
-
-# ---- NCCL environment -------------------------------------------------------
-
-_RELATED = ("CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG")
-
-
-def nccl_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """NCCL_*, TORCH_NCCL_* and the few other variables that steer collectives."""
-    return {
-        k: env[k] for k in sorted(env)
-        if k.startswith(("NCCL_", "TORCH_NCCL_")) or k in _RELATED
-    }  # fmt: skip
-
-
-def list_dir(path: str) -> list[str] | None:
-    try:
-        return sorted(os.listdir(path))
-    except OSError:
-        return None
-
-
-def check_nccl_env(
-    env: Mapping[str, str], *, interfaces: Sequence[str] | None, ports: Sequence[Any]
-) -> CheckResult:
-    """Report the variables; warn (never fail) on combinations that silently slow or hang training."""
-    found = nccl_environment(env)
-    warnings: list[str] = []
-    active = [p for p in ports if p.state is not None and p.state[0] == _ACTIVE]
-    if env.get("NCCL_IB_DISABLE", "").strip() == "1" and active:
-        warnings.append(f"NCCL_IB_DISABLE=1 while {len(active)} RDMA ports are ACTIVE: NCCL will use TCP sockets")
-    names = list(interfaces or ())
-    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        value = env.get(var, "").strip()
-        if not value or interfaces is None:
-            continue
-        wanted = NcclList.parse(value) if var.startswith("NCCL") else NcclList(
-            exclude=False, exact=True, items=tuple((n.strip(), None) for n in value.split(",") if n.strip())
-        )
-        if wanted.exclude:
-            if not [n for n in names if n != "lo" and wanted.selects(n)]:
-                warnings.append(f"{var}={value} excludes every interface here ({', '.join(names)})")
-        elif var.startswith("GLOO"):
-            missing = [n for n, _ in wanted.items if n not in names]
-            if missing:
-                warnings.append(f"{var}={value}: no interface {', '.join(missing)} here (have {', '.join(names)})")
-        elif not [n for n in names if wanted.selects(n)]:
-            warnings.append(f"{var}={value} names no interface here (have {', '.join(names)})")
-    hca = env.get("NCCL_IB_HCA", "").strip()
-    if hca and ports and not NcclList.parse(hca).exclude and not nccl_ports(ports, env):
-        devices = sorted({p.device for p in ports})
-        warnings.append(f"NCCL_IB_HCA={hca} matches no RDMA device (have {', '.join(devices)})")
-    for var in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
-        if env.get(var, "").strip() == "0":
-            warnings.append(f"{var}=0: a failed collective hangs instead of aborting the worker")
-    shown = " ".join(f"{k}={v if len(v) <= 40 else v[:37] + '...'}" for k, v in found.items())
-    shown = shown or "no NCCL_* variables set (NCCL defaults)"
-    data = {"variables": found, "warnings": warnings}
-    if warnings:
-        return CheckResult(name="nccl env", status=Status.WARN, data=data, detail=f"{'; '.join(warnings)}; set: {shown}")
-    return CheckResult(name="nccl env", status=Status.OK, data=data, detail=shown)
 
 
 # ---- GPUs and storage -------------------------------------------------------
@@ -352,8 +220,9 @@ def check_gpus(probe: Callable[[], GpuInfo], env: Mapping[str, str]) -> CheckRes
             detail=f"CUDA_VISIBLE_DEVICES={visible} but no CUDA device is visible ({build}); check the driver",
         )  # fmt: skip
     return CheckResult(
-        name="gpus", status=Status.WARN, data=data, detail=f"no CUDA device visible ({build}); workers will use gloo on CPU"
-    )
+        name="gpus", status=Status.WARN, data=data,
+        detail=f"no CUDA device visible ({build}); workers will use gloo on CPU",
+    )  # fmt: skip
 
 
 def nearest_existing(path: str) -> str:
@@ -374,7 +243,8 @@ def check_free_space(
 
     protocol, path = split_protocol(url)
     if protocol not in (None, "file", "local"):
-        return CheckResult(name="checkpoint space", status=Status.SKIP, detail=f"cannot measure free space on {protocol}://")
+        detail = f"cannot measure free space on {protocol}://"
+        return CheckResult(name="checkpoint space", status=Status.SKIP, detail=detail)
     where = nearest_existing(path or ".")
     usage = disk_usage(where)
     data = {"path": where, "free_bytes": int(usage.free), "total_bytes": int(usage.total)}

@@ -138,7 +138,9 @@ class EtcdClient:
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 if code in _RETRYABLE:
-                    errors.append(f"{ep.label}: {code.name.lower()}")
+                    why = "no answer within %g s" % timeout if code == grpc.StatusCode.DEADLINE_EXCEEDED \
+                        else "unavailable"
+                    errors.append(f"{ep.label}: {why}")
                     continue
                 raise EtcdUnavailableError(
                     f"etcd at {ep.label} refused the request: "
@@ -150,7 +152,7 @@ class EtcdClient:
                 log.info("etcd: failed over to %s", ep.label)
             return result
         raise EtcdUnavailableError(
-            f"etcd at {self.config.describe()} did not answer within {timeout:g} s "
+            f"etcd at {self.config.describe()} is not reachable "
             f"({'; '.join(errors)}); is it running? see --rdzv-endpoint"
         )
 

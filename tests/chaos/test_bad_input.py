@@ -63,3 +63,12 @@ def test_missing_script():
     proc = run_cli("launch", "--standalone", "does_not_exist.py")
     assert proc.returncode == 2
     assert "not found" in _one_error_line(proc)
+
+
+def test_agent_refuses_to_join_with_an_rdma_port_down(etcd_endpoint, run_id):
+    fixture = ROOT / "tests" / "fixtures" / "sysfs"  # mlx5_1 port 1 is DOWN
+    proc = run_cli("launch", "--nnodes", "1", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id,
+                   "--metrics-port", "0", "--sysfs-root", str(fixture), EXAMPLE, "--steps", "2")
+    assert proc.returncode == 1
+    line = _one_error_line(proc)
+    assert "mlx5_1" in line and "not joining" in line
