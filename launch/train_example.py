@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
-from elastic_rt import report_step
+from elastic_rt import report_checkpoint, report_step
 from elastic_rt.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from elastic_rt.data import ElasticDistributedSampler
 from elastic_rt.worker_env import WorkerEnvironment
@@ -87,6 +87,8 @@ def main(argv=None) -> int:
     mgr = None
     if url:
         def on_saved(stats) -> None:
+            if local_rank == 0:  # the agent exports it as elastic_rt_checkpoint_* metrics
+                report_checkpoint(step=stats.step, save_duration_s=stats.save_duration_s, blocked_s=stats.blocked_s)
             if rank == 0:
                 print(f"checkpoint saved step={stats.step} world_size={stats.world_size} "
                       f"blocked_s={stats.blocked_s:.4f} save_s={stats.save_duration_s:.4f}", flush=True)

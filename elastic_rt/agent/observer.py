@@ -16,6 +16,7 @@ from elastic_rt.errors import ElasticRTError, HealthCheckError
 from elastic_rt.health import sntp
 from elastic_rt.health.clock import SkewEstimate, skew_warning
 from elastic_rt.health.exporter import MetricsExporter
+from elastic_rt.health.ckpt_report import CheckpointReportReader
 from elastic_rt.health.hang import HangDetector
 from elastic_rt.health.heartbeat import HeartbeatReader, prepare_heartbeat_file
 from elastic_rt.health.metrics import AgentMetrics
@@ -56,6 +57,7 @@ class MetricsObserver:
             worker_pids=lambda: dict(self._pids), heartbeats=self._read_heartbeats, sysfs_root=sysfs_root,
         )
         self._hang = HangDetector(hang_timeout_s=hang_timeout_s) if hang_timeout_s > 0 else None
+        self._ckpt = CheckpointReportReader(heartbeat_dir)
         self._exporter: MetricsExporter | None = None
         self._failure_at: float | None = None
         self.healthy = True
@@ -173,6 +175,10 @@ class MetricsObserver:
 
     def poll(self, agent) -> str | None:
         """Called every monitor tick while workers are healthy: 'hang' when they stopped progressing."""
+        report = self._ckpt.read_new()
+        if report is not None:
+            self.metrics.on_checkpoint(step=report.step, save_duration_s=report.save_duration_s,
+                                       blocked_s=report.blocked_s)
         if self._hang is None:
             return None
         self._hang.observe_all(self._reader.read())

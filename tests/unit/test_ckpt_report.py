@@ -1,0 +1,37 @@
+"""Checkpoint figures travel from a worker's report to the agent's metrics."""
+
+from __future__ import annotations
+
+import os
+
+from elastic_rt.agent.observer import MetricsObserver
+from elastic_rt.health.ckpt_report import CheckpointReportReader, report_checkpoint
+from elastic_rt.worker_env import ENV_HEARTBEAT_FILE
+
+
+def test_report_reaches_agent_metrics(tmp_path):
+    env = {ENV_HEARTBEAT_FILE: str(tmp_path / "worker-0")}
+    obs = MetricsObserver(run_id="r", node="n", heartbeat_dir=str(tmp_path), sysfs_root=None)
+    labels = {"run_id": "r", "node": "n"}
+    assert obs.poll(None) is None
+    assert obs.registry.get_sample_value("elastic_rt_checkpoint_last_committed_step", labels) in (None, 0.0)
+    report_checkpoint(step=120, save_duration_s=1.5, blocked_s=0.05, env=env)
+    obs.poll(None)
+    assert obs.registry.get_sample_value("elastic_rt_checkpoint_last_committed_step", labels) == 120
+    assert obs.registry.get_sample_value("elastic_rt_checkpoint_blocked_seconds_sum", labels) == 0.05
+
+
+def test_reader_ignores_garbage_and_unchanged_files(tmp_path):
+    reader = CheckpointReportReader(str(tmp_path))
+    assert reader.read_new() is None
+    (tmp_path / "checkpoint.json").write_text("{not json")
+    assert reader.read_new() is None
+    report_checkpoint(step=7, save_duration_s=1.0, blocked_s=0.1, env={ENV_HEARTBEAT_FILE: str(tmp_path / "w")})
+    assert reader.read_new().step == 7
+    assert reader.read_new() is None  # once per change
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_no_agent_no_report(tmp_path):
+    report_checkpoint(step=1, save_duration_s=1.0, blocked_s=0.1, env={})
+    assert not list(tmp_path.iterdir())
