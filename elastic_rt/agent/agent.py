@@ -98,7 +98,7 @@ class ElasticRTAgent(LocalElasticAgent):
         on_round = getattr(self.observer, "on_round", None)
         if on_round is not None and m is not None:
             on_round(round=m.round, store=worker_group.store, group_rank=worker_group.group_rank,
-                     group_world_size=worker_group.group_world_size)
+                     group_world_size=worker_group.group_world_size, master_addr=worker_group.master_addr)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         m = self._membership()

@@ -127,6 +127,7 @@ def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:
         return _run(agent, cfg, node_id, log_dir, handler, leave)
     finally:
         getattr(observer, "close", lambda: None)()
+        getattr(handler, "close", lambda: None)()
 
 
 def _run(agent, cfg: LaunchConfig, node_id: str, log_dir: str, handler, leave) -> int:

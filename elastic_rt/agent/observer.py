@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry
 
 import threading
 
-import torch.distributed as dist
-
 from elastic_rt.errors import ElasticRTError, HealthCheckError
+from torch.distributed.elastic.utils.distributed import get_free_port
+
 from elastic_rt.health import sntp
 from elastic_rt.health.clock import SkewEstimate, skew_warning
 from elastic_rt.health.exporter import MetricsExporter
@@ -20,7 +20,7 @@ from elastic_rt.health.ckpt_report import CheckpointReportReader
 from elastic_rt.health.hang import HangDetector
 from elastic_rt.health.heartbeat import HeartbeatReader, prepare_heartbeat_file
 from elastic_rt.health.metrics import AgentMetrics
-from elastic_rt.health.probe import run_allreduce_probe
+from elastic_rt.health.probe import spawn_probe
 from elastic_rt.health.store_skew import measure_skew_via_store, serve_skew
 
 # torch's DynamicRendezvousHandler declares a node dead when its heartbeat, stamped with
@@ -107,28 +107,33 @@ class MetricsObserver:
         threading.Thread(target=loop, name="elastic-rt-ntp", daemon=True).start()
 
     # ---- after each rendezvous: collective probe and clock skew -----------------
-    def on_round(self, *, round: int, store, group_rank: int, group_world_size: int) -> None:
+    def on_round(self, *, round: int, store, group_rank: int, group_world_size: int,
+                 master_addr: str | None = None) -> None:
         self._round = round
         if group_world_size < 2:
             return
         threading.Thread(
-            target=self._round_checks, args=(round, store, group_rank, group_world_size),
+            target=self._round_checks, args=(round, store, group_rank, group_world_size, master_addr),
             name=f"elastic-rt-checks-{round}", daemon=True,
         ).start()
 
-    def _round_checks(self, rnd: int, store, rank: int, world: int) -> None:
+    def _round_checks(self, rnd: int, store, rank: int, world: int, master_addr: str | None) -> None:
         if self._probe_bytes > 0:
             try:
-                result = run_allreduce_probe(
-                    dist.PrefixStore("elastic-rt/probe", store), rank, world, nbytes=self._probe_bytes,
-                    timeout_s=self._probe_timeout_s, backend=self._probe_backend,
+                if rank == 0:
+                    store.set("elastic-rt/probe/port", str(get_free_port()))
+                port = int(store.get("elastic-rt/probe/port").decode())
+                result = spawn_probe(
+                    master_addr=master_addr or "127.0.0.1", master_port=port, rank=rank, world_size=world,
+                    nbytes=self._probe_bytes, timeout_s=self._probe_timeout_s, backend=self._probe_backend,
                 )
                 self.last_probe = result
+                self.healthy = True
                 self.metrics.on_probe(latency_s=result.latency_s, bus_bandwidth_bytes_per_s=result.busbw_bytes_per_s)
-                log.info("[%s round %d] probe: %s all-reduce of %d bytes over %d nodes: %.2f ms, busbw %.2f GB/s",
+                log.info("[%s round %d] probe: %s all-reduce of %d bytes over %d nodes: %.2f ms, busbw %.3f GB/s",
                          self._node, rnd, result.backend, result.nbytes, world, result.latency_s * 1e3,
                          result.busbw_bytes_per_s / 1e9)
-            except HealthCheckError as exc:
+            except (HealthCheckError, Exception) as exc:  # noqa: BLE001 - the store may be gone with the round
                 if rnd == self._round:  # a failure of an outdated round says nothing
                     self.metrics.on_probe_failure()
                     self.healthy = False

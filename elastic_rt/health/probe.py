@@ -1,9 +1,19 @@
-"""Collective probe: one all-reduce across the nodes of a new round, timed (nccl-tests bus bandwidth)."""
+"""Collective probe: one all-reduce across the nodes of a new round, timed (nccl-tests bus bandwidth).
+
+The agent runs it in a child process (`python -m elastic_rt.health.probe`), one per node,
+meeting on a TCPStore hosted by rank 0's child: a hung or crashed collective can then be
+killed without touching the agent, and a CUDA context never stays in the agent.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch
@@ -87,3 +97,51 @@ def run_allreduce_probe(store: dist.Store, rank: int, world_size: int, *, nbytes
                 pass
     times.sort()
     return ProbeResult(backend=backend, world_size=world_size, nbytes=numel * 4, latency_s=times[len(times) // 2])
+
+
+def spawn_probe(*, master_addr: str, master_port: int, rank: int, world_size: int, nbytes: int,
+                timeout_s: float, backend: str = "auto") -> ProbeResult:
+    """Run one probe in a low-priority child process; HealthCheckError when it fails or overruns."""
+    cmd = [sys.executable, "-m", "elastic_rt.health.probe", "--master-addr", master_addr,
+           "--master-port", str(master_port), "--rank", str(rank), "--world-size", str(world_size),
+           "--bytes", str(nbytes), "--timeout", str(timeout_s), "--backend", backend]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 60,
+                              preexec_fn=lambda: os.nice(10), start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        raise HealthCheckError(f"collective probe did not finish within {timeout_s + 60:g} s") from exc
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        err = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        raise HealthCheckError(err if err.startswith("collective probe") else f"collective probe failed: {err}")
+    return ProbeResult(**json.loads(lines[-1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m elastic_rt.health.probe")
+    p.add_argument("--master-addr", required=True)
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--bytes", type=int, default=4 << 20)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--backend", default="auto")
+    a = p.parse_args(argv)
+    try:
+        store = dist.TCPStore(a.master_addr, a.master_port, a.world_size, a.rank == 0,
+                              timeout=timedelta(seconds=a.timeout), wait_for_workers=False)
+        result = run_allreduce_probe(store, a.rank, a.world_size, nbytes=a.bytes, timeout_s=a.timeout,
+                                     backend=a.backend)
+    except HealthCheckError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - e.g. the store host is gone
+        print(f"collective probe failed: {str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}",
+              file=sys.stderr)
+        return 1
+    print(json.dumps(asdict(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

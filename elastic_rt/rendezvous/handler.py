@@ -121,10 +121,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         try:
             self.set_closed()
             self.leave()
+            self.close()
             return True
         except RendezvousConnectionError as exc:
             log.warning("node %s: rendezvous shutdown failed: %s", self.settings.node_id, exc)
             return False
+
+    def close(self) -> None:
+        """Release the etcd connections (after leave(); the handler is unusable afterwards)."""
+        self._client.close()
 
     def leave(self) -> None:
         """Give up this node's liveness now, so peers re-form without waiting for the lease TTL."""

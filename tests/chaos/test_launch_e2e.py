@@ -89,7 +89,7 @@ def test_torchrun_with_etcd_v3_backend(etcd_endpoint, run_id, nodes):
            "--rdzv-conf", "node_id=torchrun-node", EXAMPLE, "--steps", "5"]
     n = Node([], name="torchrun", cmd=cmd)
     nodes.append(n)
-    assert n.wait_exit(180) == 0, n.output[-3000:]
+    assert n.wait_exit(300) == 0, n.output[-3000:]
     assert n.matches(r"done steps=5 world_size=2")
 
 

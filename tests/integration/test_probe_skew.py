@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_rt.errors import HealthCheckError
-from elastic_rt.health.probe import run_allreduce_probe
+from elastic_rt.health.probe import run_allreduce_probe, spawn_probe
 from elastic_rt.health.store_skew import measure_skew_via_store, serve_skew
 from elastic_rt.rendezvous.store import EtcdStore
 
@@ -59,3 +59,22 @@ def test_skew_between_two_agents_with_shifted_clock(etcd_client, run_id, shift_s
     # rank 0 minus this node: the node runs ahead by shift_s
     assert est.offset_s == pytest.approx(-shift_s, abs=max(0.02, est.error_bound_s))
     assert 0 < est.round_trip_s < 1.0
+
+
+def test_probe_in_child_processes_meeting_on_a_tcp_store():
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    port = get_free_port()
+    results, errors = _in_threads(
+        lambda r: spawn_probe(master_addr="127.0.0.1", master_port=port, rank=r, world_size=2,
+                              nbytes=1 << 16, timeout_s=20, backend="gloo"), 2)
+    assert not errors, errors
+    assert all(r.world_size == 2 and r.latency_s > 0 for r in results)
+
+
+def test_probe_child_alone_fails_with_one_line():
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    with pytest.raises(HealthCheckError, match="collective probe"):
+        spawn_probe(master_addr="127.0.0.1", master_port=get_free_port(), rank=0, world_size=2,
+                    nbytes=1024, timeout_s=3, backend="gloo")
