@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import grpc
 from pyetcd import etcdrpc
@@ -173,13 +173,6 @@ class EtcdClient:
         kv = _kv(resp.kvs[0]) if resp.kvs else None
         return kv, resp.header.revision
 
-    def get_prefix(self, prefix: str, *, keys_only: bool = False) -> tuple[list[KeyValue], int]:
-        req = etcdrpc.RangeRequest(
-            key=prefix.encode(), range_end=prefix_end(prefix), keys_only=keys_only
-        )
-        resp = self._call(lambda ep, t: ep.kv.Range(req, timeout=t, metadata=ep.metadata))
-        return [_kv(kv) for kv in resp.kvs], resp.header.revision
-
     def count_prefix(self, prefix: str) -> int:
         req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix), count_only=True)
         resp = self._call(lambda ep, t: ep.kv.Range(req, timeout=t, metadata=ep.metadata))
@@ -194,11 +187,6 @@ class EtcdClient:
         req = etcdrpc.DeleteRangeRequest(key=key.encode())
         resp = self._call(lambda ep, t: ep.kv.DeleteRange(req, timeout=t, metadata=ep.metadata))
         return resp.deleted > 0
-
-    def delete_prefix(self, prefix: str) -> int:
-        req = etcdrpc.DeleteRangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
-        resp = self._call(lambda ep, t: ep.kv.DeleteRange(req, timeout=t, metadata=ep.metadata))
-        return int(resp.deleted)
 
     def compare_and_put(
         self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0
@@ -223,16 +211,6 @@ class EtcdClient:
         resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
         rng = resp.responses[-1].response_range
         return bool(resp.succeeded), (_kv(rng.kvs[0]) if rng.kvs else None)
-
-    def compare_and_delete(self, key: str, *, expected_mod_revision: int) -> bool:
-        cmp = etcdrpc.Compare(
-            result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD, key=key.encode(),
-            mod_revision=expected_mod_revision,
-        )
-        op = etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode()))
-        req = etcdrpc.TxnRequest(compare=[cmp], success=[op], failure=[])
-        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
-        return bool(resp.succeeded)
 
     def delete_range(self, start: str, end: str) -> int:
         """Delete every key k with start <= k < end."""
@@ -323,6 +301,3 @@ class EtcdClient:
             lambda ep, t: ep.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=ep.metadata)
         )
         return resp.version, time.monotonic() - t0
-
-    def iter_endpoints(self) -> Iterator[str]:
-        return (ep.label for ep in self._endpoints)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 
 from elastic_rt.errors import EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
@@ -75,13 +74,3 @@ class NodeLease:
                 log.warning("node %s: could not revoke lease (%s); it expires in %g s", self._node_id, exc, self._ttl_s)
         self._lease_id = 0
 
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
-    """Poll `predicate` until it is true or timeout_s passed (for callers with no event to wait on)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval_s)

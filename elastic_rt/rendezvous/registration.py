@@ -92,8 +92,7 @@ def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
 
 
 def create_etcd_v3_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
-    settings = settings_from_params(params)  # validates the run id and timeouts first
-    RunKeys(params.run_id)
+    settings = settings_from_params(params)  # validates timeouts and the node id first
     return EtcdRendezvousHandler(EtcdClient(etcd_config_from_params(params)), settings)
 
 
@@ -112,7 +111,3 @@ def register() -> None:
         except ValueError:
             pass  # already registered (e.g. by the torchrun.handlers entry point)
 
-
-def etcd_v3_handler_factory():
-    """Target of the `torchrun.handlers` entry point: torch calls it and registers what it returns."""
-    return create_etcd_v3_handler
