@@ -71,10 +71,17 @@ def build_handler(cfg: LaunchConfig):
     )
     if cfg.rdzv_backend == "c10d" and cfg.standalone:
         params.config.setdefault("is_host", "true")
+    if cfg.rdzv_backend != "etcd-v3":
+        # torch's DynamicRendezvousHandler would have restarted workers reuse the agent's
+        # TCPStore, where the keys of the failed attempt are still present: restarts then
+        # fail to connect or hang. A fresh store hosted by rank 0 per attempt avoids that.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         return get_rendezvous_handler(params)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"rendezvous configuration: {exc}") from exc
+    except ElasticRTError:
+        raise
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ConfigError(f"rendezvous configuration ({cfg.rdzv_backend}): {exc}") from exc
 
 
 def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:

@@ -18,13 +18,14 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     returns the current state and token, as torch's contract asks.
     """
 
-    def __init__(self, client: EtcdClient, run_id: str) -> None:
+    def __init__(self, client: EtcdClient, run_id: str, *, name: str = "etcd-v3") -> None:
         self._client = client
         self._key = RunKeys(run_id).state
+        self._name = name  # torch requires it to equal the --rdzv-backend it was created for
 
     @property
     def name(self) -> str:
-        return "etcd-v3"
+        return self._name
 
     def get_state(self) -> tuple[bytes, Token] | None:
         try:

@@ -34,7 +34,7 @@ from torch.distributed.elastic.rendezvous import (
 from elastic_rt.errors import EtcdUnavailableError, RendezvousDataError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
 from elastic_rt.rendezvous.keys import RunKeys
-from elastic_rt.rendezvous.lease import NodeLease
+from elastic_rt.rendezvous.lease import NodeLease, process_is_gone
 from elastic_rt.rendezvous.store import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             info={"addr": settings.local_addr},
         )
         self._lease_started = False
+        self._probed: dict[str, float] = {}
         self.membership: Membership | None = None
 
     # ---- RendezvousHandler API -------------------------------------------
@@ -266,6 +267,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if len(joined) >= s.min_nodes and min_seen_at is None:
                 min_seen_at = now
             alive_nodes = {kv.key[len(k.alive_prefix):] for kv in alive}
+            if rnd > 0 and self._evict_dead(alive, set(joined)):
+                continue
             wait_s = deadline - now
             if len(joined) >= s.max_nodes:
                 close = True
@@ -284,6 +287,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 continue
             self._check_deadline(deadline, cleanup_key=k.join(rnd, s.node_id))
             c.wait_for_change(k.base, after_revision=rev, timeout_s=max(wait_s, 0.01), prefix=True)
+
+    def _evict_dead(self, alive: list[KeyValue], joined: set[str]) -> bool:
+        """Revoke the lease of live-looking nodes whose agent process is gone (checked at most
+        once a second each), so a re-forming round need not wait for their TTL."""
+        evicted = False
+        now = time.monotonic()
+        for kv in alive:
+            node = kv.key[len(self.keys.alive_prefix):]
+            if node in joined or now - self._probed.get(node, 0.0) < 1.0:
+                continue
+            self._probed[node] = now
+            if kv.lease and process_is_gone(kv.value):
+                log.info("node %s: node %s's agent is gone (liveness port refused); evicting it",
+                         self.settings.node_id, node)
+                self._client.revoke_lease(kv.lease)
+                evicted = True
+        return evicted
 
     def _check_deadline(self, deadline: float, cleanup_key: str | None = None) -> None:
         if time.monotonic() < deadline:

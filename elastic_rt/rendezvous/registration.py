@@ -100,7 +100,8 @@ def create_etcd_v3_torch_handler(params: RendezvousParameters):
     """torch's DynamicRendezvousHandler on the etcd v3 backend (its heartbeat and last-call timing)."""
     keys = RunKeys(params.run_id)
     client = EtcdClient(etcd_config_from_params(params))
-    return create_handler(EtcdStore(client, keys.store), EtcdV3RendezvousBackend(client, params.run_id), params)
+    backend = EtcdV3RendezvousBackend(client, params.run_id, name=params.backend)
+    return create_handler(EtcdStore(client, keys.store), backend, params)
 
 
 def register() -> None:
