@@ -224,6 +224,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 c.compare_and_put(k.round, b"0", expected_mod_revision=None)
                 continue
             final, _ = c.get(k.final(rnd))
+            if final is not None:
+                _decode_json(final, "round membership")  # foreign data: one clear error, no waiting
             if final is None:
                 result = self._join_and_wait(rnd, deadline)
                 if result is not None:
