@@ -93,10 +93,19 @@ class Node:
         self.proc.wait(timeout=30)
 
     def cleanup(self) -> None:
+        """Kill the node and every descendant, including workers in sessions of their own
+        (torchrun starts each worker with setsid, so killpg alone would leave them)."""
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            kids = []
         if self.proc.poll() is None:
             self.kill_node()
-        for p in _session_members(self.proc.pid):
-            p.kill()
+        for p in kids + _session_members(self.proc.pid):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 def _session_members(sid: int) -> list[psutil.Process]:
