@@ -122,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"elastic-rt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a signal that arrived while shutting down: no traceback
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        if isinstance(exc, SignalException):
+            print(f"elastic-rt {args.command}: stopped by {exc.sigval.name}", file=sys.stderr)
+            return 128 + int(exc.sigval)
+        raise
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ from elastic_rt.data import ElasticDistributedSampler
 from elastic_rt.worker_env import WorkerEnvironment
 
 
+EXIT_PEER_PREEMPTED = 75  # EX_TEMPFAIL: stopped because a peer was preempted; restart me
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=100, help="optimizer steps to run in total")
@@ -155,6 +158,10 @@ def main(argv=None) -> int:
         print(f"{state} steps={step} world_size={world} param_digest={digest(params)}", flush=True)
     dist.barrier()  # nobody tears down gloo while a peer still talks to it
     dist.destroy_process_group()
+    if stop and not sigterm:
+        # Another node was preempted: we saved with it, but the job is not finished.
+        # A non-zero exit makes our agent re-form the group without that node.
+        return EXIT_PEER_PREEMPTED
     return 0
 
 

@@ -146,9 +146,12 @@ def _run(agent, cfg: LaunchConfig, node_id: str, log_dir: str, handler, leave) -
             leave()
         return 128 + int(exc.sigval)
     except RendezvousClosedError as exc:
+        # The job finished before this node joined (a late or restarted node): nothing to do.
+        # Exit 0, so that a Kubernetes pod or a systemd unit does not crash-loop on it.
         if leave:
             leave()
-        raise ElasticRTError(str(exc) or f"rendezvous {cfg.rdzv_id} is closed") from exc
+        log.warning("[%s] %s; exiting", node_id, str(exc) or f"rendezvous {cfg.rdzv_id} is closed")
+        return 0
     except RendezvousTimeoutError as exc:
         if leave:
             leave()

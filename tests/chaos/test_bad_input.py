@@ -72,3 +72,13 @@ def test_agent_refuses_to_join_with_an_rdma_port_down(etcd_endpoint, run_id):
     assert proc.returncode == 1
     line = _one_error_line(proc)
     assert "mlx5_1" in line and "not joining" in line
+
+
+def test_late_node_of_a_finished_job_exits_zero_not_a_crash_loop(etcd_endpoint, run_id):
+    args = ["launch", "--nnodes", "1", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id,
+            "--metrics-port", "0", EXAMPLE, "--steps", "2"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    late = run_cli(*args)
+    assert late.returncode == 0
+    assert "is closed (the job finished)" in late.stderr and "Traceback" not in late.stderr
