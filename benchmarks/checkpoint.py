@@ -1,23 +1,23 @@
-"""Checkpoint benchmark: training-loop blocked time and write throughput per save, side by side.
+"""Checkpoint benchmark: training-loop blocked time and write throughput per save, side by side."""
 
-One run, on N ranks (gloo, CPU), each holding 1/N of about --size-gib of sharded state
-(DTensor, Shard(0)). Compared, each with --reps timed saves after one warm-up save:
-
-  raw write + fsync   each rank writes its bytes to one file and fsyncs (the disk's limit)
-  torch.save          each rank torch.save()s its shards to its own file, then fsync
-  dcp.save            torch.distributed.checkpoint.save, FileSystemWriter (fsync on)
-  dcp.async_save      default staging (a fresh host copy per save)
-  dcp.async_save+stager  one DefaultStager (no pinned memory: CPU) reused for every save
-  elastic-rt sync     CheckpointManager(async_save=False)
-  elastic-rt async    CheckpointManager(async_save=True): staged in save() into reused buffers
-  elastic-rt async+guard  ... and guard_optimizer(): staging overlaps a simulated
-                      forward/backward of --compute-s; blocked = save() + wait at optimizer.step()
-
-"blocked" is the time the training loop could not proceed (max over ranks), "total" the time
-until the checkpoint was complete on storage; throughput = state bytes / total. Medians.
-
-  python benchmarks/checkpoint.py [--size-gib 1] [--ranks 2] [--reps 3] [--dir DIR]
-"""
+# One run, on N ranks (gloo, CPU), each holding 1/N of about --size-gib of sharded state
+# (DTensor, Shard(0)). Compared, each with --reps timed saves after one warm-up save:
+#
+#   raw write + fsync   each rank writes its bytes to one file and fsyncs (the disk's limit)
+#   torch.save          each rank torch.save()s its shards to its own file, then fsync
+#   dcp.save            torch.distributed.checkpoint.save, FileSystemWriter (fsync on)
+#   dcp.async_save      default staging (a fresh host copy per save)
+#   dcp.async_save+stager  one DefaultStager (no pinned memory: CPU) reused for every save
+#   elastic-rt sync     CheckpointManager(async_save=False)
+#   elastic-rt async    CheckpointManager(async_save=True): staged in save() into reused buffers
+#   elastic-rt async+guard  ... and guard_optimizer(): staging overlaps a simulated
+#                       forward/backward of --compute-s; blocked = save() + wait at optimizer.step()
+#
+# "blocked" is the time the training loop could not proceed (max over ranks), "total" the time
+# until the checkpoint was complete on storage; throughput = state bytes / total. Medians.
+# Deleting the previous output and flushing the disk (os.sync) happen untimed before each save.
+#
+#   python benchmarks/checkpoint.py [--size-gib 1] [--ranks 2] [--reps 3] [--dir DIR]
 
 from __future__ import annotations
 
@@ -56,7 +56,10 @@ def make_state(rank: int, world_size: int, size_bytes: int) -> tuple[dict, list[
         local = torch.randn(rows, cols, generator=gen)
         params.append(
             torch.nn.Parameter(
-                DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows * world_size, cols)), stride=(cols, 1))
+                DTensor.from_local(
+                    local, mesh, [Shard(0)], run_check=False,
+                    shape=torch.Size((rows * world_size, cols)), stride=(cols, 1),
+                )
             )
         )
     return {"model": {f"layer{i}.weight": p for i, p in enumerate(params)}}, params
@@ -97,33 +100,36 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - started, value
 
 
-def worker(rank: int, world_size: int, root: str, size_bytes: int, reps: int, compute_s: float) -> dict:
+SaveFn = Callable[[int], tuple[float, float]]  # save number -> (blocked_s, total_s)
+
+
+def worker(
+    rank: int, world_size: int, root: str, size_bytes: int, reps: int, compute_s: float, only: list[str] | None
+) -> dict:
     torch.set_num_threads(1)
     state, params = make_state(rank, world_size, size_bytes)
     ckpt_pg = dist.new_group(backend="gloo")
-    methods: dict[str, Callable[[int], tuple[float, float]]] = {}
+    # name -> (prepare: untimed, e.g. delete the previous output; save: timed)
+    methods: dict[str, tuple[Callable[[], None], SaveFn]] = {}
 
-    def clean(path: str) -> None:
-        dist.barrier()
-        if rank == 0 and os.path.exists(path):
-            shutil.rmtree(path)
-        dist.barrier()
-
-    def sync_method(path: str, fn: Callable[[], None]) -> Callable[[int], tuple[float, float]]:
-        def save(i: int) -> tuple[float, float]:
-            clean(path)
-            os.makedirs(path, exist_ok=True)
+    def remover(path: str) -> Callable[[], None]:
+        def remove() -> None:
+            if rank == 0 and os.path.exists(path):
+                shutil.rmtree(path)
             dist.barrier()
+            os.makedirs(path, exist_ok=True)
+        return remove
+
+    def sync_method(fn: Callable[[], None]) -> SaveFn:
+        def save(i: int) -> tuple[float, float]:
             elapsed, _ = timed(lambda: (fn(), dist.barrier()))
             return elapsed, elapsed
         return save
 
-    def dcp_async(path: str, reuse_stager: bool) -> Callable[[int], tuple[float, float]]:
+    def dcp_async(path: str, reuse_stager: bool) -> SaveFn:
         stager = DefaultStager(StagingOptions(False, False, False, False)) if reuse_stager else None
 
         def save(i: int) -> tuple[float, float]:
-            clean(path)
-            dist.barrier()
             started = time.perf_counter()
             future = dcp.async_save(
                 state, storage_writer=FileSystemWriter(path), process_group=ckpt_pg, async_stager=stager
@@ -134,14 +140,12 @@ def worker(rank: int, world_size: int, root: str, size_bytes: int, reps: int, co
             return blocked, time.perf_counter() - started
         return save
 
-    def elastic(url: str, async_save: bool, guard: bool) -> tuple[CheckpointManager, Callable[[int], tuple[float, float]]]:
+    def elastic(mgr: CheckpointManager, guard: bool) -> SaveFn:
         optim = torch.optim.SGD(params, lr=0.0)  # no grads: step() changes nothing, but is guarded
-        mgr = CheckpointManager(url, keep_last=1, async_save=async_save, per_rank_keys=())
         if guard:
             mgr.guard_optimizer(optim)
 
         def save(i: int) -> tuple[float, float]:
-            dist.barrier()
             started = time.perf_counter()
             mgr.save(i, state)
             if guard:
@@ -150,30 +154,50 @@ def worker(rank: int, world_size: int, root: str, size_bytes: int, reps: int, co
             stats = mgr.wait()
             dist.barrier()
             total = time.perf_counter() - started
-            return (stats.blocked_s if async_save else total), total
-        return mgr, save
+            return (stats.blocked_s if mgr.options.async_save else total), total
+        return save
 
-    raw_dir, ts_dir, dcp_dir = (os.path.join(root, n) for n in ("raw", "torch_save", "dcp"))
-    methods["raw write + fsync"] = sync_method(raw_dir, lambda: raw_write(f"{raw_dir}/r{rank}.bin", params))
-    methods["torch.save"] = sync_method(ts_dir, lambda: torch_save(f"{ts_dir}/r{rank}.pt", params))
-    methods["dcp.save"] = sync_method(
-        dcp_dir, lambda: dcp.save(state, storage_writer=FileSystemWriter(dcp_dir), process_group=ckpt_pg)
+    paths = {n: os.path.join(root, n) for n in ("raw", "torch_save", "dcp", "dcp_async", "dcp_async_stager")}
+    methods["raw write + fsync"] = (
+        remover(paths["raw"]), sync_method(lambda: raw_write(f"{paths['raw']}/r{rank}.bin", params))
     )
-    methods["dcp.async_save"] = dcp_async(os.path.join(root, "dcp_async"), False)
-    methods["dcp.async_save+stager"] = dcp_async(os.path.join(root, "dcp_async_stager"), True)
+    methods["torch.save"] = (
+        remover(paths["torch_save"]), sync_method(lambda: torch_save(f"{paths['torch_save']}/r{rank}.pt", params))
+    )
+    methods["dcp.save"] = (remover(paths["dcp"]), sync_method(
+        lambda: dcp.save(state, storage_writer=FileSystemWriter(paths["dcp"]), process_group=ckpt_pg)
+    ))
+    methods["dcp.async_save"] = (remover(paths["dcp_async"]), dcp_async(paths["dcp_async"], False))
+    methods["dcp.async_save+stager"] = (
+        remover(paths["dcp_async_stager"]), dcp_async(paths["dcp_async_stager"], True)
+    )
     managers = []
     for name, async_save, guard in (
         ("elastic-rt sync", False, False),
         ("elastic-rt async", True, False),
         ("elastic-rt async+guard", True, True),
     ):
-        mgr, methods[name] = elastic(f"file://{root}/ert_{int(async_save)}{int(guard)}", async_save, guard)
+        mgr = CheckpointManager(
+            f"file://{root}/ert_{int(async_save)}{int(guard)}", keep_last=1, async_save=async_save, per_rank_keys=()
+        )
         managers.append(mgr)
+        # its own retention deletes the previous checkpoint in the background; let it finish
+        methods[name] = (mgr.latest_committed_step, elastic(mgr, guard))
 
-    # Round robin, so that drift in the shared disk's speed hits every method alike.
+    if only:
+        methods = {name: methods[name] for name in only}
+    # Round robin, rotated by one method each round, so that drift in the shared machine's speed
+    # and after-effects of the method before (freed memory, writeback) hit every method alike.
+    # Before each timed save the previous output is deleted and the disk flushed (os.sync), untimed.
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
+    names = list(methods)
     for i in range(reps + 1):  # the first round is a warm-up
-        for name, save in methods.items():
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            prepare, save = methods[name]
+            dist.barrier()
+            prepare()
+            os.sync()
             dist.barrier()
             sample = save(i)
             if i > 0:
@@ -203,37 +227,42 @@ def summarize(per_rank: list[dict], total_bytes: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-gib", type=float, default=1.0)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--compute-s", type=float, default=0.5, help="simulated forward/backward")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--only", default=None, help="comma-separated method names, in this order")
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="elastic-rt-bench-")
     os.makedirs(root, exist_ok=True)
     try:
         size = int(args.size_gib * (1 << 30))
-        out = run_world(worker, args.ranks, root, size, args.reps, args.compute_s, timeout_s=3600)[0]
+        only = args.only.split(",") if args.only else None
+        out = run_world(worker, args.ranks, root, size, args.reps, args.compute_s, only, timeout_s=3600)[0]
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     total_bytes = out["local_bytes"] * args.ranks
     rows = summarize(out["per_rank"], total_bytes)
     by_name = {r["method"]: r for r in rows}
-    raw, sync = by_name["raw write + fsync"], by_name["elastic-rt sync"]
+    raw, sync, dcp_sync = (by_name.get(n) for n in ("raw write + fsync", "elastic-rt sync", "dcp.save"))
     print(f"\n{total_bytes / (1 << 30):.2f} GiB of state on {args.ranks} ranks, medians of {args.reps} saves "
           f"(after one warm-up), fsync on, simulated forward/backward {args.compute_s} s\n")
     print(f"| {'method':24} | blocked s | total s | GiB/s | blocked / own total | total / raw |")
     print(f"|{'-' * 26}|----------:|--------:|------:|--------------------:|------------:|")
     for r in rows:
+        vs_raw = f"{r['total_s'] / raw['total_s']:11.2f}" if raw else f"{'-':>11}"
         print(f"| {r['method']:24} | {r['blocked_s']:9.3f} | {r['total_s']:7.3f} | {r['throughput_gib_s']:5.2f} "
-              f"| {r['blocked_s'] / r['total_s']:19.1%} | {r['total_s'] / raw['total_s']:11.2f} |")
+              f"| {r['blocked_s'] / r['total_s']:19.1%} | {vs_raw} |")
     for name in ("elastic-rt async", "elastic-rt async+guard", "dcp.async_save", "dcp.async_save+stager"):
-        print(f"{name}: blocked {by_name[name]['blocked_s'] / sync['total_s']:.1%} of an elastic-rt sync save, "
-              f"{by_name[name]['blocked_s'] / by_name['dcp.save']['total_s']:.1%} of a dcp.save")
-    print(f"elastic-rt sync vs raw write: {sync['total_s'] / raw['total_s']:.2f}x (target <= 1.2x)")
+        if name in by_name and sync and dcp_sync:
+            print(f"{name}: blocked {by_name[name]['blocked_s'] / sync['total_s']:.1%} of an elastic-rt sync "
+                  f"save, {by_name[name]['blocked_s'] / dcp_sync['total_s']:.1%} of a dcp.save")
+    if sync and raw:
+        print(f"elastic-rt sync vs raw write: {sync['total_s'] / raw['total_s']:.2f}x (target <= 1.2x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ranks": args.ranks, "bytes": total_bytes, "rows": rows}, f, indent=1)

@@ -35,7 +35,9 @@ TAG_ENV = "ELASTIC_RT_BENCH_TAG"  # inherited by every process a launcher starts
 STEP_RE = re.compile(r"(?<![\w])step=(\d+) loss=\S+ world_size=(\d+)")
 START_RE = re.compile(r"(?<![\w])start step=\d+ world_size=(\d+)")
 REASON_RE = re.compile(r"restarting the worker group: (.+?)\s*$")
-FAILED_RE = re.compile(r"\] failed \(exitcode: (-?\d+)\)")  # torch's agent noticed a failed worker group
+FAILED_RE = re.compile(r"\] failed \(exitcode: (-?\d+)\)")  # torch's agent has torn down a failed worker group
+# The survivor's agent reacts: torch starts stopping a failed group, or elastic-rt restarts (e.g. peer lost).
+DETECT_RE = re.compile(r"Sending process \d+ closing signal|\] failed \(exitcode|restarting the worker group")
 
 
 class Deadline(Exception):
@@ -58,7 +60,7 @@ class TrialResult:
     outcome: str                     # recovered | timeout | crashed | error
     recovery_s: float | None = None  # kill -> first completed step after recovery
     restart_s: float | None = None   # kill -> the restarted job's "start step=0" line
-    detect_s: float | None = None    # kill -> the survivor's agent logs a failed worker ("failed (exitcode")
+    detect_s: float | None = None    # kill -> the survivor's agent first reacts (DETECT_RE)
     cold_start_s: float | None = None  # launcher start -> first step (the floor a restart cannot beat)
     group_failures: int = 0          # worker-group failures the survivor saw between kill and recovery
     reasons: list[str] = field(default_factory=list)  # elastic-rt's "restarting the worker group: REASON"
@@ -189,6 +191,7 @@ class Trial:
         tmp = os.path.join(self.log_dir, f"tmp-{name}")
         os.makedirs(tmp, exist_ok=True)
         env = dict(os.environ, TMPDIR=tmp, PYTHONUNBUFFERED="1", **{TAG_ENV: self.tag + name})
+        env.pop("ELASTIC_RT_CHECKPOINT_URL", None)  # measured without checkpoints: restarts begin at step 0
         if self.bench.args.omp_threads > 0:
             env["OMP_NUM_THREADS"] = str(self.bench.args.omp_threads)
         node = self.nodes[name] = Node(name, cmd, env, self.events, self.log_dir)
@@ -363,12 +366,13 @@ class Bench:
                         survivor: str, world: str | None) -> TrialResult:
         """Poll the survivor's output until it completes a step after recovering: at world size `world`,
         or (world None) after the restarted job's 'start' line."""
-        deadline, restarted = t_kill + limit_s, False
+        deadline, restarted, last = t_kill + limit_s, False, None
         try:
             while True:
                 ev = tr.next(deadline)
                 if ev.src != survivor:
                     continue
+                last = ev.t
                 if ev.text is None:
                     rc = tr.nodes[survivor].proc.wait()
                     res.outcome = "crashed"
@@ -379,6 +383,7 @@ class Bench:
                     res.reasons.append(m[1])
                 if FAILED_RE.search(ev.text):
                     res.group_failures += 1
+                if DETECT_RE.search(ev.text):
                     res.detect_s = res.detect_s or ev.t - t_kill
                 m = START_RE.search(ev.text)
                 if m and (world is None or m[1] == world):
@@ -389,7 +394,8 @@ class Bench:
                     res.outcome, res.recovery_s = "recovered", ev.t - t_kill
                     break
         except Deadline:
-            res.detail = f"no recovery within {limit_s:g} s"
+            silent = f", silent since {last - t_kill:.1f} s after the kill" if last and last > t_kill else ""
+            res.detail = f"no recovery within {limit_s:g} s{silent}"
         if res.outcome != "recovered" and self.args.verbose:
             print(tr.tails(), file=sys.stderr)
         return res
@@ -422,6 +428,21 @@ def median_s(results: list[TrialResult]) -> float | None:
     return m if m != float("inf") else None
 
 
+def ratio(ert: Scenario, torchrun: Scenario, args: argparse.Namespace) -> dict:
+    """elastic-rt / torchrun of the medians. When torchrun did not recover, the wait limit stands in
+    for its time and the ratio is an upper bound ('<')."""
+    e, t = median_s(ert.results), median_s(torchrun.results)
+    limit = args.worker_timeout if ert.fault == "worker" else args.node_timeout
+    if e is None:
+        return {"ratio": None, "bound": None, "text": "- (elastic-rt did not recover)"}
+    if t is None:
+        if not any(r.outcome != "error" for r in torchrun.results):
+            return {"ratio": None, "bound": None, "text": "- (torchrun trials could not run)"}
+        return {"ratio": None, "bound": e / limit,
+                "text": f"<{e / limit:.2f} (torchrun: no recovery within {limit:g} s or crashed)"}
+    return {"ratio": e / t, "bound": e / t, "text": f"{e / t:.2f}"}
+
+
 def _med(vals: list) -> float | None:
     vals = [v for v in vals if v is not None]
     return statistics.median(vals) if vals else None
@@ -442,25 +463,27 @@ def summarize(scenarios: list[Scenario], args: argparse.Namespace) -> dict:
             "outcomes": sorted({r.outcome for r in s.results}),
             "results": [asdict(r) for r in s.results],
         })
-    ratios, targets = {}, {}
+    ratios: dict[str, dict] = {}
     pairs = [(k, "worker/torchrun") for k in ("worker/ert-standalone", "worker/ert-etcd")]
     pairs += [(k, t) for k in ("node/ert-rank0", "node/ert-non-rank0")
               for t in ("node/torchrun-non-host", "node/torchrun-store-host")]
     for key, tkey in pairs:
         if key in by_key and tkey in by_key:
-            e, t = median_s(by_key[key].results), median_s(by_key[tkey].results)
-            ratios[f"{key} / {tkey}"] = e / t if e is not None and t else None
+            ratios[f"{key} / {tkey}"] = ratio(by_key[key], by_key[tkey], args)
+    targets: list[dict] = []
     node_keys = [k for k in ("node/ert-rank0", "node/ert-non-rank0") if k in by_key]
     if node_keys:
-        meds = [median_s(by_key[k].results) for k in node_keys]
-        targets["node loss: elastic-rt (etcd-v3) recovers in < 5 s, median of every variant"] = all(
-            m is not None and m < 5.0 for m in meds)
-    worker_ratios = [v for k, v in ratios.items() if k.startswith("worker/")]
-    if worker_ratios:
-        targets["worker loss: elastic-rt no slower than torchrun (ratio <= 1)"] = all(
-            r is not None and r <= 1.0 for r in worker_ratios)
-        targets["worker loss: elastic-rt at most half of torchrun's (ratio <= 0.5, aim)"] = all(
-            r is not None and r <= 0.5 for r in worker_ratios)
+        meds = {k: median_s(by_key[k].results) for k in node_keys}
+        targets.append({"target": "node loss: elastic-rt (etcd-v3) median recovery < 5 s in every variant",
+                        "met": all(m is not None and m < 5.0 for m in meds.values()),
+                        "evidence": ", ".join(f"{k} {fmt(m, ' s') if m is not None else 'none'}"
+                                              for k, m in meds.items())})
+    worker = {k: v for k, v in ratios.items() if k.startswith("worker/")}
+    for limit, name in ((1.0, "no slower than torchrun (ratio <= 1)"), (0.5, "at most half of torchrun's (ratio <= 0.5, aim)")):
+        if worker:
+            targets.append({"target": f"worker loss: elastic-rt {name}",
+                            "met": all(r["bound"] is not None and r["bound"] <= limit for r in worker.values()),
+                            "evidence": ", ".join(f"{k.split(' /')[0]} {r['text']}" for k, r in worker.items())})
     return {"rows": rows, "ratios": ratios, "targets": targets}
 
 
@@ -475,6 +498,8 @@ def print_table(summary: dict, args: argparse.Namespace) -> None:
     for r in summary["rows"]:
         limit = args.worker_timeout if r["fault"] == "worker" else args.node_timeout
         med = fmt(r["median_s"]) if r["median_s"] is not None else f"none<{limit:g}"
+        if r["outcomes"] == ["error"]:
+            med = "error"
         notes = []
         r0 = sorted({x["rank0_node"] for x in r["results"] if x["rank0_node"]})
         if r0 and r["launcher"] == "torchrun":
@@ -489,12 +514,12 @@ def print_table(summary: dict, args: argparse.Namespace) -> None:
     widths = [max(len(str(x[i])) for x in [head] + lines) for i in range(len(head) - 1)]
     for row in [head] + lines:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
-    print("\nratios elastic-rt / torchrun of the medians ('-': one side did not recover):")
+    print("\nratios elastic-rt / torchrun of the medians:")
     for k, v in summary["ratios"].items():
-        print(f"  {k}: {fmt(v)}")
+        print(f"  {k}: {v['text']}")
     print("\ntargets:")
-    for k, v in summary["targets"].items():
-        print(f"  [{'MET' if v else 'NOT MET'}] {k}")
+    for t in summary["targets"]:
+        print(f"  [{'MET' if t['met'] else 'NOT MET'}] {t['target']}: {t['evidence']}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -518,6 +543,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--omp-threads", type=int, default=1,
                    help="OMP_NUM_THREADS for every launcher (default 1; 0 leaves the environment alone)")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
+    p.add_argument("--report", metavar="PATH", help="print the table of a saved --json file; run nothing")
     p.add_argument("--scratch-dir", default=None, help="parent of the scratch directory (default $TMPDIR)")
     p.add_argument("--keep-logs", action="store_true", help="keep every launcher's output in the scratch directory")
     p.add_argument("-v", "--verbose", action="store_true", help="echo commands and launcher output to stderr")
@@ -542,12 +568,42 @@ def _sigterm(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def git_state() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return f"{head}{'+dirty' if dirty else ''}" if head else "?"
+
+
+def report(path: str) -> int:
+    with open(path) as f:
+        saved = json.load(f)
+    args = argparse.Namespace(**saved["settings"])
+    scenarios = [Scenario(r["scenario"], r["fault"], r["launcher"], r["rendezvous"], r["kill"],
+                          [TrialResult(**x) for x in r["results"]]) for r in saved["rows"]]
+    host = saved.get("host", {})
+    print(f"recovery benchmark (saved {path}): {args.trials} trial(s), --step-sleep {args.step_sleep:g}, "
+          f"torch {host.get('torch', '?')}, {host.get('cpus', '?')} CPU(s), code {host.get('git', '?')}\n")
+    print_table(summarize(scenarios, args), args)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return report(args.report)
     scenarios = select(args.scenarios)
+    for s in scenarios:
+        if s.fault == "worker":
+            s.kill = f"local rank {args.kill_local_rank}"
     signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored
     bench = Bench(args)
-    t0 = time.monotonic()
+    t0, code_before = time.monotonic(), git_state()
     interrupted = False
     try:
         for s in scenarios:
@@ -567,14 +623,16 @@ def main(argv=None) -> int:
         bench.close()
     done = [s for s in scenarios if s.results]
     summary = summarize(done, args)
+    code = code_before if git_state() == code_before else f"{code_before} -> {git_state()} (changed during the run)"
     print(f"\nrecovery benchmark: {args.trials} trial(s), --step-sleep {args.step_sleep:g}, "
-          f"torch {_torch_version()}, {os.cpu_count()} CPU(s), wall {time.monotonic() - t0:.0f} s\n")
+          f"torch {_torch_version()}, {os.cpu_count()} CPU(s), code {code}, load {os.getloadavg()[0]:.1f}, "
+          f"wall {time.monotonic() - t0:.0f} s\n")
     print_table(summary, args)
     if args.json:
         payload = {
-            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "report")},
             "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": _torch_version(),
-                     "loadavg": os.getloadavg()},
+                     "loadavg": os.getloadavg(), "git": code},
             **summary,
         }
         with open(args.json, "w") as f:

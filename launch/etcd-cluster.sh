@@ -142,12 +142,19 @@ env $env_args nohup $ETCD_BIN </dev/null >>$dir/$name.log 2>&1 & echo \$! >$dir/
 echo \"$name started (log $dir/$name.log)\"; fi"
 }
 
+# SIGTERM one member; with wait=1, wait (10 s at most) for it to exit.
 stop_member() {
-    local h=$1 name
+    local h=$1 wait=$2 name pf
     name=$(member_name "$h")
-    on_host "$h" "if [ -f $DATA_ROOT/$name.pid ] && kill -TERM \$(cat $DATA_ROOT/$name.pid) 2>/dev/null; then \
-i=0; while kill -0 \$(cat $DATA_ROOT/$name.pid) 2>/dev/null && [ \$i -lt 100 ]; do sleep 0.1; i=\$((i+1)); done; \
-rm -f $DATA_ROOT/$name.pid; echo '$name stopped'; else echo '$name not running'; fi"
+    pf="$DATA_ROOT/$name.pid"
+    if [ "$wait" = 0 ]; then
+        on_host "$h" "if [ -f $pf ] && kill -TERM \$(cat $pf) 2>/dev/null; then echo '$name stopping'; \
+else echo '$name not running'; fi"
+    else
+        on_host "$h" "if [ -f $pf ]; then i=0; \
+while kill -0 \$(cat $pf) 2>/dev/null && [ \$i -lt 100 ]; do sleep 0.1; i=\$((i+1)); done; \
+rm -f $pf; echo '$name stopped'; fi"
+    fi
 }
 
 # 0 when the member answers /health with health true.
@@ -178,7 +185,9 @@ case "$COMMAND" in
         echo "--rdzv-endpoint=$(endpoints)"
         ;;
     stop)
-        for h in "${HOSTS[@]}"; do stop_member "$h"; done
+        # Signal every member first, then wait: members stop in parallel.
+        for h in "${HOSTS[@]}"; do stop_member "$h" 0; done
+        for h in "${HOSTS[@]}"; do stop_member "$h" 1; done
         ;;
     status)
         command -v curl >/dev/null || die "curl is needed to check the members' health"

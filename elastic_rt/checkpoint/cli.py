@@ -23,7 +23,7 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     )
     verify.add_argument("url", metavar="URL", help="checkpoint root: a path or fsspec URL")
     verify.add_argument("--step", type=int, default=None, help="verify only this step")
-    parser.set_defaults(ckpt_handler=run)
+    parser.set_defaults(func=run)
     return parser
 
 

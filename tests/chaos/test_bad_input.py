@@ -82,3 +82,9 @@ def test_late_node_of_a_finished_job_exits_zero_not_a_crash_loop(etcd_endpoint, 
     late = run_cli(*args)
     assert late.returncode == 0
     assert "is closed (the job finished)" in late.stderr and "Traceback" not in late.stderr
+
+
+def test_ckpt_cli_through_the_console_entry(tmp_path):
+    proc = run_cli("ckpt", "verify", f"file://{tmp_path}")
+    assert proc.returncode == 1
+    assert "no checkpoints" in proc.stderr and "Traceback" not in proc.stderr

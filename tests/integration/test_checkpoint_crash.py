@@ -1,9 +1,9 @@
-"""A rank SIGKILLed in the middle of a save (paused by ELASTIC_RT_CKPT_TEST_PAUSE_FILE): nothing
-is committed, the survivor's save fails, the previous checkpoint stays the latest and loads."""
+"""Failures on a 2-rank world: SIGKILL in the middle of a save, a damaged shard."""
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import time
 from contextlib import redirect_stderr, redirect_stdout
@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic_rt.checkpoint import ENV_TEST_PAUSE_FILE, CheckpointManager
 from elastic_rt.checkpoint.cli import main as ckpt_cli
-from elastic_rt.checkpoint.testing import World
+from elastic_rt.checkpoint.testing import World, run_world
 from elastic_rt.errors import CheckpointError
 
 
@@ -84,3 +84,35 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
     assert code == 0
     rows = {line.split()[0]: line for line in out.getvalue().splitlines()[1:]}
     assert "uncommitted" not in rows["1"] and "uncommitted" in rows["2"]
+
+
+def corrupt_save_worker(rank: int, world_size: int, url: str) -> None:
+    with CheckpointManager(url) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"model": {"w": torch.full((1000,), float(step))}, "extra": {"step": step}})
+
+
+def corrupt_load_worker(rank: int, world_size: int, url: str) -> dict:
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("elastic_rt.checkpoint").addHandler(handler)
+    state = {"model": {"w": torch.zeros(1000)}, "extra": {"step": 0}}
+    with CheckpointManager(url) as mgr:
+        step = mgr.load_latest(state)
+    return {"step": step, "w": state["model"]["w"][0].item(), "warnings": records}
+
+
+def test_a_flipped_byte_in_one_ranks_shard_makes_every_rank_fall_back(tmp_path):
+    url = f"file://{tmp_path}/ckpt"
+    run_world(corrupt_save_worker, 2, url, timeout_s=120)
+    shards = sorted((tmp_path / "ckpt" / "step_00000002").glob("*.distcp"))
+    victim = max(shards, key=lambda p: p.stat().st_size)  # the one holding the tensor
+    data = bytearray(victim.read_bytes())
+    data[len(data) - 100] ^= 0x40
+    victim.write_bytes(bytes(data))
+    results = run_world(corrupt_load_worker, 2, url, timeout_s=120)
+    assert [r["step"] for r in results] == [1, 1]
+    assert [r["w"] for r in results] == [1.0, 1.0]
+    warning = " ".join(results[0]["warnings"])
+    assert f"{victim.name}: crc32" in warning and "falling back to step 1" in warning

@@ -1,5 +1,4 @@
-"""DDP on gloo: async save at world size 2 overlapped with training, load at 1 and 3 (the
-docs/checkpoint.md snippet), replicated tensors written once."""
+"""DDP on gloo: async save at world size 2, load at 1 and 3 as docs/checkpoint.md does it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""FSDP2 (fully_shard, DTensor) on gloo/CPU: save at world size 4, load at 2 and 3 with identical
-full parameters and optimizer state."""
+"""FSDP2 (fully_shard, DTensor) on gloo/CPU: saved at world size 4, loaded at 2 and 3."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 
 import fsspec
@@ -114,12 +115,14 @@ def test_load_latest_without_checkpoints_returns_none(url):
         assert mgr.load_latest(fresh_state()) is None
 
 
-def test_retention_keeps_the_last_k_committed(url):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_retention_keeps_the_last_k_committed(url, async_save):
     model, optim = make_model(seed=1)
-    with CheckpointManager(url, keep_last=2) as mgr:
+    with CheckpointManager(url, keep_last=2, async_save=async_save) as mgr:
         for step in (10, 20, 30, 40):
             train_step(model, optim, step)
             mgr.save(step, make_state(model, optim, step))
+        mgr.wait()
         assert [e.step for e in mgr.list_checkpoints()] == [30, 40]
         assert all(e.committed for e in mgr.list_checkpoints())
 
@@ -130,6 +133,7 @@ def test_an_uncommitted_leftover_is_never_loaded_and_is_cleaned_after_the_next_c
     expected = frozen_copy(state)
     with CheckpointManager(url, keep_last=3) as mgr:
         mgr.save(10, state)
+        assert [e.step for e in mgr.list_checkpoints()] == [10]  # also waits for retention
         fs = CheckpointStore(url).fs
         leftover = step_dir(url, 20)
         fs.makedirs(leftover, exist_ok=True)
@@ -330,13 +334,16 @@ def test_if_busy_wait_counts_the_wait_as_blocked_time(url):
     with CheckpointManager(url, async_save=True, test_pause_hook=hook, on_saved=seen.append) as mgr:
         mgr.save(1, make_state(model, optim, 1))
         assert hook.reached.wait(30)
-        releaser = threading.Timer(0.2, hook.release.set)
+        second = make_state(model, optim, 2)
+        released_at = []
+        releaser = threading.Timer(0.2, lambda: (released_at.append(time.monotonic()), hook.release.set()))
+        entered = time.monotonic()
         releaser.start()
-        mgr.save(2, make_state(model, optim, 2))  # waits for save 1
+        mgr.save(2, second)  # cannot start before save 1 is released and committed
         releaser.join()
         mgr.wait()
     assert [s.step for s in seen] == [1, 2]
-    assert seen[1].blocked_s >= 0.1
+    assert seen[1].blocked_s >= released_at[0] - entered - 0.01
 
 
 def test_on_saved_reports_durations_and_sizes(url):
