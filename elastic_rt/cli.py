@@ -62,6 +62,11 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 4 MiB; 0 = off)")
     p.add_argument("--probe-timeout", type=float, default=30.0, help="seconds before the probe counts as failed")
     p.add_argument("--probe-backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl")
+    p.add_argument("--probe-interval", type=float, default=0.0,
+                   help="also probe every this many seconds while the round lasts (default 0 = after rendezvous only)")
+    p.add_argument("--probe-failure-action", default="report", choices=("report", "leave"),
+                   help="report: mark /healthz unhealthy and count it; leave: also stop this node's workers and "
+                        "leave the job so the others re-form without it (default report)")
     p.add_argument("--sysfs-root", default="/sys",
                    help="where sysfs is mounted (RDMA ports are read under it; default /sys)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")

@@ -94,6 +94,8 @@ class LaunchConfig:
     probe_bytes: int = 4 << 20
     probe_timeout_s: float = 30.0
     probe_backend: str = "auto"
+    probe_interval_s: float = 0.0
+    probe_failure_action: str = "report"
     run_as_module: bool = False
     no_python: bool = False
     script: str = ""
@@ -175,6 +177,8 @@ def launch_config_from_args(args: argparse.Namespace) -> LaunchConfig:
         probe_bytes=args.probe_bytes,
         probe_timeout_s=_positive("--probe-timeout", args.probe_timeout),
         probe_backend=args.probe_backend,
+        probe_interval_s=_positive("--probe-interval", args.probe_interval, zero_ok=True),
+        probe_failure_action=args.probe_failure_action,
         run_as_module=bool(args.module),
         no_python=bool(args.no_python),
         script=args.script,

@@ -186,6 +186,12 @@ class ElasticRTAgent(LocalElasticAgent):
                     return result
             elif state == WorkerState.HEALTHY:
                 change = self._membership_change() or self.observer.poll(self)
+                if change == "probe_failure":
+                    log.error("%s collective probe failed: leaving the job so that the others re-form "
+                              "without this node (--probe-failure-action leave)", self._prefix())
+                    self._stop_workers(self._worker_group)
+                    self._worker_group.state = WorkerState.FAILED
+                    return RunResult(state=WorkerState.FAILED)
                 if change:
                     if change == "hang":
                         if self._remaining_restarts <= 0:

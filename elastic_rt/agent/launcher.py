@@ -116,7 +116,9 @@ def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:
         observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, heartbeat_dir=heartbeat_dir,
                                    hang_timeout_s=cfg.hang_timeout_s, probe_bytes=cfg.probe_bytes,
                                    probe_timeout_s=cfg.probe_timeout_s, probe_backend=cfg.probe_backend,
-                                   ntp_servers=cfg.ntp_servers, sysfs_root=cfg.sysfs_root)
+                                   ntp_servers=cfg.ntp_servers, sysfs_root=cfg.sysfs_root,
+                                   probe_interval_s=cfg.probe_interval_s,
+                                   probe_failure_action=cfg.probe_failure_action)
         observer.serve(cfg.metrics_host, cfg.metrics_port)
         observer.start_ntp()
     agent = ElasticRTAgent(

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 from prometheus_client import CollectorRegistry
-
-import threading
-
-from elastic_rt.errors import ElasticRTError, HealthCheckError
 from torch.distributed.elastic.utils.distributed import get_free_port
 
+from elastic_rt.errors import ElasticRTError
 from elastic_rt.health import sntp
+from elastic_rt.health.ckpt_report import CheckpointReportReader
 from elastic_rt.health.clock import SkewEstimate, skew_warning
 from elastic_rt.health.exporter import MetricsExporter
-from elastic_rt.health.ckpt_report import CheckpointReportReader
 from elastic_rt.health.hang import HangDetector
 from elastic_rt.health.heartbeat import HeartbeatReader, prepare_heartbeat_file
 from elastic_rt.health.metrics import AgentMetrics
@@ -36,7 +34,11 @@ class MetricsObserver:
     def __init__(self, *, run_id: str, node: str, heartbeat_dir: str, hang_timeout_s: float = 0.0,
                  sysfs_root: str | None = "/sys", probe_bytes: int = 4 << 20, probe_timeout_s: float = 30.0,
                  probe_backend: str = "auto", ntp_servers: tuple[str, ...] = (), ntp_interval_s: float = 60.0,
-                 skew_samples: int = 8) -> None:
+                 skew_samples: int = 8, probe_interval_s: float = 0.0,
+                 probe_failure_action: str = "report") -> None:
+        self._probe_interval_s = probe_interval_s
+        self._probe_failure_action = probe_failure_action
+        self.probe_failed_round = -1
         self._node = node
         self._probe_bytes = probe_bytes
         self._probe_timeout_s = probe_timeout_s
@@ -119,25 +121,43 @@ class MetricsObserver:
 
     def _round_checks(self, rnd: int, store, rank: int, world: int, master_addr: str | None) -> None:
         if self._probe_bytes > 0:
-            try:
-                if rank == 0:
-                    store.set("elastic-rt/probe/port", str(get_free_port()))
-                port = int(store.get("elastic-rt/probe/port").decode())
-                result = spawn_probe(
-                    master_addr=master_addr or "127.0.0.1", master_port=port, rank=rank, world_size=world,
-                    nbytes=self._probe_bytes, timeout_s=self._probe_timeout_s, backend=self._probe_backend,
-                )
-                self.last_probe = result
-                self.healthy = True
-                self.metrics.on_probe(latency_s=result.latency_s, bus_bandwidth_bytes_per_s=result.busbw_bytes_per_s)
-                log.info("[%s round %d] probe: %s all-reduce of %d bytes over %d nodes: %.2f ms, busbw %.3f GB/s",
-                         self._node, rnd, result.backend, result.nbytes, world, result.latency_s * 1e3,
-                         result.busbw_bytes_per_s / 1e9)
-            except (HealthCheckError, Exception) as exc:  # noqa: BLE001 - the store may be gone with the round
-                if rnd == self._round:  # a failure of an outdated round says nothing
-                    self.metrics.on_probe_failure()
-                    self.healthy = False
-                    log.warning("[%s round %d] %s", self._node, rnd, exc)
+            self._probe_once(rnd, store, rank, world, master_addr, 0)
+        self._measure_skew(rnd, store, rank, world)
+        if self._probe_bytes <= 0 or self._probe_interval_s <= 0:
+            return
+        start, k = time.monotonic(), 1
+        while not self._stop.wait(max(0.0, start + k * self._probe_interval_s - time.monotonic())):
+            if rnd != self._round:
+                return
+            self._probe_once(rnd, store, rank, world, master_addr, k)
+            k += 1
+
+    def _probe_once(self, rnd: int, store, rank: int, world: int, master_addr: str | None, k: int) -> None:
+        """Probe number k of round rnd; every node of the round runs the same k at about the same time."""
+        key = f"elastic-rt/probe/{k}/port"
+        try:
+            if rank == 0:
+                store.set(key, str(get_free_port()))
+            port = int(store.get(key).decode())
+            result = spawn_probe(
+                master_addr=master_addr or "127.0.0.1", master_port=port, rank=rank, world_size=world,
+                nbytes=self._probe_bytes, timeout_s=self._probe_timeout_s, backend=self._probe_backend,
+            )
+        except Exception as exc:  # noqa: BLE001 - HealthCheckError, or the store went with the round
+            if rnd == self._round:  # a failure of an outdated round says nothing
+                self.metrics.on_probe_failure()
+                self.healthy = False
+                self.probe_failed_round = rnd
+                log.warning("[%s round %d] %s", self._node, rnd, exc)
+            return
+        self.last_probe = result
+        self.healthy = True
+        self.metrics.on_probe(latency_s=result.latency_s, bus_bandwidth_bytes_per_s=result.busbw_bytes_per_s)
+        log.info("[%s round %d] probe: %s all-reduce of %d bytes over %d nodes: %.2f ms, busbw %.3f GB/s",
+                 self._node, rnd, result.backend, result.nbytes, world, result.latency_s * 1e3,
+                 result.busbw_bytes_per_s / 1e9)
+
+    def _measure_skew(self, rnd: int, store, rank: int, world: int) -> None:
         try:
             if rank == 0:  # the reference clock: its skew is 0 by definition
                 serve_skew(store, list(range(1, world)), samples=self._skew_samples)
@@ -180,6 +200,8 @@ class MetricsObserver:
 
     def poll(self, agent) -> str | None:
         """Called every monitor tick while workers are healthy: 'hang' when they stopped progressing."""
+        if self._probe_failure_action == "leave" and self.probe_failed_round == self._round >= 0:
+            return "probe_failure"
         report = self._ckpt.read_new()
         if report is not None:
             self.metrics.on_checkpoint(step=report.step, save_duration_s=report.save_duration_s,

@@ -1,4 +1,4 @@
-"""Checkpoint figures travel from a worker's report to the agent's metrics."""
+"""The agent observer: checkpoint figures from workers, probe failure policy."""
 
 from __future__ import annotations
 
@@ -35,3 +35,14 @@ def test_reader_ignores_garbage_and_unchanged_files(tmp_path):
 def test_no_agent_no_report(tmp_path):
     report_checkpoint(step=1, save_duration_s=1.0, blocked_s=0.1, env={})
     assert not list(tmp_path.iterdir())
+
+
+def test_failed_probe_asks_to_leave_only_when_configured(tmp_path):
+    for action, expected in (("report", None), ("leave", "probe_failure")):
+        obs = MetricsObserver(run_id="r", node="n", heartbeat_dir=str(tmp_path), sysfs_root=None,
+                              probe_failure_action=action)
+        obs.on_round(round=3, store=None, group_rank=0, group_world_size=1)  # one node: no probe
+        obs.probe_failed_round = 3  # as _probe_once records a failure of the current round
+        assert obs.poll(None) == expected
+        obs.probe_failed_round = 2  # an outdated round's failure never counts
+        assert obs.poll(None) is None
