@@ -66,6 +66,7 @@ class ElasticRTAgent(LocalElasticAgent):
         self._peer_loss_wait_s = peer_loss_wait_s
         self.observer: AgentObserver = observer or NullObserver()
         self.restarts: dict[str, int] = {}
+        self._broken_group = False
 
     # ---- helpers -----------------------------------------------------------
     def _handler(self):
@@ -124,14 +125,23 @@ class ElasticRTAgent(LocalElasticAgent):
         super()._shutdown(signal.SIGKILL, timeout=5)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._shutdown(signal.SIGTERM, timeout=self._restart_grace_s)
+        if self._broken_group:
+            # A worker or a peer is gone: the others are stuck in, or about to fail, a collective
+            # and have nothing consistent to save. Every second spent here is recovery time.
+            self._shutdown(signal.SIGKILL, timeout=0)
+        else:
+            self._shutdown(signal.SIGTERM, timeout=self._restart_grace_s)
 
     def _restart(self, reason: str, detected_at: float) -> None:
         self.restarts[reason] = self.restarts.get(reason, 0) + 1
         self.observer.on_restart(reason)
         log.warning("%s restarting the worker group: %s", self._prefix(), reason.replace("_", " "))
         before = self._membership()
-        self._restart_workers(self._worker_group)
+        self._broken_group = reason in ("worker_failure", "peer_lost")
+        try:
+            self._restart_workers(self._worker_group)
+        finally:
+            self._broken_group = False
         after = self._membership()
         if reason == "worker_failure" and before and after and set(before.nodes) - set(after.nodes):
             # The failure was a symptom of a lost peer: give the restart back.
