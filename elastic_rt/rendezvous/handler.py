@@ -34,7 +34,8 @@ from torch.distributed.elastic.rendezvous import (
 from elastic_rt.errors import EtcdUnavailableError, RendezvousDataError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
 from elastic_rt.rendezvous.keys import RunKeys
-from elastic_rt.rendezvous.lease import NodeLease, process_is_gone
+from elastic_rt.rendezvous.lease import NodeLease
+from elastic_rt.rendezvous.liveness import PeerWatch, parse_peer, process_is_gone, ring_neighbours
 from elastic_rt.rendezvous.store import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         )
         self._lease_started = False
         self._probed: dict[str, float] = {}
+        self._peer_watch: PeerWatch | None = None
         self.membership: Membership | None = None
 
     # ---- RendezvousHandler API -------------------------------------------
@@ -134,6 +136,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def leave(self) -> None:
         """Give up this node's liveness now, so peers re-form without waiting for the lease TTL."""
+        if self._peer_watch is not None:
+            self._peer_watch.stop()
+            self._peer_watch = None
         if self._lease_started:
             self._lease.stop(revoke=True)
             self._lease_started = False
@@ -150,6 +155,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
         store.set_timeout(timedelta(seconds=self.settings.store_timeout_s))
         bootstrap = self._io(RendezvousStoreInfo.build, m.rank, store, self.settings.local_addr)
+        try:
+            self._watch_neighbours(m.nodes)
+        except EtcdUnavailableError as exc:
+            log.warning("node %s: not watching neighbours this round: %s", self.settings.node_id, exc)
         if m.rank == 0 and m.round >= 2:  # rounds before the previous one are history
             self._io(self._client.delete_range, self.keys.rounds_prefix, self.keys.round_prefix(m.round - 1))
         log.info(
@@ -300,12 +309,34 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if node in joined or now - self._probed.get(node, 0.0) < 1.0:
                 continue
             self._probed[node] = now
-            if kv.lease and process_is_gone(kv.value):
-                log.info("node %s: node %s's agent is gone (liveness port refused); evicting it",
-                         self.settings.node_id, node)
-                self._client.revoke_lease(kv.lease)
+            peer = parse_peer(node, kv.value, kv.lease)
+            if kv.lease and peer is not None and process_is_gone(peer):
+                self._evict(peer)
                 evicted = True
         return evicted
+
+    def _evict(self, peer) -> None:
+        log.info("node %s: node %s's agent is gone (liveness port closed); evicting it",
+                 self.settings.node_id, peer.node)
+        self._client.revoke_lease(peer.lease)
+
+    def _watch_neighbours(self, nodes: tuple[str, ...]) -> None:
+        """Hold connections to the ring neighbours' liveness listeners: a dead agent is evicted
+        the moment its connections close, and the other nodes see it through etcd."""
+        names = ring_neighbours(nodes, self.settings.node_id)
+        if not names:
+            if self._peer_watch is not None:
+                self._peer_watch.watch([])
+            return
+        _, (alive,), _ = self._client.read_many([], [self.keys.alive_prefix])
+        peers = []
+        for kv in alive:
+            node = kv.key[len(self.keys.alive_prefix):]
+            if node in names and (peer := parse_peer(node, kv.value, kv.lease)) is not None:
+                peers.append(peer)
+        if self._peer_watch is None:
+            self._peer_watch = PeerWatch(self._evict)
+        self._peer_watch.watch(peers)
 
     def _check_deadline(self, deadline: float, cleanup_key: str | None = None) -> None:
         if time.monotonic() < deadline:

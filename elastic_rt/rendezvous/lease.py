@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 
 from elastic_rt.errors import EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.liveness import LivenessListener
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class NodeLease:
         self._keys = keys
         self._node_id = node_id
         self._ttl_s = ttl_s
-        self._listener = _LivenessListener()
+        self._listener = LivenessListener()
         self._info = json.dumps({**info, "liveness_port": self._listener.port}).encode()
         self._lock = threading.Lock()
         self._lease_id = 0
@@ -78,48 +78,3 @@ class NodeLease:
         self._lease_id = 0
 
 
-
-class _LivenessListener:
-    """A listening TCP socket that lives and dies with this process.
-
-    When the agent process dies (SIGKILL, OOM kill, crash) the kernel closes the socket
-    and a peer's connect is refused at once, while the etcd lease would take its full TTL
-    to expire. A host that vanished (power, partition) answers nothing: then the lease decides.
-    """
-
-    def __init__(self) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("0.0.0.0", 0))
-        self._sock.listen(64)
-        self.port = self._sock.getsockname()[1]
-        threading.Thread(target=self._accept, name="elastic-rt-liveness", daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            conn.close()
-
-    def close(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-
-
-def process_is_gone(info: bytes, timeout_s: float = 0.3) -> bool:
-    """True only when the node's liveness port refuses connections: its agent process is dead."""
-    try:
-        data = json.loads(info.decode())
-        addr, port = str(data["addr"]), int(data["liveness_port"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return False
-    try:
-        with socket.create_connection((addr, port), timeout=timeout_s):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False  # unreachable or slow: inconclusive, the lease TTL decides

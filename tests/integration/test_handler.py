@@ -100,3 +100,19 @@ def test_garbage_in_final_key_is_reported(etcd_client, etcd_endpoint, run_id):
     h = _handler(etcd_endpoint, run_id, "a", join_timeout=10)
     with pytest.raises(RendezvousDataError, match="did not write"):
         h.next_rendezvous()
+
+
+def test_neighbour_watch_reports_a_dead_agent_while_the_group_runs(etcd_endpoint, run_id):
+    """No rendezvous in progress, a 60 s lease: only the ring watch can reveal the death."""
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_join_then_wait, args=(etcd_endpoint, run_id, ready))
+    proc.start()
+    survivor = _handler(etcd_endpoint, run_id, "survivor", lease_ttl=60, last_call_timeout=60, join_timeout=30)
+    survivor.next_rendezvous()
+    assert ready.wait(60)
+    assert survivor.membership_change() is None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    assert _poll(lambda: survivor.membership_change() == "peer_lost", timeout_s=20)
+    survivor.leave()
