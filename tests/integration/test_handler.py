@@ -77,8 +77,8 @@ def _join_then_wait(endpoint, run_id, ready):
     threading.Event().wait(600)
 
 
-def test_dead_agent_is_evicted_without_waiting_for_its_lease(etcd_endpoint, run_id):
-    """With a 60 s lease and a 60 s last call, only eviction lets round 1 form within 30 s."""
+def _survivor_of_a_doomed_peer(etcd_endpoint, run_id):
+    """Round 0 of two nodes with 60 s leases: 'survivor' here, 'doomed' in a process of its own."""
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     proc = ctx.Process(target=_join_then_wait, args=(etcd_endpoint, run_id, ready))
@@ -86,6 +86,12 @@ def test_dead_agent_is_evicted_without_waiting_for_its_lease(etcd_endpoint, run_
     survivor = _handler(etcd_endpoint, run_id, "survivor", lease_ttl=60, last_call_timeout=60, join_timeout=30)
     survivor.next_rendezvous()
     assert ready.wait(60)
+    return survivor, proc
+
+
+def test_dead_agent_is_evicted_without_waiting_for_its_lease(etcd_endpoint, run_id):
+    """With a 60 s lease and a 60 s last call, only eviction lets round 1 form within 30 s."""
+    survivor, proc = _survivor_of_a_doomed_peer(etcd_endpoint, run_id)
     assert set(survivor.membership.nodes) == {"doomed", "survivor"}
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
@@ -104,13 +110,7 @@ def test_garbage_in_final_key_is_reported(etcd_client, etcd_endpoint, run_id):
 
 def test_neighbour_watch_reports_a_dead_agent_while_the_group_runs(etcd_endpoint, run_id):
     """No rendezvous in progress, a 60 s lease: only the ring watch can reveal the death."""
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    proc = ctx.Process(target=_join_then_wait, args=(etcd_endpoint, run_id, ready))
-    proc.start()
-    survivor = _handler(etcd_endpoint, run_id, "survivor", lease_ttl=60, last_call_timeout=60, join_timeout=30)
-    survivor.next_rendezvous()
-    assert ready.wait(60)
+    survivor, proc = _survivor_of_a_doomed_peer(etcd_endpoint, run_id)
     assert survivor.membership_change() is None
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
