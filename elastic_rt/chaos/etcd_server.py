@@ -62,6 +62,7 @@ class EtcdCluster:
             for i in range(size)
         ]
         self._log_files: list = []
+        self._no_fsync: bool | None = None
 
     @property
     def endpoints(self) -> str:
@@ -77,10 +78,18 @@ class EtcdCluster:
             "--initial-advertise-peer-urls", f"http://{m.host}:{m.peer_port}",
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", os.path.basename(self.root),
-            # Tests run beside CPU-heavy workers: a slow fsync must not cost the lease.
             "--heartbeat-interval", "100", "--election-timeout", "1000",
-            "--unsafe-no-fsync",
-        ]
+        ] + (["--unsafe-no-fsync"] if self._supports_no_fsync() else [])
+
+    def _supports_no_fsync(self) -> bool:
+        """Tests run beside CPU-heavy workers: a slow fsync must not cost a lease (etcd >= 3.5)."""
+        if self._no_fsync is None:
+            try:
+                out = subprocess.run([self.binary, "--help"], capture_output=True, text=True, timeout=30)
+                self._no_fsync = "unsafe-no-fsync" in (out.stdout + out.stderr)
+            except (OSError, subprocess.TimeoutExpired):
+                self._no_fsync = False
+        return self._no_fsync
 
     def start_member(self, m: EtcdMember) -> None:
         log = open(os.path.join(self.root, f"{m.name}.log"), "ab")
