@@ -80,8 +80,10 @@ def test_scrape_two_nodes_before_and_after_worker_kill(etcd_endpoint, run_id, no
         assert total(s, "elastic_rt_restarts_total") == 1  # one restart per node, whatever its reason
         assert value(s, "elastic_rt_world_size") == 4
         assert (value(s, "elastic_rt_last_recovery_duration_seconds") or 0) > 0
+    # the node that lost a worker restarted for it, or for the round its peer opened first
     s_other = scrape(ports[started.index(other)])
-    assert value(s_other, "elastic_rt_restarts_total", reason="worker_failure") == 1
+    assert (value(s_other, "elastic_rt_restarts_total", reason="worker_failure")
+            + value(s_other, "elastic_rt_restarts_total", reason="round_advanced")) == 1
     for n in started:
         assert n.wait_exit(240) == 0, n.output[-3000:]
 

@@ -49,8 +49,10 @@ def test_worker_killed_group_restarts_and_finishes(etcd_endpoint, run_id, nodes)
     os.kill(victim, signal.SIGKILL)
     assert a.wait_exit(240) == 0, a.output[-3000:]
     assert b.wait_exit(60) == 0, b.output[-3000:]
-    restarted = [n for n in (a, b) if n.matches(r"restart=[1-9]")]
-    assert restarted, "the workers were never restarted"
+    # both nodes re-formed (one for its own worker, the other for the round or its broken peers)
+    assert all(n.matches(r"restarting the worker group") for n in (a, b))
+    # rank 0 (which logs) may sit on either node after the new round
+    assert sum(len(n.matches(r"\]:start step=\d+ world_size=4")) for n in (a, b)) == 2
     done = a.matches(r"done steps=(\d+) world_size=(\d+)") + b.matches(r"done steps=(\d+) world_size=(\d+)")
     assert [(m.group(1), m.group(2)) for m in done][-1:] == [("30", "4")]
     assert other.matches(r"worker rank \d+ \(pid %d\) exited" % victim)
