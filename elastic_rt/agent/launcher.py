@@ -128,7 +128,8 @@ def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:
         heartbeat_dir=heartbeat_dir,
         restart_grace_s=cfg.restart_grace_s,
         shutdown_grace_s=cfg.grace_period_s,
-        peer_loss_wait_s=float(cfg.conf.get("lease_ttl", 3.0)) + 1.0,
+        # a lost peer shows within its lease TTL (the handler's validated setting, not a second default)
+        peer_loss_wait_s=getattr(getattr(handler, "settings", None), "lease_ttl_s", 3.0) + 1.0,
         observer=observer,
     )
     leave = getattr(handler, "leave", None)

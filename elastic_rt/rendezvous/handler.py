@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -150,10 +151,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         t0 = time.monotonic()
         self.membership = self._retrying(self._next_round, t0 + self.settings.join_timeout_s)
         m = self.membership
-        store = EtcdStore(self._client, self.keys.round_store(m.round))
-        from datetime import timedelta
-
-        store.set_timeout(timedelta(seconds=self.settings.store_timeout_s))
+        store = EtcdStore(self._client, self.keys.round_store(m.round),
+                          timedelta(seconds=self.settings.store_timeout_s))
         bootstrap = self._io(RendezvousStoreInfo.build, m.rank, store, self.settings.local_addr)
         try:
             self._watch_neighbours(m.nodes)
