@@ -12,6 +12,7 @@ It is the workload of elastic-rt's tests and benchmarks.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import signal
@@ -157,6 +158,11 @@ def main(argv=None) -> int:
         state = "stopped" if stop else "done"
         print(f"{state} steps={step} world_size={world} param_digest={digest(params)}", flush=True)
     dist.barrier()  # nobody tears down gloo while a peer still talks to it
+    # Free the DDP module while the group is still registered: if its Reducer held the group's
+    # last reference, freeing it later (with the GIL held) would run gloo's destructor, which can
+    # wait forever for a gloo thread that needs the GIL (README: "No hang at worker exit").
+    ddp = opt = loss = None
+    gc.collect()
     dist.destroy_process_group()
     if stop and not sigterm:
         # Another node was preempted: we saved with it, but the job is not finished.

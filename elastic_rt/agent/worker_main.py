@@ -8,6 +8,7 @@ import runpy
 import signal
 import sys
 
+from elastic_rt.agent import teardown_guard
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_FILE, ENV_PARENT_PID
 
 _PR_SET_PDEATHSIG = 1
@@ -28,6 +29,7 @@ def _die_with_parent() -> None:
 
 def main(argv: list[str]) -> None:
     _die_with_parent()
+    teardown_guard.install()
     hb_dir = os.environ.get(ENV_HEARTBEAT_DIR)
     if hb_dir:
         os.environ[ENV_HEARTBEAT_FILE] = os.path.join(hb_dir, f"worker-{os.environ.get('LOCAL_RANK', '0')}")
