@@ -15,7 +15,8 @@
 #
 # "blocked" is the time the training loop could not proceed (max over ranks), "total" the time
 # until the checkpoint was complete on storage; throughput = state bytes / total. Medians.
-# Deleting the previous output and flushing the disk (os.sync) happen untimed before each save.
+# Deleting the previous output (for elastic-rt too: the directory is emptied, the manager kept) and
+# flushing the disk (os.sync) happen untimed before each save.
 #
 #   python benchmarks/checkpoint.py [--size-gib 1] [--ranks 2] [--reps 3] [--dir DIR]
 
@@ -104,7 +105,8 @@ SaveFn = Callable[[int], tuple[float, float]]  # save number -> (blocked_s, tota
 
 
 def worker(
-    rank: int, world_size: int, root: str, size_bytes: int, reps: int, compute_s: float, only: list[str] | None
+    rank: int, world_size: int, root: str, size_bytes: int, reps: int, compute_s: float, only: list[str] | None,
+    keep_previous: bool = False,
 ) -> dict:
     torch.set_num_threads(1)
     state, params = make_state(rank, world_size, size_bytes)
@@ -157,6 +159,18 @@ def worker(
             return (stats.blocked_s if mgr.options.async_save else total), total
         return save
 
+    def elastic_prepare(mgr: CheckpointManager, mgr_dir: str) -> Callable[[], None]:
+        remove = remover(mgr_dir)
+
+        def prepare() -> None:
+            # Like the other methods' output, the previous checkpoint goes before the timed save
+            # (the manager keeps its buffers), unless --keep-previous: then it stays, as in
+            # training, and the file system must find blocks for the new one elsewhere.
+            mgr.latest_committed_step()  # waits for the manager's own background retention
+            if not keep_previous:
+                remove()
+        return prepare
+
     paths = {n: os.path.join(root, n) for n in ("raw", "torch_save", "dcp", "dcp_async", "dcp_async_stager")}
     methods["raw write + fsync"] = (
         remover(paths["raw"]), sync_method(lambda: raw_write(f"{paths['raw']}/r{rank}.bin", params))
@@ -177,12 +191,10 @@ def worker(
         ("elastic-rt async", True, False),
         ("elastic-rt async+guard", True, True),
     ):
-        mgr = CheckpointManager(
-            f"file://{root}/ert_{int(async_save)}{int(guard)}", keep_last=1, async_save=async_save, per_rank_keys=()
-        )
+        mgr_dir = f"{root}/ert_{int(async_save)}{int(guard)}"
+        mgr = CheckpointManager(f"file://{mgr_dir}", keep_last=1, async_save=async_save, per_rank_keys=())
         managers.append(mgr)
-        # its own retention deletes the previous checkpoint in the background; let it finish
-        methods[name] = (mgr.latest_committed_step, elastic(mgr, guard))
+        methods[name] = (elastic_prepare(mgr, mgr_dir), elastic(mgr, guard))
 
     if only:
         methods = {name: methods[name] for name in only}
@@ -235,13 +247,18 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--only", default=None, help="comma-separated method names, in this order")
+    parser.add_argument("--keep-previous", action="store_true",
+                        help="elastic-rt: keep the previous checkpoint while saving (retention deletes it "
+                             "after the commit, as in training) instead of deleting it untimed before")
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="elastic-rt-bench-")
     os.makedirs(root, exist_ok=True)
     try:
         size = int(args.size_gib * (1 << 30))
         only = args.only.split(",") if args.only else None
-        out = run_world(worker, args.ranks, root, size, args.reps, args.compute_s, only, timeout_s=3600)[0]
+        out = run_world(
+            worker, args.ranks, root, size, args.reps, args.compute_s, only, args.keep_previous, timeout_s=3600
+        )[0]
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -19,11 +19,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from elastic_rt.checkpoint.manifest import FileEntry
+from elastic_rt.checkpoint.writeback import StartWriteback, start_writeback
 from elastic_rt.errors import CheckpointError
 
 # Buffers at least this large get their crc32 computed in a helper thread while the
 # write proceeds (zlib releases the GIL), so checksumming overlaps with I/O.
 OVERLAP_CRC_MIN_BYTES = 1 << 20
+# ... and are written in chunks of this size, each handed to the disk (start_writeback) as
+# soon as it is in the page cache, so the disk works while the next chunk is copied.
+WRITE_CHUNK_BYTES = 16 << 20
 
 
 PHASE_STAGING = "staging"  # async saves: the plan is known, the copy to host memory not started
@@ -88,31 +92,48 @@ def zip_crc32_disabled() -> Generator[None, None, None]:
 
 
 class _ChecksumStream(io.RawIOBase):
-    """Write-through wrapper that counts bytes and computes a running crc32."""
+    """Write-through wrapper that counts bytes and computes a running crc32; with
+    `writeback`, starts the disk on each large chunk as soon as it is written."""
 
-    def __init__(self, raw: Any, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, raw: Any, pool: ThreadPoolExecutor, writeback: StartWriteback | None = None) -> None:
         super().__init__()
         self.raw = raw
         self.pool = pool
         self.crc = 0
         self.size = 0
+        self._writeback = writeback
+        self._fd: int | None = None
+        if writeback is not None:
+            try:
+                self._fd = raw.fileno()
+            except (OSError, AttributeError, ValueError):  # not a local file: nothing to start
+                self._writeback = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        if view.nbytes >= OVERLAP_CRC_MIN_BYTES:
-            pending = self.pool.submit(zlib.crc32, view, self.crc)
-            written = self.raw.write(view)
-            self.crc = pending.result()
-        else:
-            written = self.raw.write(view)
+        if view.nbytes < OVERLAP_CRC_MIN_BYTES:
+            self._write_all(view)
             self.crc = zlib.crc32(view, self.crc)
+            return view.nbytes
+        for start in range(0, view.nbytes, WRITE_CHUNK_BYTES):
+            chunk = view[start:start + WRITE_CHUNK_BYTES]
+            pending = self.pool.submit(zlib.crc32, chunk, self.crc)
+            offset = self.size
+            self._write_all(chunk)
+            if self._writeback is not None:
+                self.raw.flush()  # nothing of this chunk may sit in a user-space buffer
+                self._writeback(self._fd, offset, chunk.nbytes)
+            self.crc = pending.result()
+        return view.nbytes
+
+    def _write_all(self, view: memoryview) -> None:
+        written = self.raw.write(view)
         if written is not None and written != view.nbytes:
             raise OSError(f"short write: {written} of {view.nbytes} bytes")
         self.size += view.nbytes
-        return view.nbytes
 
     def tell(self) -> int:
         return self.size
@@ -127,8 +148,9 @@ class _ChecksumStream(io.RawIOBase):
 class ChecksumFileSystem(FileSystemBase):
     """torch's FileSystemBase over a given fsspec instance; records what every write produced."""
 
-    def __init__(self, fs: Any) -> None:
+    def __init__(self, fs: Any, *, early_writeback: bool = False) -> None:
         self.fs = fs
+        self._writeback = start_writeback() if early_writeback else None
         self.written: dict[str, tuple[int, int]] = {}  # path -> (size, crc32)
         self._lock = threading.Lock()
         self._crc_pool: ThreadPoolExecutor | None = None
@@ -147,7 +169,7 @@ class ChecksumFileSystem(FileSystemBase):
                 yield stream
             return
         with self.fs.open(path, mode) as raw:
-            stream = _ChecksumStream(raw, self._pool())
+            stream = _ChecksumStream(raw, self._pool(), self._writeback)
             try:
                 yield stream  # type: ignore[misc]
             except BaseException:
@@ -212,7 +234,9 @@ class ChecksumWriter(FileSystemWriter):
         super().__init__(
             path, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count, overwrite=True
         )
-        self.fs = ChecksumFileSystem(fs)
+        # Only when the files are fsynced anyway: the early start changes when the disk works, not
+        # whether (without fsync, pages may stay in memory, and early writeback would cost time).
+        self.fs = ChecksumFileSystem(fs, early_writeback=sync_files)
         self.path = path
         self._rank = rank
         self._step = step
