@@ -15,38 +15,45 @@ The guard wraps `destroy_process_group` so that it first drops the Reducer (and
 the Logger that holds it) of every DDP module on the groups being destroyed,
 while the registry still owns the group. The group's last reference is then the
 registry's, and that destructor runs without the GIL. A DDP module cannot be
-used after its group is destroyed, so nothing of value is lost.
+used after its group is destroyed, so nothing of value is lost. DDP modules are
+found through a weak set filled by a wrapped `DistributedDataParallel.__init__`
+(no heap scan; modules hidden by gc.freeze() are found too).
 
-Installed in every worker by the worker entry point; ELASTIC_RT_NO_TEARDOWN_GUARD=1
-turns it off. It costs nothing until torch.distributed is imported.
+It acts inside `destroy_process_group()` only: a script that never calls it keeps
+its groups registered until the interpreter exits, and this guard does nothing.
+
+Installed in every worker by the worker entry point, before the user's script
+imports torch; ELASTIC_RT_NO_TEARDOWN_GUARD=1 turns it off. It costs nothing until
+torch.distributed is imported.
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import importlib.abc
 import os
 import sys
+import weakref
+from typing import Any, Callable
 
 ENV_DISABLE = "ELASTIC_RT_NO_TEARDOWN_GUARD"
-_TARGET = "torch.distributed"
+_C10D_PACKAGE = "torch.distributed"
+_DDP_MODULE = "torch.nn.parallel.distributed"
 _MARK = "_elastic_rt_teardown_guard"
 
+_live_ddp: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
-def release_ddp_reducers(group=None) -> int:
-    """Drop the Reducer of every live DDP module on `group` (None: every group); returns how many."""
-    ddp_mod = sys.modules.get("torch.nn.parallel.distributed")
-    if ddp_mod is None:
-        return 0
-    ddp_cls = ddp_mod.DistributedDataParallel
+
+def release_ddp_reducers(group: Any = None, *, every_group: bool | None = None) -> int:
+    """Drop the Reducer of every live DDP module on `group` (every group when `every_group`,
+    which defaults to `group is None`); returns how many were dropped."""
+    if every_group is None:
+        every_group = group is None
     released = 0
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), ddp_cls):  # type(), not isinstance: no __class__ lookups
+    for module in list(_live_ddp):
+        if not every_group and getattr(module, "process_group", None) is not group:
             continue
-        if group is not None and getattr(obj, "process_group", None) is not group:
-            continue
-        attrs = obj.__dict__
+        attrs = module.__dict__
         if attrs.get("reducer") is None:
             continue
         attrs.pop("logger", None)  # the Logger holds the Reducer too
@@ -55,15 +62,19 @@ def release_ddp_reducers(group=None) -> int:
     return released
 
 
-def _wrap(dist) -> None:
-    c10d = dist.distributed_c10d
+def _wrap_destroy(dist: Any) -> None:
+    c10d = getattr(dist, "distributed_c10d", None)
+    if c10d is None:  # torch built without distributed support
+        return
     original = c10d.destroy_process_group
     if getattr(original, _MARK, False):
         return
 
     @functools.wraps(original)
     def destroy_process_group(group=None):
-        release_ddp_reducers(group)
+        # torch destroys every group for None and for the default group itself.
+        every = group is None or group is getattr(c10d.GroupMember, "WORLD", None)
+        release_ddp_reducers(group, every_group=every)
         return original(group)
 
     setattr(destroy_process_group, _MARK, True)
@@ -72,11 +83,30 @@ def _wrap(dist) -> None:
         dist.destroy_process_group = destroy_process_group
 
 
+def _track_ddp(ddp_module: Any) -> None:
+    cls = getattr(ddp_module, "DistributedDataParallel", None)
+    if cls is None or getattr(cls.__init__, _MARK, False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _live_ddp.add(self)
+
+    setattr(__init__, _MARK, True)
+    cls.__init__ = __init__
+
+
+_ACTIONS: dict[str, Callable[[Any], None]] = {_C10D_PACKAGE: _wrap_destroy, _DDP_MODULE: _track_ddp}
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Run `_wrap` once torch.distributed has finished importing."""
+    """Run the module's action once it has finished importing."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET:
+        action = _ACTIONS.get(fullname)
+        if action is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -91,27 +121,23 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return spec
         exec_module = loader.exec_module
 
-        def exec_and_wrap(module):
+        def exec_and_act(module):
             exec_module(module)
-            _remove_finder()
-            if hasattr(module, "distributed_c10d"):  # torch built without distributed support has none
-                _wrap(module)
+            action(module)
 
-        loader.exec_module = exec_and_wrap
+        loader.exec_module = exec_and_act
         return spec
 
 
-def _remove_finder() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
-
-
 def install(environ=os.environ) -> bool:
-    """Install the guard (now if torch.distributed is loaded, else when it is); False if disabled."""
+    """Install the guard (now for modules already imported, else when they are); False if disabled.
+    DDP modules created before install() are not tracked: install before the script imports torch."""
     if environ.get(ENV_DISABLE, "") not in ("", "0"):
         return False
-    dist = sys.modules.get(_TARGET)
-    if dist is not None and hasattr(dist, "distributed_c10d"):
-        _wrap(dist)
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    for name, action in _ACTIONS.items():
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            action(loaded)
+    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
     return True

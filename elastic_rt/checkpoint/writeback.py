@@ -17,7 +17,7 @@ from typing import Callable
 
 SYNC_FILE_RANGE_WRITE = 2
 
-StartWriteback = Callable[[int, int, int], None]  # (fd, offset, nbytes)
+StartWriteback = Callable[[int, int, int], bool]  # (fd, offset, nbytes) -> started
 
 
 def _load() -> StartWriteback | None:
@@ -29,10 +29,10 @@ def _load() -> StartWriteback | None:
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
 
-    def start(fd: int, offset: int, nbytes: int) -> None:
+    def start(fd: int, offset: int, nbytes: int) -> bool:
         # A failure (EINVAL on some file systems, ESPIPE on pipes) only loses the overlap;
-        # real I/O errors surface at the fsync that follows.
-        fn(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
+        # real I/O errors surface at the fsync that follows. Callers may ignore the result.
+        return fn(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) == 0
 
     return start
 

@@ -121,12 +121,17 @@ class _ChecksumStream(io.RawIOBase):
         for start in range(0, view.nbytes, WRITE_CHUNK_BYTES):
             chunk = view[start:start + WRITE_CHUNK_BYTES]
             pending = self.pool.submit(zlib.crc32, chunk, self.crc)
-            offset = self.size
-            self._write_all(chunk)
-            if self._writeback is not None:
-                self.raw.flush()  # nothing of this chunk may sit in a user-space buffer
-                self._writeback(self._fd, offset, chunk.nbytes)
-            self.crc = pending.result()
+            try:
+                offset = self.size
+                self._write_all(chunk)
+                if self._writeback is not None:
+                    self.raw.flush()  # nothing of this chunk may sit in a user-space buffer
+                    self._writeback(self._fd, offset, chunk.nbytes)
+            finally:
+                # Also on a failed write: the caller may free the memory behind `view` (torch.save
+                # passes views of tensor storage) once this returns, so the crc must be done with it.
+                crc = pending.result()
+            self.crc = crc
         return view.nbytes
 
     def _write_all(self, view: memoryview) -> None:

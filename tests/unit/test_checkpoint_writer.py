@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import os
+import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,10 +29,14 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, int]] = []
+        self.sizes: list[int] = []
 
-    def __call__(self, fd: int, offset: int, nbytes: int) -> None:
-        assert os.fstat(fd).st_size >= offset + nbytes, "writeback started before the bytes were written"
+    def __call__(self, fd: int, offset: int, nbytes: int) -> bool:
+        size = os.fstat(fd).st_size
+        assert size >= offset + nbytes, "writeback started before the bytes were written"
         self.calls.append((offset, nbytes))
+        self.sizes.append(size)
+        return True
 
 
 @pytest.mark.parametrize("sizes", [
@@ -76,7 +82,8 @@ def test_platform_writeback_accepts_a_real_file(tmp_path):
     with open(tmp_path / "f", "wb") as f:
         f.write(b"x" * 4096)
         f.flush()
-        start(f.fileno(), 0, 4096)  # must not raise; durability still comes from fsync
+        assert start(f.fileno(), 0, 4096) is True  # the kernel accepted it; fsync still gives durability
+        assert start(f.fileno(), -1, 4096) is False  # and a refusal is reported, not raised
         os.fsync(f.fileno())
 
 
@@ -88,3 +95,55 @@ def test_writer_enables_writeback_only_with_fsync(tmp_path):
     off = writer_mod.ChecksumWriter(fs, str(tmp_path / "b"), rank=0, step=1, sync_files=False)
     assert (on.fs._writeback is not None) == (start_writeback() is not None)
     assert off.fs._writeback is None
+
+
+class FailingRaw(io.RawIOBase):
+    def __init__(self, crc_started: threading.Event) -> None:
+        self.crc_started = crc_started
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.crc_started.wait(5)
+        raise OSError(28, "No space left on device")
+
+
+def test_failed_write_waits_for_the_checksum_of_its_chunk(pool, monkeypatch):
+    """torch.save hands views of tensor memory that may be freed once write() returns or raises:
+    the helper thread must be done reading the chunk by then."""
+    started, finished = threading.Event(), threading.Event()
+    real_crc = zlib.crc32
+
+    def slow_crc(data, value=0):
+        started.set()
+        time.sleep(0.2)  # a long checksum: the failed write is reported while it still runs
+        result = real_crc(data, value)
+        finished.set()
+        return result
+
+    monkeypatch.setattr(writer_mod.zlib, "crc32", slow_crc)
+    stream = _ChecksumStream(FailingRaw(started), pool)
+    with pytest.raises(OSError, match="No space left"):
+        stream.write(bytes(OVERLAP_CRC_MIN_BYTES))
+    assert finished.is_set()
+
+
+def test_dcp_save_through_the_writer_hands_chunks_to_writeback(tmp_path, monkeypatch):
+    import fsspec
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    rec = Recorder()
+    monkeypatch.setattr(writer_mod, "start_writeback", lambda: rec)
+    state = {"big": torch.arange(CHUNK // 4 + 1000, dtype=torch.float32), "small": torch.ones(3)}
+    path = str(tmp_path / "step")
+    os.makedirs(path)
+    w = writer_mod.ChecksumWriter(fsspec.filesystem("file"), path, rank=0, step=1, sync_files=True)
+    dcp.save(state, storage_writer=w, no_dist=True)
+    w.close()
+    (shard, (size, crc)), = [(p, v) for p, v in w.fs.written.items() if p.endswith(".distcp")]
+    assert size == os.path.getsize(shard) and crc == zlib.crc32(open(shard, "rb").read())
+    # the 1 MiB+ tensor went out in two chunks, each handed over as soon as it was in the file
+    assert [n for _, n in rec.calls] == [CHUNK, 4000]
+    assert all(offset + n <= size for offset, n in rec.calls)
