@@ -89,38 +89,44 @@ POD_METRICS_ENDPOINT = {
     "additionalProperties": False,
 }
 
-POD_MONITOR = {
+def _custom_resource(kind: str, spec: dict) -> dict:
+    """A monitoring.coreos.com/v1 object of `kind` whose spec follows `spec`."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": METADATA,
+            "spec": spec,
+        },
+        "additionalProperties": False,
+    }
+
+
+POD_MONITOR = _custom_resource("PodMonitor", {
     "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "required": ["selector"],
     "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PodMonitor"},
-        "metadata": METADATA,
-        "spec": {
+        "jobLabel": {"type": "string"},
+        "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+        "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": POD_METRICS_ENDPOINT},
+        "selector": LABEL_SELECTOR,
+        "namespaceSelector": {
             "type": "object",
-            "required": ["selector"],
             "properties": {
-                "jobLabel": {"type": "string"},
-                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
-                "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": POD_METRICS_ENDPOINT},
-                "selector": LABEL_SELECTOR,
-                "namespaceSelector": {
-                    "type": "object",
-                    "properties": {
-                        "any": {"type": "boolean"},
-                        "matchNames": {"type": "array", "items": {"type": "string"}},
-                    },
-                    "additionalProperties": False,
-                },
-                "sampleLimit": {"type": "integer", "minimum": 0},
-                "targetLimit": {"type": "integer", "minimum": 0},
-                "labelLimit": {"type": "integer", "minimum": 0},
+                "any": {"type": "boolean"},
+                "matchNames": {"type": "array", "items": {"type": "string"}},
             },
             "additionalProperties": False,
         },
+        "sampleLimit": {"type": "integer", "minimum": 0},
+        "targetLimit": {"type": "integer", "minimum": 0},
+        "labelLimit": {"type": "integer", "minimum": 0},
     },
     "additionalProperties": False,
-}
+})
+
 
 RULE = {
     "type": "object",
@@ -138,40 +144,31 @@ RULE = {
     "additionalProperties": False,
 }
 
-PROMETHEUS_RULE = {
+PROMETHEUS_RULE = _custom_resource("PrometheusRule", {
     "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "required": ["groups"],
     "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PrometheusRule"},
-        "metadata": METADATA,
-        "spec": {
-            "type": "object",
-            "required": ["groups"],
-            "properties": {
-                "groups": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "required": ["name"],
-                        "properties": {
-                            "name": {"type": "string", "minLength": 1},
-                            "interval": DURATION,
-                            "query_offset": DURATION,
-                            "limit": {"type": "integer"},
-                            "labels": LABELS,
-                            "partial_response_strategy": {"type": "string"},
-                            "rules": {"type": "array", "items": RULE},
-                        },
-                        "additionalProperties": False,
-                    },
+        "groups": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "minLength": 1},
+                    "interval": DURATION,
+                    "query_offset": DURATION,
+                    "limit": {"type": "integer"},
+                    "labels": LABELS,
+                    "partial_response_strategy": {"type": "string"},
+                    "rules": {"type": "array", "items": RULE},
                 },
+                "additionalProperties": False,
             },
-            "additionalProperties": False,
         },
     },
     "additionalProperties": False,
-}
+})
+
 
 SCHEMAS = {"PodMonitor": POD_MONITOR, "PrometheusRule": PROMETHEUS_RULE}
 
