@@ -130,8 +130,7 @@ class _ChecksumStream(io.RawIOBase):
             finally:
                 # Also on a failed write: the caller may free the memory behind `view` (torch.save
                 # passes views of tensor storage) once this returns, so the crc must be done with it.
-                crc = pending.result()
-            self.crc = crc
+                self.crc = pending.result()
         return view.nbytes
 
     def _write_all(self, view: memoryview) -> None:
