@@ -7,7 +7,8 @@ import logging
 import sys
 
 from elastic_rt import __version__
-from elastic_rt.config import DEFAULT_METRICS_PORT, KNOWN_BACKENDS
+from elastic_rt.agent.config import DEFAULT_METRICS_PORT
+from elastic_rt.config import KNOWN_BACKENDS
 from elastic_rt.errors import ElasticRTError
 
 
@@ -82,18 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     launch = sub.add_parser("launch", help="run a training script on this node")
     add_launch_arguments(launch)
-    try:
-        from elastic_rt.checkpoint import cli as ckpt_cli
-    except ImportError:  # pragma: no cover - checkpoint package always ships
-        ckpt_cli = None
-    if ckpt_cli is not None and hasattr(ckpt_cli, "add_subparser"):
-        ckpt_cli.add_subparser(sub)
-    try:
-        from elastic_rt.health import doctor
-    except ImportError:
-        doctor = None
-    if doctor is not None and hasattr(doctor, "add_subparser"):
-        doctor.add_subparser(sub)
+    from elastic_rt.checkpoint import cli as ckpt_cli
+    from elastic_rt.doctor import command as doctor
+
+    ckpt_cli.add_subparser(sub)
+    doctor.add_subparser(sub)
     return parser
 
 

@@ -1,17 +1,16 @@
-"""Frozen launch configuration; the only place that turns CLI arguments into validated values."""
+"""`elastic-rt launch` arguments -> a validated AgentConfig; the only place that reads launch flags."""
 
 from __future__ import annotations
 
 import argparse
 import re
 import uuid
-from dataclasses import dataclass, field
 
+from elastic_rt.agent.config import AgentConfig
 from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous.keys import validate_run_id
 
 KNOWN_BACKENDS = ("etcd-v3", "etcd-v3-torch", "c10d", "static")
-DEFAULT_METRICS_PORT = 9402
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -64,50 +63,8 @@ def _positive(name: str, value: float, *, zero_ok: bool = False) -> float:
     return value
 
 
-@dataclass(frozen=True, kw_only=True)
-class LaunchConfig:
-    """Everything `elastic-rt launch` needs, validated."""
-
-    min_nodes: int
-    max_nodes: int
-    nproc_per_node: int
-    rdzv_backend: str
-    rdzv_endpoint: str
-    rdzv_id: str
-    rdzv_conf: tuple[tuple[str, str], ...] = ()
-    standalone: bool = False
-    max_restarts: int = 3
-    monitor_interval_s: float = 0.1
-    local_addr: str | None = None
-    node_id: str | None = None
-    log_dir: str | None = None
-    tee: str = "0"
-    redirects: str = "0"
-    grace_period_s: float = 30.0
-    restart_grace_s: float = 1.0
-    metrics_port: int = 0
-    metrics_host: str = "0.0.0.0"
-    hang_timeout_s: float = 0.0
-    ntp_servers: tuple[str, ...] = ()
-    checkpoint_url: str | None = None
-    sysfs_root: str = "/sys"
-    probe_bytes: int = 4 << 20
-    probe_timeout_s: float = 30.0
-    probe_backend: str = "auto"
-    probe_interval_s: float = 0.0
-    probe_failure_action: str = "report"
-    run_as_module: bool = False
-    no_python: bool = False
-    script: str = ""
-    script_args: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def conf(self) -> dict[str, str]:
-        return dict(self.rdzv_conf)
-
-
-def launch_config_from_args(args: argparse.Namespace) -> LaunchConfig:
-    """Validate parsed `launch` arguments into a LaunchConfig (raises ConfigError)."""
+def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
+    """Validate parsed `launch` arguments into an AgentConfig (raises ConfigError)."""
     conf = parse_rdzv_conf(args.rdzv_conf)
     if args.standalone:
         min_nodes = max_nodes = 1
@@ -150,7 +107,7 @@ def launch_config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise ConfigError(f"--probe-backend {args.probe_backend!r}: choose auto, gloo or nccl")
     if not args.script:
         raise ConfigError("no training script given: elastic-rt launch [options] SCRIPT [ARGS...]")
-    return LaunchConfig(
+    return AgentConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         nproc_per_node=parse_nproc(str(args.nproc_per_node)),

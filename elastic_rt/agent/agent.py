@@ -7,25 +7,28 @@ import logging
 import os
 import signal
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
+from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
 
 log = logging.getLogger(__name__)
 
 
 class AgentObserver(Protocol):
-    """What the agent reports as it goes (metrics, logs); every method is optional."""
+    """What the agent reports as it goes (metrics, logs). It decides nothing."""
 
     def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None: ...
     def on_restart(self, reason: str) -> None: ...
     def on_recovered(self, duration_s: float) -> None: ...
     def on_workers_started(self, pids: dict[int, int]) -> None: ...
-    def poll(self, agent: "ElasticRTAgent") -> str | None: ...
+    def on_workers_finished(self, state: str) -> None: ...
+    def on_tick(self) -> None: ...
 
 
 class NullObserver:
@@ -33,8 +36,11 @@ class NullObserver:
     def on_restart(self, reason: str) -> None: ...
     def on_recovered(self, duration_s: float) -> None: ...
     def on_workers_started(self, pids: dict[int, int]) -> None: ...
-    def poll(self, agent: "ElasticRTAgent") -> str | None:
-        return None
+    def on_workers_finished(self, state: str) -> None: ...
+    def on_tick(self) -> None: ...
+
+
+RoundListener = Callable[..., None]  # called with round, store, group_rank, group_world_size, master_addr
 
 
 class ElasticRTAgent(LocalElasticAgent):
@@ -47,12 +53,14 @@ class ElasticRTAgent(LocalElasticAgent):
         logs_specs,
         *,
         node_id: str,
-        heartbeat_dir: str,
+        reports: WorkerReports,
         restart_grace_s: float = 1.0,
         shutdown_grace_s: float = 30.0,
         peer_loss_wait_s: float = 4.0,
         exit_barrier_timeout_s: float = 300.0,
         observer: AgentObserver | None = None,
+        policy: RestartPolicy | None = None,
+        round_listeners: Sequence[RoundListener] = (),
         log_line_prefix_template: str | None = None,
     ) -> None:
         super().__init__(
@@ -60,11 +68,13 @@ class ElasticRTAgent(LocalElasticAgent):
             log_line_prefix_template=log_line_prefix_template, shutdown_timeout=int(shutdown_grace_s),
         )
         self._node_id = node_id
-        self._heartbeat_dir = heartbeat_dir
+        self._reports = reports
         self._restart_grace_s = restart_grace_s
         self._shutdown_grace_s = shutdown_grace_s
         self._peer_loss_wait_s = peer_loss_wait_s
         self.observer: AgentObserver = observer or NullObserver()
+        self.policy: RestartPolicy = policy or NeverRestart()
+        self._round_listeners = tuple(round_listeners)
         self.restarts: dict[str, int] = {}
         self._broken_group = False
 
@@ -96,23 +106,25 @@ class ElasticRTAgent(LocalElasticAgent):
             nodes=worker_group.group_world_size,
             duration_s=time.monotonic() - t0,
         )
-        on_round = getattr(self.observer, "on_round", None)
-        if on_round is not None and m is not None:
-            on_round(round=m.round, store=worker_group.store, group_rank=worker_group.group_rank,
-                     group_world_size=worker_group.group_world_size, master_addr=worker_group.master_addr)
+        if m is not None:
+            for listener in self._round_listeners:
+                listener(round=m.round, store=worker_group.store, group_rank=worker_group.group_rank,
+                         group_world_size=worker_group.group_world_size, master_addr=worker_group.master_addr)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         m = self._membership()
-        os.makedirs(self._heartbeat_dir, exist_ok=True)
+        os.makedirs(self._reports.directory, exist_ok=True)
+        self._reports.start(range(worker_group.spec.local_world_size))
         os.environ.update({
             ENV_PARENT_PID: str(os.getpid()),
-            ENV_HEARTBEAT_DIR: self._heartbeat_dir,
+            ENV_HEARTBEAT_DIR: self._reports.directory,
             ENV_RUN_ID: self._handler().get_run_id(),
             ENV_NODE_ID: self._node_id,
             ENV_ROUND: str(m.round if m else 0),
         })
         pids = super()._start_workers(worker_group)
         self.observer.on_workers_started(dict(pids))
+        self.policy.on_workers_started(pids.keys())
         return pids
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
@@ -172,7 +184,7 @@ class ElasticRTAgent(LocalElasticAgent):
             self._worker_group.state = state
             now = time.monotonic()
             if state == WorkerState.SUCCEEDED:
-                getattr(self.observer, "on_workers_finished", lambda _s: None)("succeeded")
+                self.observer.on_workers_finished("succeeded")
                 log.info("%s workers finished; waiting for the other nodes", self._prefix())
                 self._exit_barrier()
                 return result
@@ -195,7 +207,8 @@ class ElasticRTAgent(LocalElasticAgent):
                     self._worker_group.state = WorkerState.FAILED
                     return result
             elif state == WorkerState.HEALTHY:
-                change = self._membership_change() or self.observer.poll(self)
+                self.observer.on_tick()
+                change = self._membership_change() or self.policy.check()
                 if change == "probe_failure":
                     log.error("%s collective probe failed: leaving the job so that the others re-form "
                               "without this node (--probe-failure-action leave)", self._prefix())

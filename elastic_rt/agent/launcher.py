@@ -1,4 +1,4 @@
-"""Wire a LaunchConfig into a rendezvous handler, a WorkerSpec and the agent; run it; map the outcome
+"""Wire a AgentConfig into a rendezvous handler, a WorkerSpec and the agent; run it; map the outcome
 to an exit code."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -22,9 +23,11 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
-from elastic_rt.config import LaunchConfig
+from elastic_rt.agent.policy import HealthPolicy
+from elastic_rt.agent.config import AgentConfig
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
 from elastic_rt.rendezvous import registration
+from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_CHECKPOINT_URL
 
 log = logging.getLogger(__name__)
@@ -37,19 +40,19 @@ def _std(value: str, flag: str):
         raise ConfigError(f"{flag} {value!r}: {exc}") from exc
 
 
-def preflight(cfg: LaunchConfig, sysfs_root: str = "/sys") -> None:
+def preflight(cfg: AgentConfig, sysfs_root: str = "/sys") -> None:
     """The hard pre-flight checks (`elastic-rt doctor` runs them all): refuse to join with one line.
 
     etcd reachability is left to the rendezvous, which retries until the join timeout.
     """
-    from elastic_rt.health.doctor import first_failure, hard_checks
+    from elastic_rt.doctor.command import first_failure, hard_checks
 
     failure = first_failure(hard_checks(etcd_client=None, sysfs_root=sysfs_root))
     if failure:
         raise HealthCheckError(f"{failure}; not joining the rendezvous")
 
 
-def worker_command(cfg: LaunchConfig) -> tuple[str, tuple[str, ...]]:
+def worker_command(cfg: AgentConfig) -> tuple[str, tuple[str, ...]]:
     """The entrypoint and arguments of each worker process."""
     if cfg.no_python:
         return cfg.script, cfg.script_args
@@ -58,7 +61,7 @@ def worker_command(cfg: LaunchConfig) -> tuple[str, tuple[str, ...]]:
     return sys.executable, runner + target + cfg.script_args
 
 
-def build_handler(cfg: LaunchConfig):
+def build_handler(cfg: AgentConfig):
     registration.register()
     params = RendezvousParameters(
         backend=cfg.rdzv_backend,
@@ -84,7 +87,7 @@ def build_handler(cfg: LaunchConfig):
         raise ConfigError(f"rendezvous configuration ({cfg.rdzv_backend}): {exc}") from exc
 
 
-def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:
+def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     """Run this node's agent until the job ends. Returns the process exit code."""
     if not cfg.no_python and not cfg.run_as_module and not os.path.isfile(cfg.script):
         raise ConfigError(f"training script {cfg.script!r} not found")
@@ -109,38 +112,57 @@ def launch(cfg: LaunchConfig, observer: AgentObserver | None = None) -> int:
     logs_specs = DefaultLogsSpecs(
         log_dir=log_dir, redirects=_std(cfg.redirects, "--redirects"), tee=_std(cfg.tee, "--tee")
     )
-    heartbeat_dir = os.path.join(log_dir, "heartbeat")
+    reports = WorkerReports(os.path.join(log_dir, "heartbeat"))
+    stop = threading.Event()
+    round_checks = None
     if observer is None:
-        from elastic_rt.agent.observer import MetricsObserver
+        from elastic_rt.collectors.schedule import NtpPoller, RoundChecks
+        from elastic_rt.metrics.observer import MetricsObserver
 
-        observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, heartbeat_dir=heartbeat_dir,
-                                   hang_timeout_s=cfg.hang_timeout_s, probe_bytes=cfg.probe_bytes,
-                                   probe_timeout_s=cfg.probe_timeout_s, probe_backend=cfg.probe_backend,
-                                   ntp_servers=cfg.ntp_servers, sysfs_root=cfg.sysfs_root,
-                                   probe_interval_s=cfg.probe_interval_s,
-                                   probe_failure_action=cfg.probe_failure_action)
-        observer.serve(cfg.metrics_host, cfg.metrics_port)
-        observer.start_ntp()
+        metrics_observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports,
+                                           sysfs_root=cfg.sysfs_root)
+        round_checks = RoundChecks(node=node_id, metrics=metrics_observer.metrics, stop=stop,
+                                   probe_bytes=cfg.probe_bytes, probe_timeout_s=cfg.probe_timeout_s,
+                                   probe_backend=cfg.probe_backend, probe_interval_s=cfg.probe_interval_s)
+        metrics_observer.serve(cfg.metrics_host, cfg.metrics_port, healthy=_probe_health(round_checks))
+        NtpPoller(servers=cfg.ntp_servers, clock_metrics=metrics_observer.metrics.clock, stop=stop).start()
+        observer = metrics_observer
+    policy = HealthPolicy(
+        heartbeats=reports.heartbeats, hang_timeout_s=cfg.hang_timeout_s,
+        probe_failure=round_checks.probe_failure if round_checks else (lambda: None),
+        probe_failure_action=cfg.probe_failure_action,
+    )
     agent = ElasticRTAgent(
         spec,
         logs_specs,
         node_id=node_id,
-        heartbeat_dir=heartbeat_dir,
+        reports=reports,
         restart_grace_s=cfg.restart_grace_s,
         shutdown_grace_s=cfg.grace_period_s,
         # a lost peer shows within its lease TTL (the handler's validated setting, not a second default)
         peer_loss_wait_s=getattr(getattr(handler, "settings", None), "lease_ttl_s", 3.0) + 1.0,
         observer=observer,
+        policy=policy,
+        round_listeners=(round_checks.on_round,) if round_checks else (),
     )
     leave = getattr(handler, "leave", None)
     try:
         return _run(agent, cfg, node_id, log_dir, handler, leave)
     finally:
+        stop.set()
         getattr(observer, "close", lambda: None)()
         getattr(handler, "close", lambda: None)()
 
 
-def _run(agent, cfg: LaunchConfig, node_id: str, log_dir: str, handler, leave) -> int:
+def _probe_health(round_checks):
+    def healthy() -> tuple[bool, str]:
+        failure = round_checks.probe_failure()
+        return (False, f"collective probe: {failure}") if failure else (True, "ok")
+
+    return healthy
+
+
+def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) -> int:
     try:
         result = agent.run()
     except SignalException as exc:

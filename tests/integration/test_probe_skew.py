@@ -9,8 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from elastic_rt.errors import HealthCheckError
-from elastic_rt.health.probe import run_allreduce_probe, spawn_probe
-from elastic_rt.health.store_skew import measure_skew_via_store, serve_skew
+from elastic_rt.collectors.probe import run_allreduce_probe, spawn_probe
+from elastic_rt.collectors.skew import measure_skew_via_store, serve_skew
 from elastic_rt.rendezvous.store import EtcdStore
 
 

@@ -238,7 +238,7 @@ def elastic_rt_launches(docs: list[dict]) -> Iterator[tuple[dict, dict, dict, li
 
 
 def parse_launch(argv: list[str]) -> tuple[Any, Any]:
-    """Parse an `elastic-rt launch ...` argv with the real CLI; returns (args, LaunchConfig).
+    """Parse an `elastic-rt launch ...` argv with the real CLI; returns (args, AgentConfig).
     A bad flag makes the parser exit 2: reported as an assertion with its message."""
     import contextlib
     import io

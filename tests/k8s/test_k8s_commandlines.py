@@ -31,7 +31,7 @@ from k8s_support import (
     rendered_cached,
 )
 
-from elastic_rt.config import DEFAULT_METRICS_PORT
+from elastic_rt.agent.config import DEFAULT_METRICS_PORT
 from elastic_rt.errors import ConfigError
 
 # --rdzv-conf keys the launcher and the etcd-v3 handler understand.
@@ -341,7 +341,7 @@ def free_port() -> int:
 def test_probe_and_scrape_paths_are_served_by_the_agent_exporter():
     from prometheus_client import CollectorRegistry, Counter
 
-    from elastic_rt.health.exporter import MetricsExporter
+    from elastic_rt.metrics.exporter import MetricsExporter
 
     docs = [d for p in sorted(K8S.rglob("*.yaml")) if p.name != "kustomization.yaml"
             for d in load_docs(p) if isinstance(d, dict)]

@@ -83,11 +83,11 @@ def test_alert_structure():
 
 def exported_names() -> set[str]:
     """Sample names a real AgentMetrics exposes once every kind of event happened."""
-    from elastic_rt.health.clock import SkewEstimate
-    from elastic_rt.health.heartbeat import Heartbeat
-    from elastic_rt.health.metrics import AgentMetrics
-    from elastic_rt.health.sntp import NtpResult
-    from elastic_rt.health.timex import TimexStatus
+    from elastic_rt.collectors.clock import SkewEstimate
+    from elastic_rt.reporting.heartbeat import Heartbeat
+    from elastic_rt.metrics.definitions import AgentMetrics
+    from elastic_rt.collectors.sntp import NtpResult
+    from elastic_rt.collectors.timex import TimexStatus
 
     timex = TimexStatus(synchronized=True, unsync_flag=False, offset_s=0.0, estimated_error_s=0.0,
                         max_error_s=0.0, frequency_adjustment_ratio=1.0, tick_s=0.01, status=0, state=0)

@@ -1,22 +1,24 @@
-"""The agent observer: checkpoint figures from workers, probe failure policy."""
+"""The agent observer records checkpoint figures from workers; the restart policy acts on probe failures."""
 
 from __future__ import annotations
 
 import os
 
-from elastic_rt.agent.observer import MetricsObserver
-from elastic_rt.health.ckpt_report import CheckpointReportReader, report_checkpoint
+from elastic_rt.agent.policy import HealthPolicy
+from elastic_rt.metrics.observer import MetricsObserver
+from elastic_rt.reporting.checkpoint import CheckpointReportReader, report_checkpoint
+from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_FILE
 
 
 def test_report_reaches_agent_metrics(tmp_path):
     env = {ENV_HEARTBEAT_FILE: str(tmp_path / "worker-0")}
-    obs = MetricsObserver(run_id="r", node="n", heartbeat_dir=str(tmp_path), sysfs_root=None)
+    obs = MetricsObserver(run_id="r", node="n", reports=WorkerReports(str(tmp_path)), sysfs_root=None)
     labels = {"run_id": "r", "node": "n"}
-    assert obs.poll(None) is None
+    obs.on_tick()
     assert obs.registry.get_sample_value("elastic_rt_checkpoint_last_committed_step", labels) in (None, 0.0)
     report_checkpoint(step=120, save_duration_s=1.5, blocked_s=0.05, env=env)
-    obs.poll(None)
+    obs.on_tick()
     assert obs.registry.get_sample_value("elastic_rt_checkpoint_last_committed_step", labels) == 120
     assert obs.registry.get_sample_value("elastic_rt_checkpoint_blocked_seconds_sum", labels) == 0.05
 
@@ -37,12 +39,11 @@ def test_no_agent_no_report(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_failed_probe_asks_to_leave_only_when_configured(tmp_path):
+def test_failed_probe_asks_to_leave_only_when_configured():
+    failure: list[str | None] = [None]
     for action, expected in (("report", None), ("leave", "probe_failure")):
-        obs = MetricsObserver(run_id="r", node="n", heartbeat_dir=str(tmp_path), sysfs_root=None,
-                              probe_failure_action=action)
-        obs.on_round(round=3, store=None, group_rank=0, group_world_size=1)  # one node: no probe
-        obs.probe_failed_round = 3  # as _probe_once records a failure of the current round
-        assert obs.poll(None) == expected
-        obs.probe_failed_round = 2  # an outdated round's failure never counts
-        assert obs.poll(None) is None
+        policy = HealthPolicy(heartbeats=dict, probe_failure=lambda: failure[0], probe_failure_action=action)
+        failure[0] = "all-reduce timed out"  # the current round's probe failed
+        assert policy.check() == expected
+        failure[0] = None  # no failure in the current round (an outdated round's never counts)
+        assert policy.check() is None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from elastic_rt.errors import ConfigError
-from elastic_rt.health.heartbeat import Heartbeat
+from elastic_rt.reporting.heartbeat import Heartbeat
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """Collective probe: one all-reduce across the nodes of a new round, timed (nccl-tests bus bandwidth).
 
-The agent runs it in a child process (`python -m elastic_rt.health.probe`), one per node,
+The agent runs it in a child process (`python -m elastic_rt.collectors.probe`), one per node,
 meeting on a TCPStore hosted by rank 0's child: a hung or crashed collective can then be
 killed without touching the agent, and a CUDA context never stays in the agent.
 """
@@ -102,7 +102,7 @@ def run_allreduce_probe(store: dist.Store, rank: int, world_size: int, *, nbytes
 def spawn_probe(*, master_addr: str, master_port: int, rank: int, world_size: int, nbytes: int,
                 timeout_s: float, backend: str = "auto") -> ProbeResult:
     """Run one probe in a low-priority child process; HealthCheckError when it fails or overruns."""
-    cmd = [sys.executable, "-m", "elastic_rt.health.probe", "--master-addr", master_addr,
+    cmd = [sys.executable, "-m", "elastic_rt.collectors.probe", "--master-addr", master_addr,
            "--master-port", str(master_port), "--rank", str(rank), "--world-size", str(world_size),
            "--bytes", str(nbytes), "--timeout", str(timeout_s), "--backend", backend]
     try:
@@ -118,7 +118,7 @@ def spawn_probe(*, master_addr: str, master_port: int, rank: int, world_size: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m elastic_rt.health.probe")
+    p = argparse.ArgumentParser(prog="python -m elastic_rt.collectors.probe")
     p.add_argument("--master-addr", required=True)
     p.add_argument("--master-port", type=int, required=True)
     p.add_argument("--rank", type=int, required=True)

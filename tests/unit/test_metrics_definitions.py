@@ -11,10 +11,10 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from elastic_rt.health.heartbeat import Heartbeat
-from elastic_rt.health.metrics import RESTART_REASONS, WORKER_STATES, AgentMetrics
-from elastic_rt.health.timex import read_timex
-from elastic_rt.health.workers import WorkerCollector
+from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.metrics.definitions import RESTART_REASONS, WORKER_STATES, AgentMetrics
+from elastic_rt.collectors.timex import read_timex
+from elastic_rt.metrics.workers import WorkerCollector
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "sysfs"
 BASE = {"run_id": "job7", "node": "node-a"}

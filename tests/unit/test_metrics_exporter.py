@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from elastic_rt.errors import ConfigError, ElasticRTError
-from elastic_rt.health.exporter import MetricsExporter
+from elastic_rt.metrics.exporter import MetricsExporter
 
 
 def free_port() -> int:

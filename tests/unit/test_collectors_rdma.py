@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from elastic_rt.health.rdma import RdmaCollector, SysfsValueError, parse_rate, parse_state
+from elastic_rt.collectors.rdma import RdmaCollector, SysfsValueError, parse_rate, parse_state
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "sysfs"
 
@@ -66,7 +66,7 @@ def test_every_required_error_counter_is_exported():
 
 def test_no_infiniband_directory_exports_nothing_and_logs_once(tmp_path, caplog):
     reg = registry_for(tmp_path)
-    with caplog.at_level(logging.INFO, logger="elastic_rt.health.rdma"):
+    with caplog.at_level(logging.INFO, logger="elastic_rt.collectors.rdma"):
         for _ in range(3):
             text = generate_latest(reg).decode()
     assert "elastic_rt_rdma_state_id{" not in text
@@ -85,7 +85,7 @@ def test_garbage_and_unreadable_values_are_skipped_and_logged_once(tmp_path, cap
     (port / "counters" / "link_downed").unlink()
     (port / "counters" / "link_downed").mkdir()
     reg = registry_for(root)
-    with caplog.at_level(logging.INFO, logger="elastic_rt.health.rdma"):
+    with caplog.at_level(logging.INFO, logger="elastic_rt.collectors.rdma"):
         for _ in range(2):
             assert val(reg, "elastic_rt_rdma_symbol_error_total", "mlx5_1") is None
             assert val(reg, "elastic_rt_rdma_link_downed_total", "mlx5_1") is None

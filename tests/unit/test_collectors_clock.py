@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from elastic_rt.errors import ConfigError, HealthCheckError
-from elastic_rt.health import sntp
-from elastic_rt.health.clock import (
+from elastic_rt.collectors import sntp
+from elastic_rt.collectors.clock import (
     ClockMetrics,
     SkewEstimate,
     SkewSample,
@@ -20,7 +20,7 @@ from elastic_rt.health.clock import (
     measure_skew,
     skew_warning,
 )
-from elastic_rt.health.timex import TimexCollector, TimexStatus, read_timex
+from elastic_rt.collectors.timex import TimexCollector, TimexStatus, read_timex
 
 
 class LoopbackNtpServer:

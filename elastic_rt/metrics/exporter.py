@@ -17,12 +17,6 @@ from elastic_rt.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Suggested default for --metrics-port. Inside the 9100-9999 range Prometheus uses
-# for exporters (so "exporter ports" firewall rules and scrape configs cover it),
-# and clear of what usually runs on a GPU node: node_exporter 9100, DCGM exporter
-# 9400, OpenTelemetry's Prometheus exporter 9464.
-DEFAULT_METRICS_PORT = 9402
-
 HealthResult = Union[bool, Tuple[bool, str]]  # (ok, reason) or a bare bool
 
 
@@ -104,7 +98,7 @@ class MetricsExporter:
         registry: CollectorRegistry,
         healthy: Callable[[], HealthResult] = lambda: True,
         host: str = "0.0.0.0",
-        port: int = DEFAULT_METRICS_PORT,
+        port: int,
     ) -> None:
         if not 0 <= port < 65536:
             raise ConfigError(f"metrics port {port} is out of range 0-65535; see --metrics-port")

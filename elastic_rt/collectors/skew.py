@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from elastic_rt.health.clock import SkewEstimate, SkewSample, estimate_skew
+from elastic_rt.collectors.clock import SkewEstimate, SkewSample, estimate_skew
 
 _PREFIX = "elastic-rt/skew"
 

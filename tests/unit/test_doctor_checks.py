@@ -14,9 +14,9 @@ import pytest
 
 from elastic_rt.cli import build_parser
 from elastic_rt.errors import ConfigError, EtcdUnavailableError, HealthCheckError
-from elastic_rt.health import doctor
-from elastic_rt.health.doctor import DoctorOptions, DoctorSources, first_failure, hard_checks, run_doctor
-from elastic_rt.health.doctor_checks import (
+from elastic_rt.doctor import command as doctor
+from elastic_rt.doctor.command import DoctorOptions, DoctorSources, first_failure, hard_checks, run_doctor
+from elastic_rt.doctor.checks import (
     GIB,
     CheckResult,
     GpuInfo,
@@ -28,11 +28,11 @@ from elastic_rt.health.doctor_checks import (
     check_ntp,
     guarded,
 )
-from elastic_rt.health.doctor_net import NcclList, check_nccl_env, check_rdma
-from elastic_rt.health import sntp
-from elastic_rt.health.rdma import RdmaCollector
-from elastic_rt.health.timex import TimexStatus
-from tests.unit.test_health_clock import LoopbackNtpServer
+from elastic_rt.doctor.net import NcclList, check_nccl_env, check_rdma
+from elastic_rt.collectors import sntp
+from elastic_rt.collectors.rdma import RdmaCollector
+from elastic_rt.collectors.timex import TimexStatus
+from tests.unit.test_collectors_clock import LoopbackNtpServer
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "sysfs"
 

@@ -9,8 +9,8 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from elastic_rt.errors import ConfigError, HealthCheckError
-from elastic_rt.health.sntp import NtpResult, query as ntp_query
-from elastic_rt.health.timex import TimexCollector, TimexStatus, read_timex
+from elastic_rt.collectors.sntp import NtpResult, query as ntp_query
+from elastic_rt.collectors.timex import TimexCollector, TimexStatus, read_timex
 
 __all__ = [
     "ClockMetrics",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, TextIO
 
 from elastic_rt.errors import ConfigError
-from elastic_rt.health.doctor_checks import (
+from elastic_rt.doctor.checks import (
     GIB,
     CheckResult,
     GpuInfo,
@@ -28,7 +28,7 @@ from elastic_rt.health.doctor_checks import (
     one_line,
     probe_gpus,
 )
-from elastic_rt.health.doctor_net import check_nccl_env, check_rdma, list_dir
+from elastic_rt.doctor.net import check_nccl_env, check_rdma, list_dir
 
 __all__ = [
     "CheckResult",
@@ -100,7 +100,7 @@ def _seconds(flag: str, value: float) -> float:
 def options_from_args(args: argparse.Namespace) -> DoctorOptions:
     """Validate parsed `doctor` flags (raises ConfigError, exit 2)."""
     from elastic_rt.config import parse_rdzv_conf
-    from elastic_rt.health.sntp import parse_server
+    from elastic_rt.collectors.sntp import parse_server
 
     timeout_s = _seconds("--timeout", args.timeout)
     etcd = None
@@ -130,7 +130,7 @@ def _ib_dir(sysfs_root: str) -> str:
 def _read_ports(sysfs_root: str) -> list[Any]:
     if not os.path.isdir(_ib_dir(sysfs_root)):
         return []  # most nodes without RDMA; not worth the collector's log line
-    from elastic_rt.health.rdma import RdmaCollector
+    from elastic_rt.collectors.rdma import RdmaCollector
 
     return RdmaCollector(sysfs_root=sysfs_root).read_ports()
 
@@ -160,7 +160,7 @@ def _etcd_row(options: DoctorOptions, factory: Callable[[Any], Any] | None) -> C
 
 def run_doctor(options: DoctorOptions, sources: DoctorSources) -> list[CheckResult]:
     """Every check, in table order; a check that raises becomes a failed row."""
-    from elastic_rt.health import sntp, timex
+    from elastic_rt.collectors import sntp, timex
 
     read_timex = sources.read_timex or timex.read_timex
     ntp_query = sources.ntp_query or sntp.query

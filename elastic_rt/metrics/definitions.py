@@ -7,11 +7,11 @@ from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from elastic_rt.health.clock import ClockMetrics
-from elastic_rt.health.heartbeat import Heartbeat
-from elastic_rt.health.rdma import RdmaCollector
-from elastic_rt.health.timex import TimexStatus, read_timex
-from elastic_rt.health.workers import WorkerCollector
+from elastic_rt.collectors.clock import ClockMetrics
+from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.collectors.rdma import RdmaCollector
+from elastic_rt.collectors.timex import TimexStatus, read_timex
+from elastic_rt.metrics.workers import WorkerCollector
 
 RESTART_REASONS = ("worker_failure", "peer_lost", "round_advanced", "scale_up", "hang", "probe_failure")
 # torch.distributed.elastic WorkerState names, lower-cased.

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from elastic_rt.health.doctor_checks import CheckResult, Status
+from elastic_rt.doctor.checks import CheckResult, Status
 
 _ACTIVE = 4  # IB logical port state 4: ACTIVE
 

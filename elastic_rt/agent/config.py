@@ -1,0 +1,53 @@
+"""The frozen configuration of one node's agent (what `elastic-rt launch` was asked to do)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Suggested default for --metrics-port. Inside the 9100-9999 range Prometheus uses
+# for exporters (so "exporter ports" firewall rules and scrape configs cover it),
+# and clear of what usually runs on a GPU node: node_exporter 9100, DCGM exporter
+# 9400, OpenTelemetry's Prometheus exporter 9464.
+DEFAULT_METRICS_PORT = 9402
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """Everything one node's agent needs, validated (built by elastic_rt.config from the flags)."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    rdzv_backend: str
+    rdzv_endpoint: str
+    rdzv_id: str
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
+    standalone: bool = False
+    max_restarts: int = 3
+    monitor_interval_s: float = 0.1
+    local_addr: str | None = None
+    node_id: str | None = None
+    log_dir: str | None = None
+    tee: str = "0"
+    redirects: str = "0"
+    grace_period_s: float = 30.0
+    restart_grace_s: float = 1.0
+    metrics_port: int = DEFAULT_METRICS_PORT
+    metrics_host: str = "0.0.0.0"
+    hang_timeout_s: float = 0.0
+    ntp_servers: tuple[str, ...] = ()
+    checkpoint_url: str | None = None
+    sysfs_root: str = "/sys"
+    probe_bytes: int = 4 << 20
+    probe_timeout_s: float = 30.0
+    probe_backend: str = "auto"
+    probe_interval_s: float = 0.0
+    probe_failure_action: str = "report"
+    run_as_module: bool = False
+    no_python: bool = False
+    script: str = ""
+    script_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def conf(self) -> dict[str, str]:
+        return dict(self.rdzv_conf)

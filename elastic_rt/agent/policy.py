@@ -1,0 +1,61 @@
+"""Restart policy: whether a group whose workers all run must restart anyway (a hang, a failed probe)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Mapping, Protocol
+
+from elastic_rt.agent.hang import HangDetector
+from elastic_rt.reporting.heartbeat import Heartbeat
+
+log = logging.getLogger(__name__)
+
+PROBE_FAILURE_ACTIONS = ("report", "leave")
+
+
+class RestartPolicy(Protocol):
+    """Asked by the agent every monitor tick while its workers are healthy."""
+
+    def on_workers_started(self, local_ranks: Iterable[int]) -> None: ...
+
+    def check(self) -> str | None:
+        """None, or the reason to act: "hang" (restart the group) or "probe_failure" (leave the job)."""
+        ...
+
+
+class NeverRestart:
+    """The policy of an agent with no hang timeout and probes that only report."""
+
+    def on_workers_started(self, local_ranks: Iterable[int]) -> None: ...
+
+    def check(self) -> str | None:
+        return None
+
+
+class HealthPolicy:
+    """Hang: no step progress for hang_timeout_s (0 = never). Probe: with action "leave", a failed
+    collective probe of the current round makes this node leave so the others re-form without it."""
+
+    def __init__(self, *, heartbeats: Callable[[], Mapping[int, Heartbeat | None]],
+                 probe_failure: Callable[[], str | None] = lambda: None, hang_timeout_s: float = 0.0,
+                 probe_failure_action: str = "report") -> None:
+        self._heartbeats = heartbeats
+        self._probe_failure = probe_failure
+        self._leave_on_probe_failure = probe_failure_action == "leave"
+        self._hang = HangDetector(hang_timeout_s=hang_timeout_s) if hang_timeout_s > 0 else None
+
+    def on_workers_started(self, local_ranks: Iterable[int]) -> None:
+        if self._hang is not None:
+            self._hang.start(local_ranks)
+
+    def check(self) -> str | None:
+        if self._leave_on_probe_failure and self._probe_failure() is not None:
+            return "probe_failure"
+        if self._hang is None:
+            return None
+        self._hang.observe_all(self._heartbeats())
+        verdict = self._hang.check()
+        if verdict.hung:
+            log.warning("workers hung: %s", verdict.reason)
+            return "hang"
+        return None
