@@ -301,3 +301,66 @@ class EtcdClient:
             lambda ep, t: ep.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=ep.metadata)
         )
         return resp.version, time.monotonic() - t0
+
+    # ---- used by the c10d Store (EtcdStore) ---------------------------------
+    def list_prefix(self, prefix: str, *, keys_only: bool = False, limit: int = 0,
+                    oldest_first: bool = False) -> tuple[list[KeyValue], int]:
+        """Keys under `prefix` (by key, or oldest created first) and the revision they were read at."""
+        req = etcdrpc.RangeRequest(
+            key=prefix.encode(), range_end=prefix_end(prefix), keys_only=keys_only, limit=limit,
+            sort_order=etcdrpc.RangeRequest.ASCEND if oldest_first else etcdrpc.RangeRequest.NONE,
+            sort_target=etcdrpc.RangeRequest.CREATE if oldest_first else etcdrpc.RangeRequest.KEY,
+        )
+        resp = self._call(lambda ep, t: ep.kv.Range(req, timeout=t, metadata=ep.metadata))
+        return [_kv(kv) for kv in resp.kvs], resp.header.revision
+
+    def count_many(self, keys: list[str], prefixes: list[str]) -> tuple[list[int], int]:
+        """How many keys exist at each key, then under each prefix, in one round trip at one revision."""
+        ranges = [etcdrpc.RangeRequest(key=k.encode(), count_only=True) for k in keys]
+        ranges += [etcdrpc.RangeRequest(key=p.encode(), range_end=prefix_end(p), count_only=True) for p in prefixes]
+        req = etcdrpc.TxnRequest(compare=[], success=[etcdrpc.RequestOp(request_range=r) for r in ranges], failure=[])
+        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
+        return [int(r.response_range.count) for r in resp.responses], resp.header.revision
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> int:
+        """Put every (key, value) in one transaction (keys must be distinct)."""
+        ops = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k.encode(), value=v)) for k, v in items]
+        req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
+        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
+        return resp.header.revision
+
+    def delete_if_unchanged(self, key: str, mod_revision: int) -> bool:
+        """Delete `key` only if its mod_revision is still `mod_revision`; True if this call deleted it."""
+        cmp = etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD,
+                              key=key.encode(), mod_revision=mod_revision)
+        delete = etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode()))
+        req = etcdrpc.TxnRequest(compare=[cmp], success=[delete], failure=[])
+        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
+        return bool(resp.succeeded) and resp.responses[0].response_delete_range.deleted > 0
+
+    def wait_for_any(self, keys: list[str], prefixes: list[str], *, after_revision: int, timeout_s: float) -> bool:
+        """Like wait_for_change, for several keys and prefixes on one watch stream."""
+        if timeout_s <= 0:
+            return False
+        creates = [etcdrpc.WatchCreateRequest(key=k.encode(), start_revision=after_revision + 1) for k in keys]
+        creates += [etcdrpc.WatchCreateRequest(key=p.encode(), range_end=prefix_end(p), start_revision=after_revision + 1)
+                    for p in prefixes]
+        requests = [etcdrpc.WatchRequest(create_request=c) for c in creates]
+
+        def watch(ep: _Endpoint, t: float) -> bool:
+            stream = ep.watch.Watch(iter(requests), timeout=t, metadata=ep.metadata)
+            try:
+                for resp in stream:
+                    if resp.compact_revision or resp.events:
+                        return True  # a change, or history compacted: the caller re-reads either way
+                    if resp.canceled:
+                        raise EtcdUnavailableError(f"etcd cancelled a watch: {resp.cancel_reason}")
+                return False
+            except grpc.RpcError as exc:
+                if _is_deadline(exc):
+                    return False
+                raise
+            finally:
+                stream.cancel()
+
+        return self._call(watch, timeout_s=timeout_s)
