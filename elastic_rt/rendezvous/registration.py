@@ -7,6 +7,7 @@ for users who want torch's exact protocol).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -22,6 +23,7 @@ from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.store import EtcdStore
 
 DEFAULT_PORT = 2379
+log = logging.getLogger(__name__)
 
 
 def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
@@ -91,16 +93,38 @@ def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
     )
 
 
+def read_secret_file(path: str) -> bytes:
+    """The job secret that signs etcd-v3-torch's state: the file's bytes, surrounding whitespace removed."""
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"--rdzv-conf secret_file={path}: cannot read it ({exc.strerror or exc})") from exc
+    if not secret:
+        raise ConfigError(f"--rdzv-conf secret_file={path}: the file is empty; put the job's secret in it "
+                          "(e.g. openssl rand -hex 32)")
+    return secret
+
+
 def create_etcd_v3_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     settings = settings_from_params(params)  # validates timeouts and the node id first
+    if params.get("secret_file"):
+        log.warning("--rdzv-conf secret_file applies to --rdzv-backend etcd-v3-torch only; "
+                    "etcd-v3 keeps its state as JSON and never unpickles it")
     return EtcdRendezvousHandler(EtcdClient(etcd_config_from_params(params)), settings)
 
 
 def create_etcd_v3_torch_handler(params: RendezvousParameters):
-    """torch's DynamicRendezvousHandler on the etcd v3 backend (its heartbeat and last-call timing)."""
+    """torch's DynamicRendezvousHandler on the etcd v3 backend (its heartbeat and last-call timing).
+
+    With `--rdzv-conf secret_file=PATH` the state torch pickles is signed (HMAC-SHA256) and
+    unsigned or wrongly signed state is refused before torch unpickles it (docs/rendezvous.md).
+    """
     keys = RunKeys(params.run_id)
+    path = params.get("secret_file")
+    secret = read_secret_file(path) if path else None
     client = EtcdClient(etcd_config_from_params(params))
-    backend = EtcdV3RendezvousBackend(client, params.run_id, name=params.backend)
+    backend = EtcdV3RendezvousBackend(client, params.run_id, name=params.backend, secret=secret)
     return create_handler(EtcdStore(client, keys.store), backend, params)
 
 
