@@ -12,16 +12,9 @@ from elastic_rt.rendezvous.backend import MAGIC, SIGNED, EtcdV3RendezvousBackend
 from elastic_rt.rendezvous.keys import RunKeys
 from tests.chaos.harness import EXAMPLE, Node, launch_args
 from tests.chaos.test_bad_input import _one_error_line, run_cli
+from tests.chaos.test_launch_e2e import nodes  # noqa: F401 - the fixture: nodes started, cleaned up after
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def nodes():
-    started: list[Node] = []
-    yield started
-    for n in started:
-        n.cleanup()
 
 
 @pytest.fixture

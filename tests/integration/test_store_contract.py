@@ -49,6 +49,15 @@ def _in_thread(fn) -> threading.Thread:
     return t
 
 
+def _blocks_until(other, blocking):
+    """Run `other` in another thread while this one blocks in `blocking`; return what it returned."""
+    t = _in_thread(other)
+    try:
+        return blocking()
+    finally:
+        t.join(10)
+
+
 # ---- torch's store test base ----------------------------------------------------------------
 
 def test_set_add_get_check_and_count(stores):
@@ -241,12 +250,8 @@ def test_wait_in_one_thread_released_by_set_in_another(stores, wrap):
     if wrap:
         waiter, setter = dist.PrefixStore("pre", waiter), dist.PrefixStore("pre", setter)
     waiter.set_timeout(TIMEOUT)
-    go = threading.Event()
-    t = _in_thread(lambda: (go.wait(10), setter.set("key1", "value1")))
-    go.set()
-    waiter.wait(["key1"])
+    _blocks_until(lambda: setter.set("key1", "value1"), lambda: waiter.wait(["key1"]))
     assert waiter.get("key1") == b"value1"
-    t.join(10)
 
 
 # ---- torch 2.13's Store methods beyond its test suite ------------------------------------------
@@ -263,9 +268,8 @@ def test_list_keys_lists_set_keys_only(stores):
 def test_barrier_releases_all_or_times_out(stores):
     stores.a.barrier("solo", 1)
     done = []
-    t = _in_thread(lambda: done.append(stores.b.barrier("pair", 2, TIMEOUT)))
-    stores.a.barrier("pair", 2, TIMEOUT)
-    t.join(20)
+    _blocks_until(lambda: done.append(stores.b.barrier("pair", 2, TIMEOUT)),
+                  lambda: stores.a.barrier("pair", 2, TIMEOUT))
     assert done == [None]
     with pytest.raises(dist.DistStoreError, match="timeout"):
         stores.a.barrier("alone", 2, SHORT)
@@ -301,11 +305,7 @@ def test_binary_values_and_empty_values(stores):
 
 
 def test_get_waits_for_a_key_set_later(stores):
-    go = threading.Event()
-    t = _in_thread(lambda: (go.wait(10), stores.a.set("late", "x")))
-    go.set()
-    assert stores.b.get("late") == b"x"
-    t.join(10)
+    assert _blocks_until(lambda: stores.a.set("late", "x"), lambda: stores.b.get("late")) == b"x"
 
 
 def test_get_and_multi_get_of_missing_keys_time_out(stores):
@@ -350,20 +350,12 @@ def test_multi_set_with_mismatched_lengths_is_refused(stores):
 
 
 def test_wait_is_released_by_a_queue_push(stores):
-    go = threading.Event()
-    t = _in_thread(lambda: (go.wait(10), stores.b.queue_push("wq", "v")))
-    go.set()
-    stores.a.wait(["wq"])
+    _blocks_until(lambda: stores.b.queue_push("wq", "v"), lambda: stores.a.wait(["wq"]))
     assert stores.a.queue_len("wq") == 1
-    t.join(10)
 
 
 def test_blocking_pop_is_released_by_a_push_from_another_client(stores):
-    go = threading.Event()
-    t = _in_thread(lambda: (go.wait(10), stores.b.queue_push("job", "x")))
-    go.set()
-    assert stores.a.queue_pop("job") == b"x"
-    t.join(10)
+    assert _blocks_until(lambda: stores.b.queue_push("job", "x"), lambda: stores.a.queue_pop("job")) == b"x"
 
 
 def test_each_queued_item_is_popped_exactly_once(stores):
@@ -396,9 +388,8 @@ def test_usable_through_prefix_store_and_elastic_barrier(stores):
     pa.set("x", "1")
     assert pb.get("x") == b"1"
     done = []
-    t = _in_thread(lambda: done.append(store_util.barrier(pb, 2, key_prefix="bar", barrier_timeout=10)))
-    store_util.barrier(pa, 2, key_prefix="bar", barrier_timeout=10)
-    t.join(10)
+    _blocks_until(lambda: done.append(store_util.barrier(pb, 2, key_prefix="bar", barrier_timeout=10)),
+                  lambda: store_util.barrier(pa, 2, key_prefix="bar", barrier_timeout=10))
     assert done == [None]
 
 
