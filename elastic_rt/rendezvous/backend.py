@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import NoReturn
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
@@ -65,7 +66,7 @@ class StateEnvelope:
             self._refuse(f"has an unknown envelope kind {kind}")
         return payload
 
-    def _refuse(self, why: str, *, same_secret: bool = False) -> None:
+    def _refuse(self, why: str, *, same_secret: bool = False) -> NoReturn:
         first = "give every node of the job the same --rdzv-conf secret_file, or " if same_secret else ""
         raise RendezvousStateError(
             f"rendezvous state at etcd key {self.key} {why}; refusing to unpickle it: "

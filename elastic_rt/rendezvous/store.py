@@ -17,10 +17,12 @@ _TXN_OPS = 64  # etcd refuses transactions of more than 128 operations by defaul
 T = TypeVar("T")
 
 
-def _to_bytes(value: str | bytes | bytearray | list) -> bytes:
+def _to_bytes(value: str | bytes | bytearray | memoryview | list) -> bytes:
     if isinstance(value, str):
         return value.encode()
-    return bytes(value)  # bytes, bytearray, or std::vector<uint8_t> passed as a list of ints
+    if isinstance(value, (bytes, bytearray, memoryview, list)):  # a list: std::vector<uint8_t> from C++
+        return bytes(value)
+    raise TypeError(f"store values are str or bytes, not {type(value).__name__}")
 
 
 class EtcdStore(dist.Store):

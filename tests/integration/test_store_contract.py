@@ -415,6 +415,14 @@ def test_etcd_add_to_a_non_integer_is_a_clear_store_error(etcd_client, run_id):
         s.add("str", 1)
 
 
+def test_etcd_values_are_str_or_bytes(etcd_client, run_id):
+    s = EtcdStore(etcd_client, f"/elastic-rt/{run_id}/store/", TIMEOUT)
+    with pytest.raises(TypeError):
+        s.set("k", 5)  # not five zero bytes
+    s.set("k", bytearray(b"ab"))
+    assert s.get("k") == b"ab"
+
+
 def test_etcd_queues_and_keys_do_not_share_names(etcd_client, run_id):
     s = EtcdStore(etcd_client, f"/elastic-rt/{run_id}/store/", TIMEOUT)
     s.queue_push("a", "1")

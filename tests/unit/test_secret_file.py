@@ -53,3 +53,12 @@ def test_envelope_round_trip_and_tamper(tmp_path):
     flipped = blob[:-1] + bytes((blob[-1] ^ 1,))
     with pytest.raises(RendezvousStateError, match="another secret"):
         signed.open(flipped)
+
+
+def test_secret_file_on_the_json_handler_is_ignored_with_a_warning(caplog):
+    params = RendezvousParameters(backend="etcd-v3", endpoint="127.0.0.1:1", run_id="job",
+                                  min_nodes=1, max_nodes=1, secret_file="/nonexistent")
+    with caplog.at_level("WARNING", logger="elastic_rt.rendezvous.registration"):
+        handler = registration.create_etcd_v3_handler(params)
+    getattr(handler, "close", lambda: None)()
+    assert any("etcd-v3-torch only" in r.getMessage() for r in caplog.records)
