@@ -40,8 +40,12 @@ def find_etcd_binary() -> str:
     return path
 
 
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -57,7 +61,7 @@ class EtcdMember:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.client_port}"
+        return _hostport(self.host, self.client_port)
 
 
 class EtcdCluster:
@@ -78,13 +82,15 @@ class EtcdCluster:
         return ",".join(m.endpoint for m in self.members)
 
     def _cmd(self, m: EtcdMember) -> list[str]:
-        cluster = ",".join(f"{x.name}=http://{x.host}:{x.peer_port}" for x in self.members)
+        cluster = ",".join(f"{x.name}=http://{_hostport(x.host, x.peer_port)}" for x in self.members)
+        client_url = f"http://{m.endpoint}"
+        peer_url = f"http://{_hostport(m.host, m.peer_port)}"
         return [
             self.binary, "--name", m.name, "--data-dir", m.data_dir,
-            "--listen-client-urls", f"http://{m.host}:{m.client_port}",
-            "--advertise-client-urls", f"http://{m.host}:{m.client_port}",
-            "--listen-peer-urls", f"http://{m.host}:{m.peer_port}",
-            "--initial-advertise-peer-urls", f"http://{m.host}:{m.peer_port}",
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", os.path.basename(self.root),
             "--heartbeat-interval", "100", "--election-timeout", "1000",

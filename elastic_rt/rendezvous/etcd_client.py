@@ -81,7 +81,7 @@ def prefix_end(prefix: str) -> bytes:
 
 class _Endpoint:
     def __init__(self, host: str, port: int, config: EtcdConfig) -> None:
-        self.label = f"{host}:{port}"
+        self.label = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if config.ca_cert or config.cert:
             try:
                 creds = grpc.ssl_channel_credentials(
