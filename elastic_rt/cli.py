@@ -83,11 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     launch = sub.add_parser("launch", help="run a training script on this node")
     add_launch_arguments(launch)
+    from elastic_rt.chaos import cli as chaos_cli
     from elastic_rt.checkpoint import cli as ckpt_cli
     from elastic_rt.doctor import command as doctor
 
     ckpt_cli.add_subparser(sub)
     doctor.add_subparser(sub)
+    chaos_cli.add_subparser(sub)
     return parser
 
 
