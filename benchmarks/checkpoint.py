@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -41,7 +42,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from elastic_rt.checkpoint import CheckpointManager
-from elastic_rt.checkpoint.testing import run_world
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # tests.support: the multi-process gloo world the tests use
+from tests.support.world import run_world  # noqa: E402
 
 TENSORS_PER_RANK = 8
 
