@@ -18,8 +18,8 @@ from elastic_rt.checkpoint import loader
 from elastic_rt.checkpoint.options import CheckpointOptions, IfBusy, SaveStats
 from elastic_rt.checkpoint.saver import SaveContext, SaveJob, describe_error, run_save
 from elastic_rt.checkpoint.staging import BufferPool
-from elastic_rt.checkpoint.state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
-from elastic_rt.checkpoint.store import CheckpointEntry, CheckpointStore
+from elastic_rt.checkpoint.user_state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
+from elastic_rt.checkpoint.storage import CheckpointEntry, CheckpointStore
 from elastic_rt.checkpoint.writer import ChecksumWriter
 from elastic_rt.errors import CheckpointError, ElasticRTError
 

@@ -18,8 +18,8 @@ from elastic_rt.checkpoint.collectives import CheckpointGroups
 from elastic_rt.checkpoint.manifest import FileEntry, Manifest, ManifestError
 from elastic_rt.checkpoint.options import CheckpointOptions, SaveStats
 from elastic_rt.checkpoint.staging import BufferPool, StagingSavePlanner
-from elastic_rt.checkpoint.state import encode_per_rank
-from elastic_rt.checkpoint.store import CheckpointStore, rank_filename
+from elastic_rt.checkpoint.user_state import encode_per_rank
+from elastic_rt.checkpoint.storage import CheckpointStore, rank_filename
 from elastic_rt.checkpoint.writer import ChecksumWriter
 from elastic_rt.errors import CheckpointError, ElasticRTError
 

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from elastic_rt.checkpoint.state import storage_ptr
+from elastic_rt.checkpoint.user_state import storage_ptr
 
 BufferKey = tuple[str, tuple[int, ...] | None]
 

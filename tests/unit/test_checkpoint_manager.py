@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from elastic_rt.checkpoint import MANIFEST_NAME, CheckpointManager, capture_rng_state, restore_rng_state
-from elastic_rt.checkpoint.store import CheckpointStore
+from elastic_rt.checkpoint.storage import CheckpointStore
 from elastic_rt.errors import CheckpointError
 from tests.support.checkpoint import EventPauseHook, PausingCheckpointManager
 
