@@ -155,9 +155,11 @@ def _prepare_step_dir(step: int, step_dir: str, ctx: SaveContext) -> str:
             try:
                 ctx.store.read_manifest(step_dir)
                 return "exists"
-            except ManifestError:
+            except ManifestError as exc:
+                log.info("checkpoint step %d under %s: clearing leftovers of an interrupted save (%s)",
+                         step, ctx.url, exc)
                 ctx.store.delete(step_dir)
-        ctx.store.makedirs(step_dir)
+        ctx.store.make_step_dir(step_dir, sync=ctx.sync_files)
     except OSError as exc:
         return f"cannot prepare {step_dir} on {ctx.url} ({exc})"
     return "go"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import posixpath
 import threading
@@ -19,6 +20,8 @@ from torch.futures import Future
 
 from elastic_rt.checkpoint.manifest import FileEntry
 from elastic_rt.checkpoint.writeback import StartWriteback, start_writeback
+
+log = logging.getLogger(__name__)
 
 # Buffers at least this large get their crc32 computed in a helper thread while the
 # write proceeds (zlib releases the GIL), so checksumming overlaps with I/O.
@@ -142,8 +145,8 @@ class ChecksumFileSystem(FileSystemBase):
             except BaseException:
                 try:
                     self.fs.rm(path)
-                except OSError:
-                    pass
+                except OSError as exc:  # the save fails anyway; the step directory is not committed
+                    log.debug("checkpoint writer: could not remove the partial file %s (%s)", path, exc)
                 raise
         with self._lock:
             self.written[path] = (stream.size, stream.crc)

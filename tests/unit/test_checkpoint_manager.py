@@ -386,3 +386,26 @@ def test_the_package_holds_no_test_hooks():
         if any(word in path.read_text() for word in ("TEST_PAUSE", "test_pause", "pause_hook"))
     ]
     assert offenders == []
+
+
+def test_a_new_step_directory_is_made_durable_in_the_root(tmp_path, monkeypatch):
+    """On a local disk the root (and, for a new root, its parent) is fsynced after the step
+    directory is created: the directory entry is as durable as the files in it."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    model, optim = make_model(seed=1)
+    root = tmp_path / "runs" / "ckpt"
+    with CheckpointManager(f"file://{root}") as mgr:
+        mgr.save(1, make_state(model, optim, 1))
+    assert str(root) in synced and str(root.parent) in synced
+    assert str(root / "step_00000001") in synced  # the manifest's rename, as before
+    synced.clear()
+    with CheckpointManager(f"file://{root}", sync_files=False) as mgr:
+        mgr.save(2, make_state(model, optim, 2))
+    assert str(root) not in synced
