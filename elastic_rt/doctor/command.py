@@ -76,19 +76,17 @@ class DoctorSources:
 
 
 def etcd_config(endpoint: str, conf: Mapping[str, str], *, timeout_s: float):
-    """EtcdConfig from --rdzv-endpoint and --rdzv-conf (TLS and credentials keys as `launch` reads them)."""
-    from elastic_rt.rendezvous.etcd_client import EtcdConfig
-    from elastic_rt.rendezvous.registration import parse_endpoints
+    """EtcdConfig from --rdzv-endpoint and --rdzv-conf, built exactly as `launch` builds it
+    (rendezvous.registration); doctor's --timeout is the per-request deadline."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    return EtcdConfig(
-        endpoints=parse_endpoints(endpoint),
-        request_timeout_s=timeout_s,
-        ca_cert=conf.get("ca_cert"),
-        cert=conf.get("cert") or conf.get("ssl_cert"),
-        key=conf.get("key") or conf.get("ssl_cert_key"),
-        user=conf.get("user") or conf.get("username"),
-        password=conf.get("password"),
-    )
+    from elastic_rt.rendezvous.registration import etcd_config_from_params
+
+    params = RendezvousParameters(
+        backend="etcd-v3", endpoint=endpoint, run_id="doctor", min_nodes=1, max_nodes=1,
+        **{**conf, "read_timeout": timeout_s},
+    )  # fmt: skip
+    return etcd_config_from_params(params)
 
 
 def _seconds(flag: str, value: float) -> float:
