@@ -65,6 +65,7 @@ def run_allreduce_probe(store: dist.Store, rank: int, world_size: int, *, nbytes
     backend = pick_backend(backend)
     timeout = timedelta(seconds=timeout_s)
     numel = max(1, nbytes // 4)
+    pg = None
     try:
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
@@ -96,7 +97,7 @@ def run_allreduce_probe(store: dist.Store, rank: int, world_size: int, *, nbytes
             f"{str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}"
         ) from exc
     finally:
-        if "pg" in locals() and hasattr(pg, "shutdown"):
+        if pg is not None:
             try:
                 pg.shutdown()
             except Exception as exc:  # noqa: BLE001 - the result (or error) is already decided
