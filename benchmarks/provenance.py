@@ -18,21 +18,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = "benchmarks/results/"
 
 
-def _git(*args: str) -> str:
-    proc = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+def _git(repo: str, *args: str) -> str:
+    proc = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
     if proc.returncode != 0:
         raise OSError(proc.stderr.strip() or f"git {' '.join(args)} failed")
     return proc.stdout
 
 
-def provenance(allow_dirty: bool) -> dict:
-    """The commit this checkout is at and whether the tree differs from it (see module doc)."""
+def provenance(allow_dirty: bool, *, repo: str = REPO) -> dict:
+    """The commit the checkout `repo` is at and whether its tree differs from it (see module doc)."""
     try:
-        commit = _git("rev-parse", "HEAD").strip()
-        status = _git("status", "--porcelain", "--untracked-files=all")
+        commit = _git(repo, "rev-parse", "HEAD").strip()
+        status = _git(repo, "status", "--porcelain", "--untracked-files=all")
     except (OSError, subprocess.SubprocessError) as exc:
         if not allow_dirty:
-            raise SystemExit(f"benchmark: cannot read the git commit of {REPO} ({exc}); "
+            raise SystemExit(f"benchmark: cannot read the git commit of {repo} ({exc}); "
                              "run from a git checkout, or pass --allow-dirty (recorded in the results)") from exc
         return {"commit": "unknown", "dirty": True, "allow_dirty": True, "changes": []}
     changes = [line[3:] for line in status.splitlines() if not line[3:].startswith(RESULTS_DIR)]
