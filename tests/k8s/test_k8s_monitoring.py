@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from k8s_support import K8S, REPO, load_docs
+from tests.support.tools import needs_tool
 
 RULES = K8S / "monitoring" / "prometheusrule.yaml"
 DASHBOARD = K8S / "monitoring" / "dashboards" / "elastic-rt.json"
@@ -24,10 +25,8 @@ ALERTS_TEST = Path(__file__).parent / "data" / "alerts_test.yaml"
 FIXTURE_SYSFS = REPO / "tests" / "fixtures" / "sysfs"
 METRIC = re.compile(r"\belastic_rt_[a-z0-9_]+")
 
-NEED_PROMTOOL = pytest.mark.skipif(
-    shutil.which("promtool") is None,
-    reason="promtool not installed (apt-get install --no-install-recommends prometheus)",
-)
+NEED_PROMTOOL = needs_tool("promtool", shutil.which("promtool") is not None,
+                           "apt-get install --no-install-recommends prometheus")
 
 # What the issue asks the alerts to cover, by the metric each one reads.
 REQUIRED_ALERTS = {
