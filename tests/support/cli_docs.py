@@ -27,11 +27,13 @@ RDZV_CONF_KEYS = (
     ("store_timeout", (), "store_timeout_s", "timeout of each operation on the round's c10d store over etcd (the workers' bootstrap)"),
     ("read_timeout", (), "request_timeout_s", "deadline of each etcd request"),
     ("node_id", (), "node_id", "this node's name in the rendezvous (also `--node-id`)"),
-    ("ca_cert", (), "ca_cert", "TLS: CA bundle to verify etcd's certificate"),
+    ("ca_cert", ("cacert",), "ca_cert", "TLS: CA bundle to verify etcd's certificate"),
     ("cert", ("ssl_cert",), "cert", "TLS: client certificate"),
     ("key", ("ssl_cert_key",), "key", "TLS: client key"),
     ("user", ("username",), "user", "etcd user (with `password`)"),
-    ("password", (), "password", "etcd password"),
+    ("password", (), "password", "etcd password (shows in `ps`: prefer `password_file` or $ELASTIC_RT_ETCD_PASSWORD)"),
+    ("password_file", (), None, "file holding the etcd password"),
+    ("secret_file", (), None, "`etcd-v3-torch` only: job secret that signs the pickled rendezvous state (docs/rendezvous.md)"),
 )
 
 
@@ -85,7 +87,8 @@ def rdzv_conf_defaults() -> dict[str, object]:
     params = RendezvousParameters(backend="etcd-v3", endpoint="localhost:2379", run_id="docs", min_nodes=1,
                                   max_nodes=1, local_addr="localhost")
     built = {**vars(etcd_config_from_params(params)), **vars(settings_from_params(params))}
-    return {key: (built[field] if key != "node_id" else "hostname-pid") for key, _, field, _ in RDZV_CONF_KEYS}
+    return {key: ("hostname-pid" if key == "node_id" else built[field] if field else None)
+            for key, _, field, _ in RDZV_CONF_KEYS}
 
 
 def rdzv_conf_table() -> str:

@@ -53,7 +53,9 @@ def test_every_rdzv_conf_key_registration_reads_is_documented():
     from elastic_rt.rendezvous import registration
 
     source = inspect.getsource(registration)
-    read = set(re.findall(r"params\.get\(\s*\"(\w+)\"", source)) | set(re.findall(r"_float\(\s*params,\s*\"(\w+)\"", source))
+    read = (set(re.findall(r"(?:params|conf)\.get\(\s*\"(\w+)\"", source))
+            | set(re.findall(r"conf\[\"(\w+)\"\]", source))
+            | set(re.findall(r"_float\(\s*params,\s*\"(\w+)\"", source)))
     documented = {k for key, aliases, _, _ in cli_docs.RDZV_CONF_KEYS for k in (key, *aliases)}
     assert read, "found no --rdzv-conf keys in rendezvous/registration.py; update this test's patterns"
     assert sorted(read - documented) == [], f"add them to tests/support/cli_docs.py RDZV_CONF_KEYS; {REGENERATE}"
