@@ -4,7 +4,6 @@ monitor loop fails liveness within its threshold and recovers when the loop does
 from __future__ import annotations
 
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 
 from elastic_rt.chaos.etcd_server import free_port
 from tests.chaos.harness import Node, launch_args
-from tests.chaos.test_health_e2e import scrape, value
+from tests.chaos.test_health_e2e import poll, scrape, value
 from tests.chaos.test_launch_e2e import nodes  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
@@ -27,20 +26,6 @@ def get(port: int, path: str) -> tuple[int, str]:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode()
-
-
-def poll(fn, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-            if last:
-                return last
-        except OSError as exc:  # not listening yet
-            last = exc
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} within {timeout_s} s (last: {last!r})")
 
 
 def with_metrics_port(args: list[str], port: int) -> list[str]:

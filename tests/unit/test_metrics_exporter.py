@@ -75,21 +75,17 @@ def health(state):
 
 
 def test_metrics_endpoint_serves_the_injected_registry(registry):
-    exporter = started(registry)
-    try:
+    with started(registry) as exporter:
         status, ctype, body = get(exporter.url + "/metrics")
         assert status == 200 and ctype.startswith("text/plain")
         assert 'elastic_rt_world_size{run_id="r"} 8.0' in body
         assert "python_gc" not in body  # the global registry is not served
         status, _, body = get(exporter.url + "/nope")
         assert status == 404 and "/livez" in body and "/readyz" in body
-    finally:
-        exporter.stop()
 
 
 def test_livez_readyz_and_the_healthz_alias(registry, health, state):
-    exporter = started(registry, **health)
-    try:
+    with started(registry, **health) as exporter:
         for path in ("/livez", "/readyz", "/healthz", "/livez/", "/readyz/probe"):
             assert get(exporter.url + path)[::2] == (200, "ok\n"), path
         # a failed probe fails readiness only: liveness (and its /healthz alias) stays 200
@@ -109,13 +105,10 @@ def test_livez_readyz_and_the_healthz_alias(registry, health, state):
         for path in ("/livez", "/healthz"):
             status, _, body = get(exporter.url + path)
             assert status == 503 and body == f"monitor failed: {state['monitor'][1]}\n", path
-    finally:
-        exporter.stop()
 
 
 def test_verbose_lists_every_check_in_the_kubernetes_format(registry, health, state):
-    exporter = started(registry, **health)
-    try:
+    with started(registry, **health) as exporter:
         status, _, body = get(exporter.url + "/readyz?verbose")
         assert status == 200
         assert body.splitlines() == ["[+]probe ok: all-reduce in 1.2 ms", "[+]rdma ok: 2 port(s) active",
@@ -127,22 +120,17 @@ def test_verbose_lists_every_check_in_the_kubernetes_format(registry, health, st
                                      "[-]rdma failed: mlx5_1 port 1 is DOWN (state 1)", "readyz check failed"]
         assert get(exporter.url + "/livez?verbose")[::2] == (
             200, "[+]monitor ok: monitor loop ticked 0.1 s ago\nlivez check passed\n")
-    finally:
-        exporter.stop()
 
 
 def test_single_check_paths_and_exclude(registry, health, state):
     state["rdma"] = (False, "mlx5_1 port 1 is DOWN (state 1)")
-    exporter = started(registry, **health)
-    try:
+    with started(registry, **health) as exporter:
         assert get(exporter.url + "/readyz/probe")[::2] == (200, "ok\n")
         assert get(exporter.url + "/readyz/rdma")[0] == 503
         assert get(exporter.url + "/readyz/nosuchcheck")[0] == 404
         assert get(exporter.url + "/readyz?exclude=rdma")[::2] == (200, "ok\n")
         status, _, body = get(exporter.url + "/readyz?exclude=rdma&verbose")
         assert status == 200 and "rdma" not in body and "[+]probe ok" in body
-    finally:
-        exporter.stop()
 
 
 def test_a_check_that_raises_fails_itself_not_the_endpoint(registry):
@@ -150,35 +138,28 @@ def test_a_check_that_raises_fails_itself_not_the_endpoint(registry):
         raise RuntimeError("store unreachable\nsecond line")
 
     readiness = HealthChecks(READINESS, [("store", boom), ("fine", lambda: (True, "fine"))])
-    exporter = started(registry, readiness=readiness)
-    try:
+    with started(registry, readiness=readiness) as exporter:
         status, _, body = get(exporter.url + "/readyz?verbose")
         assert status == 503
         assert "[-]store failed: check raised RuntimeError: store unreachable second line" in body
         assert "[+]fine ok: fine" in body
         assert get(exporter.url + "/livez")[::2] == (200, "ok\n")  # no liveness checks given: alive
-    finally:
-        exporter.stop()
 
 
 def test_head_requests_get_the_status_without_a_body(registry, health, state):
     state["probe"] = (False, "timed out")
-    exporter = started(registry, **health)
-    try:
+    with started(registry, **health) as exporter:
         req = urllib.request.Request(exporter.url + "/readyz", method="HEAD")
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=10)
         assert info.value.code == 503 and info.value.read() == b""
-    finally:
-        exporter.stop()
 
 
 def test_concurrent_connections_are_capped(registry, health):
     """Connections that send nothing hold their slots; past the cap a client gets 503 at once, and no
     thread is started for it. Freed slots serve again."""
-    exporter = started(registry, max_connections=3, request_timeout_s=30.0, **health)
     idle: list[socket.socket] = []
-    try:
+    with started(registry, max_connections=3, request_timeout_s=30.0, **health) as exporter:
         threads_before = threading.active_count()
         for _ in range(3):
             idle.append(socket.create_connection(("127.0.0.1", exporter.port), timeout=10))
@@ -187,37 +168,26 @@ def test_concurrent_connections_are_capped(registry, health):
             status, _, body = get(exporter.url + "/livez")
             assert status == 503 and body.startswith("busy: too many concurrent connections")
         assert threading.active_count() <= threads_before + 3
-        for s in idle:
-            s.close()
-        idle.clear()
+        while idle:
+            idle.pop().close()
         poll(lambda: get(exporter.url + "/livez")[0] == 200, 10, "served again once slots are free")
-    finally:
-        for s in idle:
-            s.close()
-        exporter.stop()
 
 
 def test_a_silent_client_loses_its_slot_after_the_request_timeout(registry):
-    exporter = started(registry, max_connections=1, request_timeout_s=0.5)
-    try:
+    with started(registry, max_connections=1, request_timeout_s=0.5) as exporter:
         with socket.create_connection(("127.0.0.1", exporter.port), timeout=10) as silent:
             # the server drops the silent connection after its timeout: the client sees EOF
             silent.settimeout(10)
             assert silent.recv(1024) == b""
             poll(lambda: get(exporter.url + "/livez")[0] == 200, 10, "the slot freed")
-    finally:
-        exporter.stop()
 
 
 def test_start_logs_the_bound_address_and_what_it_means(registry, caplog):
     caplog.set_level(logging.INFO, logger="elastic_rt.metrics.exporter")
-    exporter = started(registry)
-    try:
+    with started(registry) as exporter:
         line = [r.getMessage() for r in caplog.records if "serving /metrics" in r.getMessage()][0]
         assert f"127.0.0.1:{exporter.port}" in line and "this address only" in line and "--metrics-host" in line
         assert "at most 16 connections" in line
-    finally:
-        exporter.stop()
 
 
 def test_ipv6_all_interfaces_also_serves_ipv4(registry):
@@ -231,24 +201,19 @@ def test_ipv6_all_interfaces_also_serves_ipv4(registry):
         exporter.start()
     except ConfigError as exc:
         pytest.skip(f"cannot bind :: here: {exc}")
-    try:
+    with exporter:
         assert get(f"http://[::1]:{exporter.port}/livez")[0] == 200
         assert get(f"http://127.0.0.1:{exporter.port}/livez")[0] == 200  # dual stack (IPV6_V6ONLY off)
-    finally:
-        exporter.stop()
 
 
 def test_port_in_use_is_a_clear_typed_error(registry):
-    first = started(registry)
-    try:
+    with started(registry) as first:
         second = MetricsExporter(registry=registry, host="127.0.0.1", port=first.port)
         with pytest.raises(ConfigError) as info:
             second.start()
         msg = str(info.value)
         assert str(first.port) in msg and "--metrics-port" in msg and "in use" in msg
         assert isinstance(info.value, ElasticRTError)
-    finally:
-        first.stop()
 
 
 def test_stop_releases_the_port(registry):
@@ -256,11 +221,8 @@ def test_stop_releases_the_port(registry):
     port = exporter.port
     exporter.stop()
     again = MetricsExporter(registry=registry, host="127.0.0.1", port=port)
-    again.start()
-    try:
+    with again:
         assert get(again.url + "/livez")[0] == 200
-    finally:
-        again.stop()
     again.stop()  # idempotent
 
 
