@@ -26,6 +26,7 @@ from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
+from elastic_rt.metrics.health import liveness_threshold_s
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_CHECKPOINT_URL
@@ -120,11 +121,13 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         from elastic_rt.metrics.observer import MetricsObserver
 
         metrics_observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports,
-                                           sysfs_root=cfg.sysfs_root)
+                                           sysfs_root=cfg.sysfs_root,
+                                           liveness_threshold_s=liveness_threshold_s(cfg.monitor_interval_s))
         round_checks = RoundChecks(node=node_id, metrics=metrics_observer.metrics, stop=stop,
                                    probe_bytes=cfg.probe_bytes, probe_timeout_s=cfg.probe_timeout_s,
                                    probe_backend=cfg.probe_backend, probe_interval_s=cfg.probe_interval_s)
-        metrics_observer.serve(cfg.metrics_host, cfg.metrics_port, healthy=_probe_health(round_checks))
+        add_readiness_checks(metrics_observer.readiness, cfg, round_checks)
+        metrics_observer.serve(cfg.metrics_host, cfg.metrics_port)
         NtpPoller(servers=cfg.ntp_servers, clock_metrics=metrics_observer.metrics.clock, stop=stop).start()
         observer = metrics_observer
     policy = HealthPolicy(
@@ -154,12 +157,16 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         getattr(handler, "close", lambda: None)()
 
 
-def _probe_health(round_checks):
-    def healthy() -> tuple[bool, str]:
-        failure = round_checks.probe_failure()
-        return (False, f"collective probe: {failure}") if failure else (True, "ok")
+def add_readiness_checks(readiness, cfg: AgentConfig, round_checks) -> None:
+    """/readyz: this node's fitness for the job, each check on its own data source. (`etcd` is the
+    observer's own, fed by on_etcd; /livez holds the monitor-loop check.)"""
+    from elastic_rt.collectors.rdma import RdmaCollector
+    from elastic_rt.collectors.timex import read_timex
+    from elastic_rt.metrics.readiness import clock_check, probe_check, rdma_check
 
-    return healthy
+    readiness.add("probe", probe_check(round_checks, enabled=cfg.probe_bytes > 0))
+    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=cfg.sysfs_root).read_ports))
+    readiness.add("clock", clock_check(lambda: round_checks.last_skew, read_timex))
 
 
 def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) -> int:

@@ -176,3 +176,46 @@ class AgentMetrics:
 
     def on_probe_failure(self) -> None:
         self.probe_failures.labels(*self._base).inc()
+
+
+# ---- health checks (/livez, /readyz) as metrics ---------------------------------------------------
+HEALTH_CHECK_METRIC = "elastic_rt_health_check"
+LAST_TICK_AGE_METRIC = "elastic_rt_agent_last_tick_age_seconds"
+
+
+class HealthCollector:
+    """The /livez and /readyz checks as gauges, evaluated at scrape time like the endpoints.
+
+    results() yields (kind, check, ok) with kind "liveness" or "readiness"; last_tick_age_s()
+    gives the seconds since the agent's monitor loop last ticked (None before the first tick).
+    """
+
+    def __init__(self, *, run_id: str, node: str, results: Callable[[], Iterable[tuple[str, str, bool]]],
+                 last_tick_age_s: Callable[[], float | None]) -> None:
+        self._base = [run_id, node]
+        self._results = results
+        self._last_tick_age_s = last_tick_age_s
+
+    def _families(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        checks = GaugeMetricFamily(
+            HEALTH_CHECK_METRIC, "1 while the named /livez or /readyz check passes, else 0.",
+            labels=["run_id", "node", "kind", "check"])
+        age = GaugeMetricFamily(
+            LAST_TICK_AGE_METRIC, "Seconds since the agent's monitor loop last ticked (it ticks while workers run).",
+            labels=["run_id", "node"])
+        return checks, age
+
+    def collect(self):
+        checks, age = self._families()
+        for kind, name, ok in self._results():
+            checks.add_metric(self._base + [kind, name], 1.0 if ok else 0.0)
+        yield checks
+        value = self._last_tick_age_s()
+        if value is not None:
+            age.add_metric(self._base, value)
+        yield age
+
+    def describe(self):
+        yield from self._families()  # registering must not run the checks
