@@ -209,9 +209,10 @@ class ElasticRTAgent(LocalElasticAgent):
             elif state == WorkerState.HEALTHY:
                 self.observer.on_tick()
                 change = self._membership_change() or self.policy.check()
-                if change == "probe_failure":
-                    log.error("%s collective probe failed: leaving the job so that the others re-form "
-                              "without this node (--probe-failure-action leave)", self._prefix())
+                if change in ("probe_failure", "straggler"):
+                    log.error("%s %s: leaving the job so that the others re-form without this node (--%s-action leave)",
+                              self._prefix(), "collective probe failed" if change == "probe_failure"
+                              else "a local worker is a straggler", change.replace("_", "-"))
                     self._stop_workers(self._worker_group)
                     self._worker_group.state = WorkerState.FAILED
                     return RunResult(state=WorkerState.FAILED)
