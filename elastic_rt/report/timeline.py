@@ -79,7 +79,13 @@ class Session:
                 retag_tail(float(e["after_last_step_s"]), "other")
         if self.end > since:
             out.append((phase, since, self.end))
-        return out
+        merged: list[tuple[str, float, float]] = []
+        for seg in out:
+            if merged and merged[-1][0] == seg[0] and merged[-1][2] == seg[1]:
+                merged[-1] = (seg[0], merged[-1][1], seg[2])
+            else:
+                merged.append(seg)
+        return merged
 
 
 @dataclass(frozen=True, kw_only=True)
