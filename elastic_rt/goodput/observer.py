@@ -63,6 +63,7 @@ class GoodputObserver:
         self._totals_interval_s = totals_interval_s
         self._next_totals = clock() + totals_interval_s
         self._closed = False
+        log.info("[%s] goodput journal: %s", node, self.events.path)
         self.events.write("start", at=self.ledger.started_at, straggler_threshold=settings.threshold,
                           straggler_windows=settings.windows, straggler_window_s=settings.window_s)
 

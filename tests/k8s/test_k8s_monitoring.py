@@ -107,6 +107,13 @@ def exported_names() -> set[str]:
     m.clock.on_skew(SkewEstimate(offset_s=0.01, round_trip_s=0.002, error_bound_s=0.001, samples=3))
     m.clock.on_ntp(NtpResult(server="ntp", offset_s=0.001, round_trip_s=0.01, stratum=2, leap=0))
     m.clock.on_ntp_failure("ntp")
+    from elastic_rt.metrics.definitions import GoodputMetrics  # goodput and stragglers (issue 13)
+
+    g = GoodputMetrics(registry=reg, run_id="job", node="a")
+    g.on_totals({"productive": 1.0}, uncommitted_s=0.5, ratio=0.9)
+    g.on_step_times({0: 0.1}, job_median_s=0.1)
+    g.on_stragglers({0}, {0})
+    g.step_histogram.observe(0, 0.1, 10)
     names = set()
     for fam in text_string_to_metric_families(generate_latest(reg).decode()):
         names.add(fam.name)
