@@ -139,7 +139,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         probe_failure_action=cfg.probe_failure_action,
     )
     if goodput is not None:
-        policy = PolicyGroup(policy, StragglerPolicy(goodput, straggler_settings(cfg)))
+        policy = PolicyGroup(policy, StragglerPolicy(goodput))
     agent = ElasticRTAgent(
         spec,
         logs_specs,

@@ -144,6 +144,11 @@ class GoodputObserver:
         self._export()
         self.events.close()
 
+    @property
+    def action(self) -> str:
+        """What a flag does now: "leave" only with --straggler-action leave and other nodes to re-form."""
+        return "leave" if self._settings.action == "leave" and self.exchange.nodes > 1 else "report"
+
     # ---- straggler exchange callbacks -----------------------------------------------------
     def _latest_window(self) -> tuple[int, dict[int, float]] | None:
         with self._lock:
@@ -169,14 +174,15 @@ class GoodputObserver:
             self.metrics.on_stragglers(set(mine), self._local_ranks)
             if window is not None:
                 self.metrics.on_step_times(window[1], job_median_s=verdict.median_s)
+        action = self.action
         for rank, s in sorted(new.items()):
             log.warning("[%s round %d] straggler: local rank %d steps in %.4g s, %.2fx the job median %.4g s "
                         "(%d windows of %g s in a row; threshold %gx)%s", self._node, rnd, rank, s.step_time_s,
                         s.ratio, s.median_s, s.windows, self._settings.window_s, self._settings.threshold,
-                        "; leaving the job (--straggler-action leave)" if self._settings.action == "leave" else "")
+                        "; leaving the job (--straggler-action leave)" if action == "leave" else "")
             self.events.write("straggler", round=rnd, local_rank=rank, step_time_s=round_s(s.step_time_s),
                               median_s=round_s(s.median_s), ratio=round(s.ratio, 3), windows=s.windows,
-                              action=self._settings.action)
+                              action=action)
         for rank in sorted(gone):
             log.info("[%s round %d] local rank %d is no longer a straggler", self._node, rnd, rank)
             self.events.write("straggler_cleared", round=rnd, local_rank=rank)
@@ -232,13 +238,13 @@ def round_s(value: float) -> float:
 
 
 class StragglerPolicy:
-    """RestartPolicy: "straggler" (leave the job) while this node has a flagged rank, with action leave."""
+    """RestartPolicy: "straggler" (leave the job) while this node has a flagged rank, with action leave
+    and at least one other node in the round (a job of one node has nobody to re-form without it)."""
 
-    def __init__(self, observer: GoodputObserver, settings: StragglerSettings) -> None:
+    def __init__(self, observer: GoodputObserver) -> None:
         self._observer = observer
-        self._leave = settings.action == "leave" and settings.enabled
 
     def on_workers_started(self, local_ranks: Iterable[int]) -> None: ...
 
     def check(self) -> str | None:
-        return "straggler" if self._leave and self._observer.flagged else None
+        return "straggler" if self._observer.flagged and self._observer.action == "leave" else None

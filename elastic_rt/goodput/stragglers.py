@@ -121,10 +121,12 @@ class SpeedExchange:
         self._on_new_round = on_new_round
         self._stop = stop
         self.round = -1
+        self.nodes = 1  # nodes in the current round
 
     def on_round(self, *, round: int, store, group_rank: int, group_world_size: int,
                  master_addr: str | None = None) -> None:
         self.round = round
+        self.nodes = group_world_size
         self._on_new_round(round)
         if not self._settings.enabled:
             return
@@ -139,12 +141,13 @@ class SpeedExchange:
         while not self._stop.wait(self._settings.window_s):
             if rnd != self.round:
                 return
+            sample = self._latest()
+            if sample is None or sample[0] == published:
+                continue  # no new window here (workers starting, or not stepping): no requests
+            published = sample[0]
             try:
-                sample = self._latest()
-                if sample is not None and sample[0] != published:
-                    published = sample[0]
-                    store.set(_NODE_KEY.format(rank), json.dumps(
-                        {"node": self._node, "seq": sample[0], "ranks": {str(k): v for k, v in sample[1].items()}}))
+                store.set(_NODE_KEY.format(rank), json.dumps(
+                    {"node": self._node, "seq": sample[0], "ranks": {str(k): v for k, v in sample[1].items()}}))
                 if board is not None:
                     verdict = board.update(self._read_nodes(store, world, present))
                     if verdict is not None:

@@ -4,13 +4,15 @@ the observer/policy fan-out."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy
-from elastic_rt.goodput.stragglers import StragglerSettings
+from elastic_rt.goodput.stragglers import Straggler, StragglerSettings, Verdict
 from elastic_rt.reporting.checkpoint import report_checkpoint
 from elastic_rt.reporting.heartbeat import HeartbeatWriter
 from elastic_rt.reporting.inbox import WorkerReports
@@ -56,7 +58,7 @@ def test_a_slow_local_rank_is_flagged_and_the_policy_leaves(rig, tmp_path):
     clock, reports, registry, obs, settings = rig
     obs.on_rendezvous(round=0, world_size=2, nodes=1, duration_s=0.5)
     writers = _start(reports, obs, clock)
-    policy = StragglerPolicy(obs, settings)
+    policy = StragglerPolicy(obs)
     steps = {0: 0, 1: 0}
     for tick in range(1, 41):  # 4 s: rank 0 steps every 0.1 s, rank 1 every 0.3 s
         clock.t += 0.1
@@ -66,17 +68,45 @@ def test_a_slow_local_rank_is_flagged_and_the_policy_leaves(rig, tmp_path):
                 writers[rank].report(steps[rank])
         obs.on_tick()
     assert set(obs.flagged) == {1}
-    assert policy.check() == "straggler"
-    assert StragglerPolicy(obs, StragglerSettings(action="report")).check() is None
+    assert policy.check() is None  # one node (no store round): nobody to re-form without it, so report only
     assert _value(registry, "elastic_rt_straggler", local_rank="1") == 1.0
     assert _value(registry, "elastic_rt_straggler", local_rank="0") == 0.0
     assert _value(registry, "elastic_rt_step_time_seconds", local_rank="1") == pytest.approx(0.3)
     assert _value(registry, "elastic_rt_step_time_ratio", local_rank="1") == pytest.approx(3.0)
     assert _value(registry, "elastic_rt_step_duration_seconds_count", local_rank="0") == steps[0] - 1
     flagged = [e for e in _journal(tmp_path) if e["event"] == "straggler"]
-    assert [(e["local_rank"], e["action"]) for e in flagged] == [(1, "leave")]
-    obs.exchange.on_round(round=1, store=None, group_rank=0, group_world_size=1)  # a new round forgets
-    assert obs.flagged == {} and policy.check() is None
+    assert [(e["local_rank"], e["action"]) for e in flagged] == [(1, "report")]
+
+
+def test_a_verdict_from_rank_0_flags_this_node_and_the_policy_leaves(tmp_path):
+    clock = Clock(50.0)
+    reports = WorkerReports(str(tmp_path / "heartbeat"))
+    settings = StragglerSettings(threshold=1.5, windows=3, window_s=0.05, action="leave")
+    obs = GoodputObserver(run_id="job", node="n1", reports=reports, log_dir=str(tmp_path), settings=settings,
+                          registry=CollectorRegistry(), clock=clock)
+    try:
+        store = dist.HashStore()
+        slow = Straggler(node="n1", local_rank=0, step_time_s=0.3, median_s=0.1, ratio=3.0, windows=3)
+        other = Straggler(node="n2", local_rank=0, step_time_s=0.3, median_s=0.1, ratio=3.0, windows=3)
+        store.set("elastic-rt/speed/verdict",
+                  Verdict(seq=4, median_s=0.1, fastest_s=0.1, ranks=4, stragglers=(slow, other)).to_json())
+        obs.exchange.on_round(round=2, store=store, group_rank=1, group_world_size=2)
+        writers = _start(reports, obs, clock, ranks=(0,))
+        policy = StragglerPolicy(obs)
+        deadline = time.monotonic() + 30
+        step = 0
+        while not obs.flagged and time.monotonic() < deadline:  # windows of this node until it reads the verdict
+            step += 1
+            clock.t += 0.1
+            writers[0].report(step)
+            obs.on_tick()
+            time.sleep(0.01)
+        assert obs.flagged == {0: 3.0} and policy.check() == "straggler"
+        assert json.loads(store.get("elastic-rt/speed/node/1"))["node"] == "n1"  # it published its medians
+        obs.exchange.on_round(round=3, store=store, group_rank=1, group_world_size=2)  # a new round forgets
+        assert obs.flagged == {} and policy.check() is None
+    finally:
+        obs.close()
 
 
 def test_goodput_journal_and_counters_through_a_failure(rig, tmp_path):
