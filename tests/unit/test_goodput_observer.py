@@ -17,14 +17,7 @@ from elastic_rt.reporting.checkpoint import report_checkpoint
 from elastic_rt.reporting.heartbeat import HeartbeatWriter
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_FILE
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from tests.unit.test_goodput_ledger import Clock
 
 
 def _journal(tmp_path) -> list[dict]:

@@ -11,18 +11,11 @@ import torch.distributed as dist
 from elastic_rt.goodput.steptime import StepTimer, weighted_median
 from elastic_rt.goodput.stragglers import SpeedExchange, StragglerBoard, StragglerSettings, Verdict
 from elastic_rt.reporting.heartbeat import Heartbeat
+from tests.unit.test_goodput_ledger import Clock
 
 
 def _beat(step: int, t: float) -> Heartbeat:
     return Heartbeat(pid=1, seq=step, step=step, timestamp_s=t, age_s=0.0)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_weighted_median():
@@ -34,7 +27,7 @@ def test_weighted_median():
 
 
 def test_millisecond_steps_are_timed_from_ticks_that_see_many():
-    clock = Clock()
+    clock = Clock(0.0)
     timer = StepTimer(window_s=1.0, clock=clock)
     timer.reset([0])
     obs = []
@@ -49,7 +42,7 @@ def test_millisecond_steps_are_timed_from_ticks_that_see_many():
 
 
 def test_slow_steps_are_timed_each_and_a_pause_does_not_move_the_median():
-    clock = Clock()
+    clock = Clock(0.0)
     timer = StepTimer(window_s=10.0, clock=clock)
     timer.reset([0, 1])
     t, step = 0.0, 0
