@@ -108,7 +108,7 @@ class StragglerBoard:
 
 class SpeedExchange:
     """Round listener: per round, a thread that publishes this node's medians every window and reads
-    the verdict (rank 0 also aggregates). Store errors end the round's thread: the round is over."""
+    the verdict (rank 0 also aggregates); it ends when the round does. A store error skips a window."""
 
     def __init__(self, *, node: str, settings: StragglerSettings,
                  latest: Callable[[], tuple[int, dict[int, float]] | None],
@@ -136,7 +136,7 @@ class SpeedExchange:
     def _run(self, rnd: int, store, rank: int, world: int) -> None:
         board = StragglerBoard(threshold=self._settings.threshold, windows=self._settings.windows) \
             if rank == 0 else None
-        published, seen_verdict = None, 0
+        published, seen_verdict, failed = None, 0, False
         present: set[int] = set()
         while not self._stop.wait(self._settings.window_s):
             if rnd != self.round:
@@ -156,10 +156,11 @@ class SpeedExchange:
                     verdict = Verdict.from_json(store.get(_VERDICT_KEY))
                 else:
                     verdict = None
-            except Exception as exc:  # noqa: BLE001 - the round's store went with the round
-                if rnd == self.round:
-                    log.debug("[%s round %d] step-time exchange stopped: %s", self._node, rnd, exc)
-                return
+            except Exception as exc:  # noqa: BLE001 - etcd away for a while, or the round ended under us
+                if rnd == self.round and not failed:
+                    log.info("[%s round %d] step-time exchange: %s; retrying every window", self._node, rnd, exc)
+                failed = True
+                continue
             if verdict is not None and verdict.seq != seen_verdict and rnd == self.round:
                 seen_verdict = verdict.seq
                 self._on_verdict(rnd, verdict)
