@@ -72,7 +72,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="flag a worker whose median step time is this many times the job's median (default 1.5; "
                         "0 = off)")
     p.add_argument("--straggler-windows", type=int, default=3,
-                   help="... for this many windows in a row (default 3)")
+                   help="windows in a row over the threshold before a worker is flagged (default 3)")
     p.add_argument("--straggler-window", type=float, default=10.0,
                    help="seconds per step-timing window; also how often nodes exchange step times (default 10)")
     p.add_argument("--straggler-action", default="report", choices=("report", "leave"),

@@ -11,6 +11,7 @@ from elastic_rt.cli import main
 from elastic_rt.goodput.events import EventLog, journal_path
 from elastic_rt.report.command import render
 from elastic_rt.report.timeline import load
+from tests.support.tools import require_tool
 
 T0 = 1.7e9
 
@@ -85,17 +86,18 @@ def test_render_prints_restarts_goodput_and_stragglers(two_nodes):
     assert "no exit line (killed?)" in text
 
 
-def test_report_command_and_plot(two_nodes, tmp_path, capsys):
-    args = ["report", str(two_nodes)]
+def test_report_command_prints_the_timeline(two_nodes, capsys):
+    assert main(["report", str(two_nodes)]) == 0
+    assert "Restarts: 1" in capsys.readouterr().out
+
+
+def test_plot_writes_a_png(two_nodes, tmp_path, capsys):
+    require_tool("matplotlib", importlib.util.find_spec("matplotlib") is not None, "pip install 'elastic-rt[plot]'")
     png = tmp_path / "t.png"
-    if importlib.util.find_spec("matplotlib"):
-        args += ["--plot", str(png)]
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    assert "Restarts: 1" in out
-    if "--plot" in args:
-        data = png.read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert main(["report", str(two_nodes), "--plot", str(png)]) == 0
+    assert f"plot written to {png}" in capsys.readouterr().out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
 def test_report_errors_are_one_line(tmp_path, capsys):
