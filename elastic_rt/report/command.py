@@ -99,17 +99,19 @@ def render(t: Timeline) -> str:
             lines.append(f"  {i:>2}  {rel(inc.start):>8}  {back:>14}  {rec:>9}  {inc.lost_steps:>10}  "
                          f"{inc.lost_s:>11.1f}  {causes}")
 
-    totals, uncommitted, incomplete = t.totals()
-    wall = sum(totals.values()) + uncommitted
+    totals, uncommitted, unaccounted, incomplete = t.totals()
+    wall = sum(totals.values()) + uncommitted + unaccounted
     lines += ["", f"Goodput (node-seconds, {len(t.sessions)} agent(s)):"]
     for c in CATEGORIES:
         share = 100 * totals[c] / wall if wall > 0 else 0.0
         lines.append(f"  {CATEGORY_TEXT[c]:<30} {totals[c]:9.1f} s  {share:5.1f} %")
     if uncommitted > 0:
         lines.append(f"  {'uncommitted (agent ended early)':<30} {uncommitted:9.1f} s  {100 * uncommitted / wall:5.1f} %")
+    if unaccounted > 0:
+        lines.append(f"  {'not accounted (no exit line)':<30} {unaccounted:9.1f} s  {100 * unaccounted / wall:5.1f} %")
     lines.append(f"  {'total':<30} {wall:9.1f} s")
     if incomplete:
-        lines.append(f"  ({incomplete} agent(s) wrote no exit line: their last periodic totals are used)")
+        lines.append(f"  ({incomplete} agent(s) wrote no exit line (killed?): their last periodic totals are used)")
 
     stragglers = t.events("straggler")
     lines += ["", "Stragglers: " + ("none" if not stragglers else str(len(stragglers)))]

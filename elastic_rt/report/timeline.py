@@ -45,13 +45,14 @@ class Session:
             return "left (straggler)"
         return "stopped" if self.exited else "no exit line (killed?)"
 
-    def totals(self) -> tuple[dict[str, float], float, bool]:
-        """(seconds per category, uncommitted seconds, final?) from the last totals or exit line."""
+    def totals(self) -> tuple[dict[str, float], float, float]:
+        """(seconds per category, uncommitted seconds, seconds after them) from the last totals or exit
+        line; the seconds after are those an agent killed before its exit line could not count."""
         for e in reversed(self.events):
             if e["event"] in ("exit", "totals"):
                 return ({c: float(e["totals"].get(c, 0.0)) for c in CATEGORIES}, float(e.get("uncommitted_s", 0.0)),
-                        e["event"] == "exit")
-        return dict.fromkeys(CATEGORIES, 0.0), 0.0, False
+                        max(0.0, self.end - e["time"]))
+        return dict.fromkeys(CATEGORIES, 0.0), 0.0, max(0.0, self.end - self.start)
 
     def segments(self) -> list[tuple[str, float, float]]:
         """(phase, start, end) in Unix time; the lost tail of a failed generation as phase "lost"."""
@@ -172,17 +173,18 @@ class Timeline:
             points.append((e["time"], size))
         return points
 
-    def totals(self) -> tuple[dict[str, float], float, int]:
-        """Node-seconds per category over all agents, uncommitted node-seconds, agents without an exit line."""
+    def totals(self) -> tuple[dict[str, float], float, float, int]:
+        """Node-seconds per category over all agents, uncommitted node-seconds, node-seconds after the last
+        totals of agents without an exit line, and how many such agents there are."""
         out = dict.fromkeys(CATEGORIES, 0.0)
-        uncommitted, incomplete = 0.0, 0
+        uncommitted = unaccounted = 0.0
         for s in self.sessions:
-            totals, pending, final = s.totals()
+            totals, pending, after = s.totals()
             for c in CATEGORIES:
                 out[c] += totals[c]
             uncommitted += pending
-            incomplete += not final
-        return out, uncommitted, incomplete
+            unaccounted += after
+        return out, uncommitted, unaccounted, sum(not s.exited for s in self.sessions)
 
 
 def find_journals(path: str) -> list[str]:

@@ -4,6 +4,7 @@ nodes, goodput totals, stragglers, the plot, and one-line errors."""
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 
@@ -58,7 +59,8 @@ def two_nodes(tmp_path):
                            "action": "report"}),
         (25, "totals", {"ratio": 0.5, "uncommitted_s": 4.0,
                         "totals": _totals(productive=8, startup=4.5, restart=1.1, restore=2.4, lost=3.5)}),
-    ])  # b was killed: no exit line
+        (27, "checkpoint", {"step": 80, "save_duration_s": 0.2, "blocked_s": 0.2}),
+    ])  # b was killed at 27: no exit line
     return tmp_path
 
 
@@ -80,6 +82,7 @@ def test_render_prints_restarts_goodput_and_stragglers(two_nodes):
     assert "a: worker failure; b: round advanced" in text
     assert "progress lost: 25 step(s)" in text
     assert "1 agent(s) wrote no exit line" in text
+    assert re.search(r"not accounted \(no exit line\) +2\.0 s", text)  # b's last line came 2 s after its totals
     assert "node b local rank 1: 2.50x the median for 3 window(s)" in text
     productive = next(line for line in text.splitlines() if line.strip().startswith("productive training"))
     assert "25.3 s" in productive
