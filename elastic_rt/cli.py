@@ -72,6 +72,16 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-failure-action", default="report", choices=("report", "leave"),
                    help="report: fail the /readyz check `probe` and count it; leave: also stop this node's "
                         "workers and leave the job so the others re-form without it (default report)")
+    p.add_argument("--straggler-threshold", type=float, default=1.5,
+                   help="flag a worker whose median step time is this many times the job's median (default 1.5; "
+                        "0 = off)")
+    p.add_argument("--straggler-windows", type=int, default=3,
+                   help="windows in a row over the threshold before a worker is flagged (default 3)")
+    p.add_argument("--straggler-window", type=float, default=10.0,
+                   help="seconds per step-timing window; also how often nodes exchange step times (default 10)")
+    p.add_argument("--straggler-action", default="report", choices=("report", "leave"),
+                   help="report: log, count and export elastic_rt_straggler; leave: also stop this node's workers "
+                        "and leave the job so the others re-form without it (default report)")
     p.add_argument("--sysfs-root", default="/sys",
                    help="where sysfs is mounted (RDMA ports are read under it; default /sys)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
@@ -90,10 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     from elastic_rt.chaos import cli as chaos_cli
     from elastic_rt.checkpoint import cli as ckpt_cli
     from elastic_rt.doctor import command as doctor
+    from elastic_rt.report import command as report_cmd
 
     ckpt_cli.add_subparser(sub)
     doctor.add_subparser(sub)
     chaos_cli.add_subparser(sub)
+    report_cmd.add_subparser(sub)
     return parser
 
 

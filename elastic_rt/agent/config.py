@@ -47,6 +47,10 @@ class AgentConfig:
     probe_backend: str = "auto"
     probe_interval_s: float = 0.0
     probe_failure_action: str = "report"
+    straggler_threshold: float = 1.5
+    straggler_windows: int = 3
+    straggler_window_s: float = 10.0
+    straggler_action: str = "report"
     run_as_module: bool = False
     no_python: bool = False
     script: str = ""

@@ -23,10 +23,13 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
+from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
 from elastic_rt.metrics.health import liveness_threshold_s
+from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
+from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_CHECKPOINT_URL
@@ -115,7 +118,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     )
     reports = WorkerReports(os.path.join(log_dir, "heartbeat"))
     stop = threading.Event()
-    round_checks = None
+    round_checks = goodput = None
     if observer is None:
         from elastic_rt.collectors.schedule import NtpPoller, RoundChecks
         from elastic_rt.metrics.observer import MetricsObserver
@@ -129,12 +132,17 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         add_readiness_checks(metrics_observer.readiness, cfg, round_checks)
         metrics_observer.serve(cfg.metrics_host, cfg.metrics_port)
         NtpPoller(servers=cfg.ntp_servers, clock_metrics=metrics_observer.metrics.clock, stop=stop).start()
-        observer = metrics_observer
+        goodput = GoodputObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports, log_dir=log_dir,
+                                  settings=straggler_settings(cfg), registry=metrics_observer.registry,
+                                  started_at=process_start_monotonic())
+        observer = ObserverGroup(metrics_observer, goodput)
     policy = HealthPolicy(
         heartbeats=reports.heartbeats, hang_timeout_s=cfg.hang_timeout_s,
         probe_failure=round_checks.probe_failure if round_checks else (lambda: None),
         probe_failure_action=cfg.probe_failure_action,
     )
+    if goodput is not None:
+        policy = PolicyGroup(policy, StragglerPolicy(goodput))
     agent = ElasticRTAgent(
         spec,
         logs_specs,
@@ -146,7 +154,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         peer_loss_wait_s=getattr(getattr(handler, "settings", None), "lease_ttl_s", 3.0) + 1.0,
         observer=observer,
         policy=policy,
-        round_listeners=(round_checks.on_round,) if round_checks else (),
+        round_listeners=(round_checks.on_round, goodput.exchange.on_round) if round_checks else (),
     )
     leave = getattr(handler, "leave", None)
     try:
@@ -155,6 +163,11 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         stop.set()
         getattr(observer, "close", lambda: None)()
         getattr(handler, "close", lambda: None)()
+
+
+def straggler_settings(cfg: AgentConfig) -> StragglerSettings:
+    return StragglerSettings(threshold=cfg.straggler_threshold, windows=cfg.straggler_windows,
+                             window_s=cfg.straggler_window_s, action=cfg.straggler_action)
 
 
 def add_readiness_checks(readiness, cfg: AgentConfig, round_checks) -> None:

@@ -116,6 +116,13 @@ def exported_names(tmp: Path) -> set[str]:
     obs = MetricsObserver(run_id="job", node="a", reports=WorkerReports(str(tmp)), sysfs_root=None)
     obs.on_workers_started({0: os.getpid()})
     obs.on_tick()
+    from elastic_rt.metrics.definitions import GoodputMetrics  # goodput and stragglers (issue 13)
+
+    g = GoodputMetrics(registry=reg, run_id="job", node="a")
+    g.on_totals({"productive": 1.0}, uncommitted_s=0.5, ratio=0.9)
+    g.on_step_times({0: 0.1}, job_median_s=0.1)
+    g.on_stragglers({0}, {0})
+    g.step_histogram.observe(0, 0.1, 10)
     names = set()
     for fam in [*text_string_to_metric_families(generate_latest(reg).decode()),
                 *text_string_to_metric_families(generate_latest(obs.registry).decode())]:
