@@ -136,17 +136,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _git(*args: str, cwd: str = REPO) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30,
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30,
                           check=True).stdout.strip()
-
-
-def git_state() -> dict:
-    try:
-        dirty = _git("status", "--porcelain", "--untracked-files=no").splitlines()
-        return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(dirty), "dirty_files": dirty}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": True, "dirty_files": ["(not a git checkout)"]}
 
 
 def export_ref(ref: str, dest: str) -> str:
@@ -439,10 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         configs.insert(0, "torchrun")  # every ratio is taken against it
     if any(CONFIGS[c][1] == "baseline" for c in configs) and not args.baseline:
         sys.exit("overhead.py: the base* configurations need --baseline REF")
-    git = git_state()
-    if git["dirty"] and not args.allow_dirty:
-        sys.exit("overhead.py: the tree has uncommitted changes (" + ", ".join(git["dirty_files"][:5]) +
-                 "); commit them, or pass --allow-dirty (recorded in the results)")
+    from provenance import provenance  # benchmarks/provenance.py: benchmarks/ is sys.path[0]
+
+    git = provenance(args.allow_dirty)  # refuses a dirty tree unless --allow-dirty
     signal.signal(signal.SIGTERM, _interrupted)
     scratch = tempfile.mkdtemp(prefix="elastic-rt-overhead-")
     sources, baseline, etcd, interrupted = {"head": REPO}, None, None, False
@@ -485,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stamp = datetime.date.today().isoformat()
     payload = {
-        "benchmark": "overhead", "date": stamp, "git": {**git, "allow_dirty": args.allow_dirty},
+        "benchmark": "overhead", "date": stamp, "provenance": git,
         "baseline": baseline,
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                  "loadavg_at_end": list(os.getloadavg()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
@@ -493,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers_per_job": NPROC, "wall_s": time.monotonic() - t0, "interrupted": interrupted,
         "summary": summary, "trials": rows,
     }
-    text = (f"overhead benchmark {stamp}: code {git['commit'] or '?'}{' (dirty)' if git['dirty'] else ''}"
+    text = (f"overhead benchmark {stamp}: code {git['commit']}{' (dirty)' if git['dirty'] else ''}"
             f"{', baseline ' + baseline['ref'] + ' ' + baseline['commit'] if baseline else ''}; torch "
             f"{torch.__version__}, {os.cpu_count()} CPU(s), {NPROC} workers per job, {args.trials} trial(s) x "
             f"{args.seconds:g} s{' (INTERRUPTED)' if interrupted else ''}\n\n{table(summary)}\n")

@@ -24,7 +24,7 @@ def test_quick_run_writes_both_launchers(tmp_path):
     assert json_name.startswith("overhead-") and os.path.exists(tmp_path / json_name.replace(".json", ".txt"))
     with open(tmp_path / json_name) as f:
         result = json.load(f)
-    assert result["git"]["allow_dirty"] is True and result["git"]["commit"]
+    assert result["provenance"]["allow_dirty"] is True and result["provenance"]["commit"]
     assert {s["launcher"] for s in result["summary"]} == {"torchrun", "elastic-rt"}
     for s in result["summary"]:
         assert s["ok"] == s["trials"] == 1, s
@@ -39,9 +39,10 @@ def test_refuses_a_dirty_tree_without_allow_dirty(tmp_path):
     """In a checkout with an uncommitted change the benchmark refuses to run (one line, exit != 0)."""
     src = tmp_path / "repo"
     (src / "benchmarks").mkdir(parents=True)
+    for name in ("overhead.py", "provenance.py"):
+        with open(os.path.join(REPO, "benchmarks", name)) as f:
+            (src / "benchmarks" / name).write_text(f.read())
     bench = src / "benchmarks" / "overhead.py"
-    with open(BENCH) as f:
-        bench.write_text(f.read())
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(src)]
     for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "bench"]):
         subprocess.run(git + cmd, check=True, timeout=60)
@@ -50,4 +51,5 @@ def test_refuses_a_dirty_tree_without_allow_dirty(tmp_path):
                           cwd=src, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "uncommitted changes" in proc.stderr and "--allow-dirty" in proc.stderr
+    assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
