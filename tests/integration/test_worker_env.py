@@ -42,7 +42,7 @@ with open(os.path.join(sys.argv[1], "env-%s.json" % os.environ["LOCAL_RANK"]), "
 
 
 def _run(cmd: list[str], cwd, env: dict[str, str]) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{cmd[2]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr
 
@@ -93,6 +93,7 @@ def assert_same_contract(torchrun: dict[str, str], ert: dict[str, str], rank: in
     assert ert["ELASTIC_RT_RUN_ID"] == ert["TORCHELASTIC_RUN_ID"]
 
 
+@pytest.mark.timeout(1500)  # two launcher runs; generous for a loaded machine
 @pytest.mark.parametrize("nproc,user_env,omp", [
     (2, {}, "1"),                          # several workers, nothing set: both default to 1 and warn
     (1, {}, None),                         # one worker: nothing set, no warning
@@ -111,6 +112,7 @@ def test_worker_environment_matches_torchrun(tmp_path, nproc, user_env, omp):
     assert outputs["elastic-rt"].count(OMP_DEFAULT_WARNING) == warned
 
 
+@pytest.mark.timeout(900)
 def test_signals_to_handle_flag_reaches_workers(tmp_path):
     script = tmp_path / "dump_env.py"
     script.write_text(DUMP)
