@@ -12,6 +12,7 @@ from typing import Any, Callable, Protocol, Sequence
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
 from elastic_rt.reporting.inbox import WorkerReports
@@ -62,6 +63,7 @@ class ElasticRTAgent(LocalElasticAgent):
         policy: RestartPolicy | None = None,
         round_listeners: Sequence[RoundListener] = (),
         log_line_prefix_template: str | None = None,
+        diagnostics: FailureDiagnostics | None = None,
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout_s,
@@ -75,6 +77,8 @@ class ElasticRTAgent(LocalElasticAgent):
         self.observer: AgentObserver = observer or NullObserver()
         self.policy: RestartPolicy = policy or NeverRestart()
         self._round_listeners = tuple(round_listeners)
+        self.diagnostics = diagnostics or FailureDiagnostics(
+            log_dir=os.path.dirname(reports.directory.rstrip(os.sep)), reports_dir=reports.directory)
         self.restarts: dict[str, int] = {}
         self._broken_group = False
 
@@ -123,6 +127,9 @@ class ElasticRTAgent(LocalElasticAgent):
             ENV_ROUND: str(m.round if m else 0),
         })
         pids = super()._start_workers(worker_group)
+        self.diagnostics.on_workers_started(
+            [(w.local_rank, w.global_rank, pids[w.local_rank]) for w in worker_group.workers if w.local_rank in pids],
+            getattr(self._pcontext, "stderrs", {}) or {})
         self.observer.on_workers_started(dict(pids))
         self.policy.on_workers_started(pids.keys())
         return pids
@@ -131,7 +138,9 @@ class ElasticRTAgent(LocalElasticAgent):
         """Stop every worker and its descendants: `death_sig`, the grace period, then SIGKILL."""
         if self._pcontext is not None:
             pids = list(self._pcontext.pids().values())
-            killed = stop_tree(pids, sig=death_sig, grace_s=float(timeout))
+            killed = stop_tree(pids, sig=death_sig, grace_s=float(timeout),
+                               before_kill=lambda alive: self.diagnostics.on_grace_expired(
+                                   self._prefix(), alive, float(timeout)))
             if killed:
                 log.info("%s SIGKILLed %d process(es) left after %gs grace", self._prefix(), len(killed), timeout)
         super()._shutdown(signal.SIGKILL, timeout=5)
@@ -217,6 +226,7 @@ class ElasticRTAgent(LocalElasticAgent):
                     return RunResult(state=WorkerState.FAILED)
                 if change:
                     if change == "hang":
+                        self.diagnostics.on_hang(self._prefix(), getattr(self.policy, "last_hang", None))
                         if self._remaining_restarts <= 0:
                             log.error("%s workers hung and no restarts are left", self._prefix())
                             self._stop_workers(self._worker_group)
@@ -228,8 +238,5 @@ class ElasticRTAgent(LocalElasticAgent):
                 raise RuntimeError(f"{self._prefix()} worker group in unexpected state {state.name}")
 
     def _log_failures(self, result: RunResult) -> None:
-        for rank, failure in sorted(result.failures.items()):
-            msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-            first = (msg or "").strip().splitlines()[-1:] or [""]
-            log.warning("%s worker rank %d (pid %s) exited with code %s %s", self._prefix(), rank,
-                        failure.pid, failure.exitcode, first[0][:200])
+        """One line per failed worker: rank, pid, cause and the user-code frame that raised."""
+        self.diagnostics.on_failures(self._prefix(), result.failures)

@@ -8,9 +8,10 @@ import os
 import struct
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from elastic_rt.worker_env import WorkerEnvironment
 
@@ -19,8 +20,10 @@ log = logging.getLogger(__name__)
 # Record layout (little-endian, 36 bytes at offset 0 of the file):
 #   magic    4s   b"ERHB"
 #   pid      u32  the writer's pid
-#   seq      u64  number of report_step calls by this writer (1 for the first)
-#   step     i64  the step passed to report_step
+#   seq      u64  number of progress events (report_step calls and optimizer steps) by
+#                 this writer (1 for the first)
+#   step     i64  the last step passed to report_step; without any, the number of
+#                 optimizer steps
 #   mono_ns  i64  the writer's CLOCK_MONOTONIC in nanoseconds (system-wide on Linux)
 #   crc      u32  zlib.crc32 of the 32 bytes above; a torn read fails it
 _MAGIC = b"ERHB"
@@ -74,6 +77,8 @@ class HeartbeatWriter:
         self._clock_ns = clock_ns
         self._pid = os.getpid()
         self._seq = 0
+        self._step = 0
+        self._explicit = False  # report_step was called: its steps win over the optimizer count
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             if os.fstat(fd).st_size < RECORD_SIZE:
@@ -87,8 +92,21 @@ class HeartbeatWriter:
         return self._path
 
     def report(self, step: int) -> None:
+        """An explicit step (report_step): progress, and from now on the step number shown."""
+        self._explicit = True
+        self._step = step
+        self._write()
+
+    def tick(self, advance: bool = True) -> None:
+        """Progress without a step number (an optimizer step): counts the steps itself
+        (when `advance`) unless report_step gave explicit ones."""
+        if advance and not self._explicit:
+            self._step += 1
+        self._write()
+
+    def _write(self) -> None:
         self._seq += 1
-        body = _BODY.pack(_MAGIC, self._pid, self._seq, step, self._clock_ns())
+        body = _BODY.pack(_MAGIC, self._pid, self._seq, self._step, self._clock_ns())
         self._map[0:RECORD_SIZE] = body + _CRC.pack(zlib.crc32(body))
 
     def close(self) -> None:
@@ -101,6 +119,9 @@ class _NullWriter:
     path = None
 
     def report(self, step: int) -> None:
+        return None
+
+    def tick(self, advance: bool = True) -> None:
         return None
 
     def close(self) -> None:
@@ -122,12 +143,7 @@ def _open_writer(env: WorkerEnvironment) -> HeartbeatWriter | _NullWriter:
         return _NullWriter()
 
 
-def report_step(step: int) -> None:
-    """Tell the agent this worker finished `step`. Cheap enough for every step.
-
-    The file comes from ELASTIC_RT_HEARTBEAT_FILE (set by the agent); without it
-    this is a no-op, so a training script also runs without elastic-rt.
-    """
+def _get_writer() -> HeartbeatWriter | _NullWriter:
     global _writer
     writer = _writer
     if writer is None:
@@ -135,15 +151,47 @@ def report_step(step: int) -> None:
             if _writer is None:
                 _writer = _open_writer(WorkerEnvironment.from_env())
             writer = _writer
-    writer.report(step)
+    return writer
+
+
+def report_step(step: int) -> None:
+    """Tell the agent this worker finished `step`. Cheap enough for every step.
+
+    The file comes from ELASTIC_RT_HEARTBEAT_FILE (set by the agent); without it
+    this is a no-op, so a training script also runs without elastic-rt.
+    Under elastic-rt every optimizer step already counts as progress (see
+    install_optimizer_progress); call this for loops without a torch optimizer, or to
+    show your own step numbers (they then win over the optimizer step count).
+    """
+    _get_writer().report(step)
+
+
+_counted_optimizer: "weakref.ref[Any] | None" = None
+
+
+def optimizer_step_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    """torch's global optimizer step post hook: every optimizer.step() is progress. The step
+    number follows the first optimizer that steps (a GAN's second optimizer does not double it)."""
+    global _counted_optimizer
+    counted = _counted_optimizer() if _counted_optimizer is not None else None
+    if counted is None:
+        _counted_optimizer = weakref.ref(optimizer)
+        counted = optimizer
+    _get_writer().tick(counted is optimizer)
+
+
+def install_optimizer_progress(optimizer_module: Any) -> Any:
+    """Register optimizer_step_hook with torch.optim.optimizer (given as the module); returns the handle."""
+    return optimizer_module.register_optimizer_step_post_hook(optimizer_step_hook)
 
 
 def _reset_after_fork() -> None:
     # A forked child (a DataLoader worker, a fork-started trainer) must not reuse the
     # parent's mapping and sequence; it re-opens the file if it ever reports a step.
-    global _writer, _writer_lock
+    global _writer, _writer_lock, _counted_optimizer
     _writer = None
     _writer_lock = threading.Lock()
+    _counted_optimizer = None
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -151,11 +199,12 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 
 def _reset_writer_for_tests() -> None:
     """Forget the process-wide writer so the next report_step re-reads the environment."""
-    global _writer
+    global _writer, _counted_optimizer
     with _writer_lock:
         if _writer is not None:
             _writer.close()
         _writer = None
+        _counted_optimizer = None
 
 
 def prepare_heartbeat_file(path: str) -> None:
