@@ -135,6 +135,8 @@ class HangDetector:
       step (no optimizer, no report_step) is never armed, so the detector never fires for it.
     - An armed worker that shows no progress for the timeout is hung, even if the others
       progress: they will block in its next collective anyway.
+    - A worker whose script returned or raised (a finished record) is no longer judged:
+      the interpreter's teardown of a torch process can take seconds.
     - judge_silent_workers=False (default): a worker that has not reported yet is not
       judged. With True it is judged from the later of its start and the first record of
       any local worker; this catches a rank stuck before its first step.
@@ -180,6 +182,9 @@ class HangDetector:
         """Feed the latest record of one worker (None: no readable record yet)."""
         track = self._workers.get(local_rank)
         if track is None or beat is None:
+            return
+        if beat.finished:  # the script is done; its process is exiting
+            self._workers.pop(local_rank, None)
             return
         key = (beat.pid, beat.seq)
         if key == track.last_key:

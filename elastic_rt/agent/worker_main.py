@@ -108,6 +108,11 @@ def main(argv: list[str]) -> None:
     except BaseException as exc:
         record_error(exc, os.environ.get(ENV_ERROR_FILE))
         raise
+    finally:
+        if hb_dir:  # exiting, not stuck: interpreter teardown of a torch process can take seconds
+            from elastic_rt.reporting.heartbeat import report_finished
+
+            report_finished()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from elastic_rt.worker_env import WorkerEnvironment
 log = logging.getLogger(__name__)
 
 # Record layout (little-endian, 36 bytes at offset 0 of the file):
-#   magic    4s   b"ERHB"
+#   magic    4s   b"ERHB"; b"ERHD" once the script has returned or raised (finished)
 #   pid      u32  the writer's pid
 #   seq      u64  number of progress events (report_step calls and optimizer steps) by
 #                 this writer (1 for the first)
@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 #   mono_ns  i64  the writer's CLOCK_MONOTONIC in nanoseconds (system-wide on Linux)
 #   crc      u32  zlib.crc32 of the 32 bytes above; a torn read fails it
 _MAGIC = b"ERHB"
+_MAGIC_FINISHED = b"ERHD"
 _BODY = struct.Struct("<4sIQqq")  # magic, pid, seq, step, mono_ns  (32 bytes)
 _CRC = struct.Struct("<I")
 RECORD_SIZE = _BODY.size + _CRC.size  # 36 bytes
@@ -42,6 +43,7 @@ class Heartbeat:
     step: int
     timestamp_s: float  # CLOCK_MONOTONIC of the writer, seconds
     age_s: float  # reader's clock minus timestamp_s, clamped at 0
+    finished: bool = False  # the script returned or raised: the process is exiting, not stuck
 
 
 def encode_record(*, pid: int, seq: int, step: int, mono_ns: int) -> bytes:
@@ -59,7 +61,7 @@ def decode_record(data: bytes) -> tuple[int, int, int, int] | None:
     if zlib.crc32(body) != crc:
         return None
     magic, pid, seq, step, mono_ns = _BODY.unpack(body)
-    if magic != _MAGIC or seq == 0:
+    if magic not in (_MAGIC, _MAGIC_FINISHED) or seq == 0:
         return None
     return pid, seq, step, mono_ns
 
@@ -104,9 +106,13 @@ class HeartbeatWriter:
             self._step += 1
         self._write()
 
-    def _write(self) -> None:
+    def finish(self) -> None:
+        """The script is done (returned or raised); interpreter teardown can take seconds."""
+        self._write(_MAGIC_FINISHED)
+
+    def _write(self, magic: bytes = _MAGIC) -> None:
         self._seq += 1
-        body = _BODY.pack(_MAGIC, self._pid, self._seq, self._step, self._clock_ns())
+        body = _BODY.pack(magic, self._pid, self._seq, self._step, self._clock_ns())
         self._map[0:RECORD_SIZE] = body + _CRC.pack(zlib.crc32(body))
 
     def close(self) -> None:
@@ -122,6 +128,9 @@ class _NullWriter:
         return None
 
     def tick(self, advance: bool = True) -> None:
+        return None
+
+    def finish(self) -> None:
         return None
 
     def close(self) -> None:
@@ -164,6 +173,11 @@ def report_step(step: int) -> None:
     show your own step numbers (they then win over the optimizer step count).
     """
     _get_writer().report(step)
+
+
+def report_finished() -> None:
+    """Worker entry point: the script returned or raised; do not judge the exit as a hang."""
+    _get_writer().finish()
 
 
 _counted_optimizer: "weakref.ref[Any] | None" = None
@@ -246,7 +260,8 @@ def read_heartbeat(path: str, *, clock: Callable[[], float] = time.monotonic) ->
         if decoded is not None:
             pid, seq, step, mono_ns = decoded
             ts = mono_ns / 1e9
-            return Heartbeat(pid=pid, seq=seq, step=step, timestamp_s=ts, age_s=max(0.0, clock() - ts))
+            return Heartbeat(pid=pid, seq=seq, step=step, timestamp_s=ts, age_s=max(0.0, clock() - ts),
+                             finished=data[:4] == _MAGIC_FINISHED)
     return None
 
 

@@ -65,7 +65,8 @@ def test_optimizer_steps_are_progress_and_explicit_steps_win(tmp_path):
     assert "torch imported before the script: False" in out
     assert "hooks: ['optimizer_step_hook']" in out
     beat = read_heartbeat(str(tmp_path / "worker-0"))
-    assert (beat.seq, beat.step) == (12, 100)  # 10 optimizer steps + report_step + 1; the explicit step wins
+    # 10 optimizer steps + report_step + 1 step, then the entry point's finished record; the explicit step wins
+    assert (beat.seq, beat.step, beat.finished) == (13, 100, True)
 
 
 def test_progress_hook_can_be_turned_off(tmp_path):
@@ -75,7 +76,8 @@ def test_progress_hook_can_be_turned_off(tmp_path):
         torch.optim.SGD([p], lr=0.1).step()
     """, env={"ELASTIC_RT_NO_PROGRESS_HOOK": "1"})
     assert proc.wait(timeout=120) == 0
-    assert read_heartbeat(str(tmp_path / "worker-0")) is None
+    beat = read_heartbeat(str(tmp_path / "worker-0"))
+    assert (beat.seq, beat.step, beat.finished) == (1, 0, True)  # no progress, only the finished record
 
 
 def test_an_exception_is_recorded_without_record(tmp_path):

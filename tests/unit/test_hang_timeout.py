@@ -128,3 +128,22 @@ def test_first_stopped_prefers_a_stopped_or_uninterruptible_process():
     assert first_stopped(stalls, {0: "running", 1: "sleeping", 2: "running"}).local_rank == 0
     assert first_stopped([], {}) is None
     assert first_stopped([stall(3, None), stall(1, 5.0)]).local_rank == 3  # never reported: first
+
+
+def test_a_finished_worker_is_not_judged_while_it_exits(tmp_path):
+    from elastic_rt.reporting.heartbeat import HeartbeatWriter, read_heartbeat
+
+    path = str(tmp_path / "worker-0")
+    writer = HeartbeatWriter(path)
+    clock = FakeClock()
+    det = HangDetector(hang_timeout_s=5, clock=clock)
+    det.start([0, 1])
+    writer.tick()
+    det.observe_all({0: read_heartbeat(path), 1: beat(1, ts=0.0, pid=7)})
+    writer.finish()  # the script returned; the interpreter's teardown takes its time
+    finished = read_heartbeat(path)
+    assert finished.finished and finished.seq == 2 and finished.step == 1
+    det.observe_all({0: finished, 1: beat(1, ts=0.0, pid=7)})
+    clock.now += 60
+    assert det.check().stuck == (1,)  # rank 1 is still judged
+    writer.close()
