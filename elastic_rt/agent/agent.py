@@ -130,6 +130,7 @@ class ElasticRTAgent(LocalElasticAgent):
         self.diagnostics.on_workers_started(
             [(w.local_rank, w.global_rank, pids[w.local_rank]) for w in worker_group.workers if w.local_rank in pids],
             getattr(self._pcontext, "stderrs", {}) or {})
+        self.diagnostics.watch(self._pcontext)
         self.observer.on_workers_started(dict(pids))
         self.policy.on_workers_started(pids.keys())
         return pids
@@ -224,18 +225,35 @@ class ElasticRTAgent(LocalElasticAgent):
                     self._stop_workers(self._worker_group)
                     self._worker_group.state = WorkerState.FAILED
                     return RunResult(state=WorkerState.FAILED)
+                if change == "hang":
+                    change = self._peer_restart_explains_hang() or change
+                if change == "hang":
+                    self.diagnostics.on_hang(self._prefix(), getattr(self.policy, "last_hang", None))
+                    getattr(self.policy, "on_hang_restart", lambda: None)()
+                    if self._remaining_restarts <= 0:
+                        log.error("%s workers hung and no restarts are left (--max-restarts %d; with the auto "
+                                  "hang timeout, long pauses between steps may need --hang-timeout)",
+                                  self._prefix(), spec.max_restarts)
+                        self._stop_workers(self._worker_group)
+                        self._worker_group.state = WorkerState.FAILED
+                        return RunResult(state=WorkerState.FAILED)
+                    self._remaining_restarts -= 1
                 if change:
-                    if change == "hang":
-                        self.diagnostics.on_hang(self._prefix(), getattr(self.policy, "last_hang", None))
-                        if self._remaining_restarts <= 0:
-                            log.error("%s workers hung and no restarts are left", self._prefix())
-                            self._stop_workers(self._worker_group)
-                            self._worker_group.state = WorkerState.FAILED
-                            return RunResult(state=WorkerState.FAILED)
-                        self._remaining_restarts -= 1
                     self._restart(change, now)
             else:
                 raise RuntimeError(f"{self._prefix()} worker group in unexpected state {state.name}")
+
+    def _peer_restart_explains_hang(self) -> str | None:
+        """Local workers that all merely wait (none stopped or in uninterruptible sleep) are most
+        likely stuck in a collective with a peer that is the culprit: give that node's restart a
+        moment to arrive, so that the hang counts against the node that caused it."""
+        if self._worker_group.group_world_size <= 1 or self.diagnostics.local_suspects():
+            return None
+        change = self._wait_for_peer_loss()
+        if change:
+            log.info("%s local workers stalled while another node restarted: following it (%s), not counted "
+                     "as a hang here", self._prefix(), change.replace("_", " "))
+        return change
 
     def _log_failures(self, result: RunResult) -> None:
         """One line per failed worker: rank, pid, cause and the user-code frame that raised."""

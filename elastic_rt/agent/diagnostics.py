@@ -10,8 +10,8 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from elastic_rt.agent import flight_recorder as fr
-from elastic_rt.agent.failures import FailureCause, classify, describe, read_error_file, stderr_tail
-from elastic_rt.agent.hang import HangVerdict, first_stopped
+from elastic_rt.agent.failures import FailureCause, classify, describe, read_error_file, signal_name, stderr_tail
+from elastic_rt.agent.hang import SUSPECT_STATES, HangVerdict, first_stopped
 from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.stacks import UNANSWERABLE, StackCollector, WorkerRef, process_state, raw_path
 from elastic_rt.worker_env import ENV_FLIGHT_RECORDER, ENV_STACK_SIGNAL
@@ -43,15 +43,20 @@ class FailureDiagnostics:
         self._stderrs: dict[int, str] = {}
         self._started_wall_s = 0.0
         self._dumped: set[int] = set()  # pids whose stacks were written in this attempt
+        self._stopped_by_agent: set[int] = set()  # local ranks torch terminated after a sibling failed
 
-    def worker_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+    def worker_env(self, environ: Mapping[str, str], *, torch_version: str = "") -> dict[str, str]:
         """Variables every worker inherits (set once by the launcher)."""
         env = {ENV_STACK_SIGNAL: str(self.stack_signal or 0)}
         if self.flight_recorder:
             os.makedirs(self.fr_dir, exist_ok=True)
-            env.update(fr.worker_env(self.fr_dir, environ))
+            env.update(fr.worker_env(self.fr_dir, environ, fr_names=fr.uses_fr_names(torch_version)))
             env[ENV_FLIGHT_RECORDER] = "1"
         return env
+
+    def local_suspects(self) -> list[int]:
+        """Local ranks whose process state explains a hang by itself (stopped, disk-sleep, ...)."""
+        return sorted(w.local_rank for w in self._workers.values() if process_state(w.pid) in SUSPECT_STATES)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def on_workers_started(self, workers: Iterable[tuple[int, int, int]], stderrs: Mapping[int, str]) -> None:
@@ -62,17 +67,36 @@ class FailureDiagnostics:
         self._stderrs = dict(stderrs)
         self._started_wall_s = self._wall_clock()
         self._dumped = set()
+        self._stopped_by_agent = set()
         if self._oom is not None:
             self._oom.cgroups.forget()
             for w in self._workers.values():
                 self._oom.on_worker_started(w.pid)
 
+    def watch(self, pcontext: Any) -> None:
+        """Learn which workers torch's process context terminates itself: when one worker fails it
+        SIGTERMs the others and reports them as failed too; those are not failures of their own."""
+        close = getattr(pcontext, "close", None)
+        if close is None or not hasattr(pcontext, "_running_local_ranks"):
+            return
+
+        def close_and_note(*args, **kwargs):
+            self._stopped_by_agent |= set(pcontext._running_local_ranks)
+            return close(*args, **kwargs)
+
+        pcontext.close = close_and_note
+
     def on_failures(self, prefix: str, failures: Mapping[int, Any]) -> list[FailureCause]:
         """One line and one count per failed worker (torch ProcessFailure: local_rank, pid, exitcode, error_file)."""
         causes = []
         nccl_dumps = fr.timeout_dumps(self.fr_dir, self._started_wall_s - 1.0) if self.flight_recorder else {}
+        own = [r for r, f in failures.items() if f.local_rank not in self._stopped_by_agent]
         for rank, failure in sorted(failures.items()):
             exitcode = int(failure.exitcode)
+            if failure.local_rank in self._stopped_by_agent and exitcode < 0 and own:
+                log.info("%s worker stopped: rank %d (local %d, pid %s) by the agent (%s) after rank(s) %s failed",
+                         prefix, rank, failure.local_rank, failure.pid, signal_name(-exitcode), sorted(own))
+                continue
             oom = None
             if self._oom is not None and exitcode in (-int(signal.SIGKILL), 128 + int(signal.SIGKILL)):
                 oom = self._oom.for_pid(failure.pid)

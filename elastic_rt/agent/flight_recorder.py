@@ -3,7 +3,8 @@
 The recorder keeps the last N collectives of every process group in each worker
 (NCCL, and gloo in torch >= 2.7). On CUDA elastic-rt turns it on by default
 (--flight-recorder auto) through torch's own environment variables, set only where
-the user did not set them:
+the user did not set them (torch >= 2.11 renamed the first and the last to TORCH_FR_BUFFER_SIZE
+and TORCH_FR_DUMP_TEMP_FILE and warns about the old names; the names torch reads are used):
   TORCH_NCCL_TRACE_BUFFER_SIZE=2000      entries kept per worker
   TORCH_NCCL_DUMP_ON_TIMEOUT=1           NCCL's watchdog writes a dump before it aborts
   TORCH_NCCL_DEBUG_INFO_TEMP_FILE=<log dir>/flight_recorder/nccl_trace_rank_   (+ rank)
@@ -26,22 +27,30 @@ from typing import Any, Callable, Iterable, Mapping
 
 log = logging.getLogger(__name__)
 
-BUFFER_ENV = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
-DUMP_FILE_ENV = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")
+BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # (torch >= 2.11, older)
+DUMP_FILE_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+FR_NAMES_SINCE = (2, 11)
 DEFAULT_BUFFER = "2000"
 NCCL_DUMP_PREFIX = "nccl_trace_rank_"
 _RANK_SUFFIX = re.compile(r"(\d+)(?:\.json)?$")
 
 
-def worker_env(directory: str, environ: Mapping[str, str]) -> dict[str, str]:
+def uses_fr_names(torch_version: str) -> bool:
+    """Whether this torch reads TORCH_FR_* (and warns about the TORCH_NCCL_* names)."""
+    m = re.match(r"(\d+)\.(\d+)", torch_version)
+    return bool(m) and (int(m.group(1)), int(m.group(2))) >= FR_NAMES_SINCE
+
+
+def worker_env(directory: str, environ: Mapping[str, str], *, fr_names: bool = True) -> dict[str, str]:
     """The variables that turn the recorder on in workers; those the user set are left alone."""
+    pick = 0 if fr_names else 1
     out: dict[str, str] = {}
     if not any(environ.get(k) for k in BUFFER_ENV):
-        out[BUFFER_ENV[0]] = DEFAULT_BUFFER
+        out[BUFFER_ENV[pick]] = DEFAULT_BUFFER
     if not environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT"):
         out["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if not any(environ.get(k) for k in DUMP_FILE_ENV):
-        out[DUMP_FILE_ENV[0]] = os.path.join(directory, NCCL_DUMP_PREFIX)
+        out[DUMP_FILE_ENV[pick]] = os.path.join(directory, NCCL_DUMP_PREFIX)
     return out
 
 

@@ -18,7 +18,7 @@ AUTO_PAUSE_FACTOR = 2.0  # x the longest pause between two steps seen so far (ev
 AUTO_BACKOFF = 2.0  # the floor doubles after each hang restart, so a legitimate long pause cannot crash-loop
 
 # psutil process states that explain a hang by themselves; named before ranks that merely wait.
-_SUSPECT_STATES = ("stopped", "tracing-stop", "disk-sleep", "zombie", "dead")
+SUSPECT_STATES = ("stopped", "tracing-stop", "disk-sleep", "zombie", "dead")
 
 
 class HangTimeout:
@@ -110,7 +110,7 @@ def first_stopped(stalls: Iterable[RankStall], states: Mapping[int, str] | None 
     states = states or {}
 
     def key(s: RankStall):
-        suspect = states.get(s.local_rank, "") in _SUSPECT_STATES
+        suspect = states.get(s.local_rank, "") in SUSPECT_STATES
         last = s.last_progress_s if s.last_progress_s is not None else float("-inf")
         return (not suspect, last, s.local_rank)
 

@@ -167,15 +167,12 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
 
 def build_diagnostics(cfg: AgentConfig, log_dir: str, reports_dir: str, metrics) -> FailureDiagnostics:
     """Failure causes, stacks and flight recorder dumps; sets the variables every worker inherits."""
-    if cfg.flight_recorder == "auto":
-        import torch
+    import torch
 
-        recorder = torch.cuda.is_available()
-    else:
-        recorder = cfg.flight_recorder == "on"
+    recorder = torch.cuda.is_available() if cfg.flight_recorder == "auto" else cfg.flight_recorder == "on"
     diagnostics = FailureDiagnostics(log_dir=log_dir, reports_dir=reports_dir, metrics=metrics, oom=OomEvidence(),
                                      stack_signal=cfg.stack_signal, flight_recorder=recorder)
-    os.environ.update(diagnostics.worker_env(os.environ))
+    os.environ.update(diagnostics.worker_env(os.environ, torch_version=torch.__version__))
     return diagnostics
 
 

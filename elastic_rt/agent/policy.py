@@ -52,6 +52,11 @@ class HealthPolicy:
     def describe_hang_timeout(self) -> str:
         return self._hang.timeout.describe() if self._hang is not None else "hang detection off"
 
+    def on_hang_restart(self) -> None:
+        """The agent restarts for a hang: with the auto timeout, the next floor is longer (no crash loop)."""
+        if self._hang is not None:
+            self._hang.timeout.on_hang_restart()
+
     def on_workers_started(self, local_ranks: Iterable[int]) -> None:
         if self._hang is not None:
             self._hang.start(local_ranks)
@@ -65,6 +70,5 @@ class HealthPolicy:
         verdict = self._hang.check()
         if verdict.hung:
             self.last_hang = verdict
-            self._hang.timeout.on_hang_restart()  # auto: the next floor is longer (no crash loop)
             return "hang"
         return None

@@ -144,7 +144,7 @@ def test_flight_recorder_dump_on_request_with_gloo(tmp_path):
             dist.all_reduce(torch.ones(8))
         print("ready", flush=True)
         time.sleep(600)
-    """, str(free_port()), env={ENV_FLIGHT_RECORDER: "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "100"})
+    """, str(free_port()), env={ENV_FLIGHT_RECORDER: "1", "TORCH_FR_BUFFER_SIZE": "100"})
     try:
         wait_line(proc, "ready")
         target = str(tmp_path / "dump.json")

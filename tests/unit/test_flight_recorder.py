@@ -74,9 +74,13 @@ def test_timeout_dumps_are_nccls_files_written_since_the_workers_started(tmp_pat
 
 
 def test_worker_env_turns_it_on_but_leaves_the_users_settings():
-    env = fr.worker_env("/logs/fr", {})
-    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/logs/fr/nccl_trace_rank_"}
+    assert fr.worker_env("/logs/fr", {}, fr_names=False) == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/logs/fr/nccl_trace_rank_"}
+    assert fr.worker_env("/logs/fr", {}) == {
+        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": "/logs/fr/nccl_trace_rank_"}
+    assert fr.uses_fr_names("2.13.0+cpu") and fr.uses_fr_names("3.0") and not fr.uses_fr_names("2.9.1")
     mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
             "TORCH_FR_DUMP_TEMP_FILE": "/mine/x"}
     assert fr.worker_env("/logs/fr", mine) == {}

@@ -101,6 +101,7 @@ def test_auto_policy_fires_only_after_a_first_step_and_backs_off():
     clock.now += 300
     assert policy.check() == "hang"
     assert policy.last_hang.stuck == (0,) and "auto hang timeout 300 s" in policy.last_hang.reason
+    policy.on_hang_restart()  # the agent restarted for it
     policy.on_workers_started([0])
     beats[0] = beat(1, ts=2.0, pid=101)
     assert policy.check() is None
