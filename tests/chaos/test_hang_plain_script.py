@@ -1,11 +1,13 @@
-"""Hangs in any script (issue 9.4): two nodes run a plain DDP script that never calls report_step; one
-worker is SIGSTOPped; optimizer steps alone are the progress signal and --hang-timeout restarts the job."""
+"""Hangs in any script (issue 9.4): a plain DDP script that never calls report_step, so optimizer steps
+alone are the progress signal; a worker SIGSTOPped on one of two nodes, or in uninterruptible sleep."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +43,55 @@ def test_sigstopped_worker_of_a_plain_script_restarts_both_nodes(etcd_endpoint, 
     assert all(n.wait_exit(240) == 0 for n in started), leader.output[-3000:] + "\n----\n" + other.output[-3000:]
     done = leader.matches(r"done steps=(\d+) world_size=(\d+)") + other.matches(r"done steps=(\d+) world_size=(\d+)")
     assert [(m.group(1), m.group(2)) for m in done][-1:] == [("200", "4")]
+
+
+def _freezer_cgroup() -> tuple[Path | None, str]:
+    """A cgroup v1 freezer: its frozen tasks sit in uninterruptible sleep (D, __refrigerator), as on a dead
+    NFS server, and even SIGKILL waits until they are thawed."""
+    root = Path("/sys/fs/cgroup/freezer")
+    if os.geteuid() != 0 or not (root / "cgroup.procs").exists():
+        return None, "no writable cgroup v1 freezer (root and a v1 freezer hierarchy needed)"
+    d = root / f"elastic-rt-hang-{uuid.uuid4().hex[:8]}"
+    try:
+        d.mkdir()
+    except OSError as exc:
+        return None, f"cannot create a freezer cgroup: {exc}"
+    return d, ""
+
+
+def test_worker_in_uninterruptible_sleep_is_a_hang(nodes, tmp_path):  # noqa: F811
+    freezer, why = _freezer_cgroup()
+    if freezer is None:
+        pytest.skip(why)
+    try:
+        args = ["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3",
+                "--log-dir", str(tmp_path / "logs"), "--hang-timeout", "5", SCRIPT, "--steps", "100",
+                "--step-sleep", "0.1"]
+        n = Node(args, name="a")
+        nodes.append(n)
+        n.wait_for(r"step=5 ", 180)
+        victim = worker_pid(n, 1)
+        (freezer / "cgroup.procs").write_text(str(victim))
+        (freezer / "freezer.state").write_text("FROZEN")
+        frozen_at = time.monotonic()
+        m = n.wait_for(r"workers hung: rank 1 \(local 1, pid %d, state disk-sleep\) stopped progressing first.*"
+                       r"stacks of every local rank in (\S+)" % victim, 90, after=frozen_at)
+        stacks = Path(m.group(1)) / f"rank1-local1-pid{victim}.txt"
+        assert "process state: disk-sleep" in stacks.read_text()
+        n.wait_for(r"restarting the worker group: hang", 30, after=frozen_at)
+        # SIGKILL cannot take it while frozen: the agent says so and starts the new workers anyway
+        n.wait_for(r"process %d did not die after SIGKILL \(uninterruptible sleep\?\)" % victim, 60)
+        n.wait_for(r"\]:start world_size=2", 120, after=frozen_at)
+    finally:
+        (freezer / "freezer.state").write_text("THAWED")  # the pending SIGKILL then ends it
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                freezer.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    assert n.wait_exit(240) == 0, n.output[-3000:]
+    assert n.matches(r"done steps=100 world_size=2")
