@@ -9,7 +9,7 @@ and TORCH_FR_DUMP_TEMP_FILE and warns about the old names; the names torch reads
   TORCH_NCCL_DUMP_ON_TIMEOUT=1           NCCL's watchdog writes a dump before it aborts
   TORCH_NCCL_DEBUG_INFO_TEMP_FILE=<log dir>/flight_recorder/nccl_trace_rank_   (+ rank)
 On a hang the agent also asks each worker for a dump (a thread in the worker, started
-when the script imports torch.distributed, answers through a FIFO and calls
+when the script imports torch (which imports torch.distributed), answers through a FIFO and calls
 torch._C._distributed_c10d._dump_fr_trace_json()).
 """
 
@@ -71,7 +71,10 @@ def start_dump_listener(path: str, dump: Callable[[], bytes] | None = None) -> t
     """Serve dump requests: the agent writes '<output path>\\n' into the FIFO at `path`; this thread
     writes the recorder's JSON there. The thread blocks in read(2) and costs nothing until asked."""
     if dump is None:
-        from torch._C._distributed_c10d import _dump_fr_trace_json as dump  # type: ignore[no-redef]
+        try:
+            from torch._C._distributed_c10d import _dump_fr_trace_json as dump  # type: ignore[no-redef]
+        except ImportError:  # a torch without distributed support or without the recorder
+            return None
     try:
         if os.path.exists(path):
             os.unlink(path)
