@@ -57,11 +57,15 @@ def test_exception_names_the_frame_without_record(nodes, tmp_path):  # noqa: F81
                    + r": ValueError: injected failure at step 3 at plain_ddp_optimizer_only\.py:\d+ in inject_failure$",
                    180)
     assert m
-    # its peer saw the closed connection: a collective error, not the root cause
-    assert n.matches(FAILED.format(rank=0, pid=r"\d+", cause="collective_error") + ": RuntimeError: .*Connection")
+    # its peer either saw the closed connection first (a collective error, not the root cause) or was
+    # still waiting when the agent stopped it (not a failure of its own)
+    peer_error = n.matches(FAILED.format(rank=0, pid=r"\d+", cause="collective_error") + ": RuntimeError: .*Connection")
+    assert peer_error or n.matches(r"worker stopped: rank 0 \(local 0, pid \d+\) by the agent \(SIGTERM\) "
+                                   r"after rank\(s\) \[1\] failed"), n.output[-3000:]
     s = poll(lambda: (x := scrape(port)) and value(x, "elastic_rt_worker_failures_total", cause="exception") == 1
              and x, 60, "failure counted by cause")
-    assert value(s, "elastic_rt_collective_errors_total", backend="gloo", kind="peer_closed") == 1
+    assert value(s, "elastic_rt_collective_errors_total", backend="gloo", kind="peer_closed") == len(peer_error)
+    assert value(s, "elastic_rt_worker_failures_total", cause="killed") == 0
     finishes(n, 60)
 
 
