@@ -30,6 +30,7 @@ class AgentObserver(Protocol):
     def on_workers_started(self, pids: dict[int, int]) -> None: ...
     def on_workers_finished(self, state: str) -> None: ...
     def on_tick(self) -> None: ...
+    def on_etcd(self, up: bool) -> None: ...
 
 
 class NullObserver:
@@ -39,6 +40,7 @@ class NullObserver:
     def on_workers_started(self, pids: dict[int, int]) -> None: ...
     def on_workers_finished(self, state: str) -> None: ...
     def on_tick(self) -> None: ...
+    def on_etcd(self, up: bool) -> None: ...
 
 
 RoundListener = Callable[..., None]  # called with round, store, group_rank, group_world_size, master_addr
@@ -219,17 +221,21 @@ class ElasticRTAgent(LocalElasticAgent):
             elif state == WorkerState.HEALTHY:
                 self.observer.on_tick()
                 change = self._membership_change() or self.policy.check()
-                if change == "probe_failure":
-                    log.error("%s collective probe failed: leaving the job so that the others re-form "
-                              "without this node (--probe-failure-action leave)", self._prefix())
+                if change in ("probe_failure", "straggler"):
+                    log.error("%s %s: leaving the job so that the others re-form without this node (--%s-action leave)",
+                              self._prefix(), "collective probe failed" if change == "probe_failure"
+                              else "a local worker is a straggler", change.replace("_", "-"))
                     self._stop_workers(self._worker_group)
                     self._worker_group.state = WorkerState.FAILED
                     return RunResult(state=WorkerState.FAILED)
                 if change == "hang":
                     change = self._peer_restart_explains_hang() or change
                 if change == "hang":
-                    self.diagnostics.on_hang(self._prefix(), getattr(self.policy, "last_hang", None))
-                    getattr(self.policy, "on_hang_restart", lambda: None)()
+                    policies = getattr(self.policy, "policies", (self.policy,))  # a PolicyGroup or one
+                    verdict = next((v for p in policies if (v := getattr(p, "last_hang", None))), None)
+                    self.diagnostics.on_hang(self._prefix(), verdict)
+                    for p in policies:
+                        getattr(p, "on_hang_restart", lambda: None)()
                     if self._remaining_restarts <= 0:
                         log.error("%s workers hung and no restarts are left (--max-restarts %d; with the auto "
                                   "hang timeout, long pauses between steps may need --hang-timeout)",

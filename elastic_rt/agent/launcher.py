@@ -24,10 +24,14 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
 from elastic_rt.agent.diagnostics import FailureDiagnostics
+from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
+from elastic_rt.metrics.health import liveness_threshold_s
+from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
+from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_CHECKPOINT_URL
@@ -116,21 +120,25 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     )
     reports = WorkerReports(os.path.join(log_dir, "heartbeat"))
     stop = threading.Event()
-    round_checks = None
-    failure_metrics = None
+    round_checks = goodput = failure_metrics = None
     if observer is None:
         from elastic_rt.collectors.schedule import NtpPoller, RoundChecks
         from elastic_rt.metrics.definitions import FailureMetrics
         from elastic_rt.metrics.observer import MetricsObserver
 
         metrics_observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports,
-                                           sysfs_root=cfg.sysfs_root)
+                                           sysfs_root=cfg.sysfs_root,
+                                           liveness_threshold_s=liveness_threshold_s(cfg.monitor_interval_s))
         round_checks = RoundChecks(node=node_id, metrics=metrics_observer.metrics, stop=stop,
                                    probe_bytes=cfg.probe_bytes, probe_timeout_s=cfg.probe_timeout_s,
                                    probe_backend=cfg.probe_backend, probe_interval_s=cfg.probe_interval_s)
-        metrics_observer.serve(cfg.metrics_host, cfg.metrics_port, healthy=_probe_health(round_checks))
+        add_readiness_checks(metrics_observer.readiness, cfg, round_checks)
+        metrics_observer.serve(cfg.metrics_host, cfg.metrics_port)
         NtpPoller(servers=cfg.ntp_servers, clock_metrics=metrics_observer.metrics.clock, stop=stop).start()
-        observer = metrics_observer
+        goodput = GoodputObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports, log_dir=log_dir,
+                                  settings=straggler_settings(cfg), registry=metrics_observer.registry,
+                                  started_at=process_start_monotonic())
+        observer = ObserverGroup(metrics_observer, goodput)
         failure_metrics = FailureMetrics(registry=metrics_observer.registry, run_id=cfg.rdzv_id, node=node_id)
     diagnostics = build_diagnostics(cfg, log_dir, reports.directory, failure_metrics)
     policy = HealthPolicy(
@@ -141,6 +149,8 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     log.info("[%s] %s; stack dumps %s; flight recorder %s; logs in %s", node_id, policy.describe_hang_timeout(),
              f"on signal {cfg.stack_signal}" if cfg.stack_signal else "off",
              "on" if diagnostics.flight_recorder else "off", log_dir)
+    if goodput is not None:
+        policy = PolicyGroup(policy, StragglerPolicy(goodput))
     agent = ElasticRTAgent(
         spec,
         logs_specs,
@@ -152,7 +162,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         peer_loss_wait_s=getattr(getattr(handler, "settings", None), "lease_ttl_s", 3.0) + 1.0,
         observer=observer,
         policy=policy,
-        round_listeners=(round_checks.on_round,) if round_checks else (),
+        round_listeners=(round_checks.on_round, goodput.exchange.on_round) if round_checks else (),
         diagnostics=diagnostics,
     )
     leave = getattr(handler, "leave", None)
@@ -176,12 +186,21 @@ def build_diagnostics(cfg: AgentConfig, log_dir: str, reports_dir: str, metrics)
     return diagnostics
 
 
-def _probe_health(round_checks):
-    def healthy() -> tuple[bool, str]:
-        failure = round_checks.probe_failure()
-        return (False, f"collective probe: {failure}") if failure else (True, "ok")
+def straggler_settings(cfg: AgentConfig) -> StragglerSettings:
+    return StragglerSettings(threshold=cfg.straggler_threshold, windows=cfg.straggler_windows,
+                             window_s=cfg.straggler_window_s, action=cfg.straggler_action)
 
-    return healthy
+
+def add_readiness_checks(readiness, cfg: AgentConfig, round_checks) -> None:
+    """/readyz: this node's fitness for the job, each check on its own data source. (`etcd` is the
+    observer's own, fed by on_etcd; /livez holds the monitor-loop check.)"""
+    from elastic_rt.collectors.rdma import RdmaCollector
+    from elastic_rt.collectors.timex import read_timex
+    from elastic_rt.metrics.readiness import clock_check, probe_check, rdma_check
+
+    readiness.add("probe", probe_check(round_checks, enabled=cfg.probe_bytes > 0))
+    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=cfg.sysfs_root).read_ports))
+    readiness.add("clock", clock_check(lambda: round_checks.last_skew, read_timex))
 
 
 def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) -> int:
