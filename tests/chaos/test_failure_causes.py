@@ -10,7 +10,6 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from elastic_rt.chaos.etcd_server import free_port
@@ -30,19 +29,6 @@ def start(nodes, tmp_path, *script_args: str, extra=(), port: int = 0) -> Node: 
     n = Node(args, name="a")
     nodes.append(n)
     return n
-
-
-def worker_pid(node: Node, local_rank: int, timeout_s: float = 60) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for pid in node.worker_pids():
-            try:
-                if psutil.Process(pid).environ().get("LOCAL_RANK") == str(local_rank):
-                    return pid
-            except psutil.Error:
-                continue
-        time.sleep(0.1)
-    raise TimeoutError(f"no worker with LOCAL_RANK={local_rank}:\n{node.output[-2000:]}")
 
 
 def finishes(node: Node, steps: int) -> None:
@@ -72,7 +58,7 @@ def test_exception_names_the_frame_without_record(nodes, tmp_path):  # noqa: F81
 def test_sigkill_from_outside_is_killed(nodes, tmp_path):  # noqa: F811
     n = start(nodes, tmp_path, "--steps", "30")
     n.wait_for(r"step=3 ", 180)
-    victim = worker_pid(n, 1)
+    victim = n.worker_pid(1)
     os.kill(victim, signal.SIGKILL)
     n.wait_for(FAILED.format(rank=1, pid=victim, cause="killed") + ": SIGKILL from outside the agent", 60)
     finishes(n, 30)
@@ -144,7 +130,7 @@ def test_sigstopped_worker_hang_names_it_and_writes_every_ranks_stacks(nodes, tm
     port = free_port()
     n = start(nodes, tmp_path, "--steps", "150", "--step-sleep", "0.1", extra=["--hang-timeout", "5"], port=port)
     n.wait_for(r"step=5 ", 180)
-    victim = worker_pid(n, 1)
+    victim = n.worker_pid(1)
     os.kill(victim, signal.SIGSTOP)
     stopped_at = time.monotonic()
     m = n.wait_for(r"workers hung: rank 1 \(local 1, pid %d, state stopped\) stopped progressing first "

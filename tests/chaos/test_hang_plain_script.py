@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.harness import Node
-from tests.chaos.test_failure_causes import SCRIPT, worker_pid
+from tests.chaos.test_failure_causes import SCRIPT
 from tests.chaos.test_launch_e2e import _rank0, nodes  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def test_sigstopped_worker_of_a_plain_script_restarts_both_nodes(etcd_endpoint, 
     nodes.extend(started)
     leader, other = _rank0(*started)
     leader.wait_for(r"step=5 ", 120)
-    victim = worker_pid(other, 1)
+    victim = other.worker_pid(1)
     os.kill(victim, signal.SIGSTOP)
     stopped_at = time.monotonic()
     # the node of the stopped worker names it; the other node's workers wait in the all-reduce
@@ -70,7 +70,7 @@ def test_worker_in_uninterruptible_sleep_is_a_hang(nodes, tmp_path):  # noqa: F8
         n = Node(args, name="a")
         nodes.append(n)
         n.wait_for(r"step=5 ", 180)
-        victim = worker_pid(n, 1)
+        victim = n.worker_pid(1)
         (freezer / "cgroup.procs").write_text(str(victim))
         (freezer / "freezer.state").write_text("FROZEN")
         frozen_at = time.monotonic()
