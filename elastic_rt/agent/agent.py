@@ -31,6 +31,7 @@ class AgentObserver(Protocol):
     def on_workers_finished(self, state: str) -> None: ...
     def on_tick(self) -> None: ...
     def on_etcd(self, up: bool) -> None: ...
+    def on_failures(self, causes: dict[int, str]) -> None: ...  # global rank -> "cause=...: detail"
 
 
 class NullObserver:
@@ -41,6 +42,7 @@ class NullObserver:
     def on_workers_finished(self, state: str) -> None: ...
     def on_tick(self) -> None: ...
     def on_etcd(self, up: bool) -> None: ...
+    def on_failures(self, causes: dict[int, str]) -> None: ...
 
 
 RoundListener = Callable[..., None]  # called with round, store, group_rank, group_world_size, master_addr
@@ -234,6 +236,7 @@ class ElasticRTAgent(LocalElasticAgent):
                     policies = getattr(self.policy, "policies", (self.policy,))  # a PolicyGroup or one
                     verdict = next((v for p in policies if (v := getattr(p, "last_hang", None))), None)
                     self.diagnostics.on_hang(self._prefix(), verdict)
+                    self.observer.on_failures(dict(self.diagnostics.last_failures))
                     for p in policies:
                         getattr(p, "on_hang_restart", lambda: None)()
                     if self._remaining_restarts <= 0:
@@ -264,3 +267,4 @@ class ElasticRTAgent(LocalElasticAgent):
     def _log_failures(self, result: RunResult) -> None:
         """One line per failed worker: rank, pid, cause and the user-code frame that raised."""
         self.diagnostics.on_failures(self._prefix(), result.failures)
+        self.observer.on_failures(dict(self.diagnostics.last_failures))

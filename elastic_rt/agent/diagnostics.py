@@ -43,6 +43,7 @@ class FailureDiagnostics:
         self._stderrs: dict[int, str] = {}
         self._started_wall_s = 0.0
         self._dumped: set[int] = set()  # pids whose stacks were written in this attempt
+        self.last_failures: dict[int, str] = {}  # global rank -> cause line, of the last failure or hang
         self._stopped_by_agent: set[int] = set()  # local ranks torch terminated after a sibling failed
 
     def worker_env(self, environ: Mapping[str, str], *, torch_version: str = "") -> dict[str, str]:
@@ -89,6 +90,7 @@ class FailureDiagnostics:
     def on_failures(self, prefix: str, failures: Mapping[int, Any]) -> list[FailureCause]:
         """One line and one count per failed worker (torch ProcessFailure: local_rank, pid, exitcode, error_file)."""
         causes = []
+        self.last_failures = {}
         nccl_dumps = fr.timeout_dumps(self.fr_dir, self._started_wall_s - 1.0) if self.flight_recorder else {}
         own = [r for r, f in failures.items() if f.local_rank not in self._stopped_by_agent]
         for rank, failure in sorted(failures.items()):
@@ -112,6 +114,7 @@ class FailureDiagnostics:
             if self._metrics is not None:
                 self._metrics.on_failure(cause.cause, cause.collective)
             causes.append(cause)
+            self.last_failures[rank] = describe(cause)
         return causes
 
     def on_hang(self, prefix: str, verdict: HangVerdict | None) -> str:
@@ -136,6 +139,8 @@ class FailureDiagnostics:
                 self._metrics.on_hang(w.local_rank, state)
         else:
             who, state = "no rank could be named", "unknown"
+        named = first is not None and first.local_rank in self._workers
+        self.last_failures = {self._workers[first.local_rank].global_rank: f"cause=hang: {who}"} if named else {}
         reason = verdict.reason if verdict is not None else "hang"
         log.error("%s workers hung: %s; %s; cause=hang; stacks of every local rank in %s%s", prefix, who, reason,
                   out_dir, summary)
