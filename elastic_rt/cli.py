@@ -8,6 +8,7 @@ import sys
 
 from elastic_rt import __version__
 from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT
+from elastic_rt.agent.stacks import DEFAULT_STACK_SIGNAL
 from elastic_rt.config import KNOWN_BACKENDS
 from elastic_rt.errors import ElasticRTError
 from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE
@@ -56,8 +57,16 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"address the metrics and health server binds (default {DEFAULT_METRICS_HOST}: every "
                         "IPv4 interface, which Prometheus and kubelet probes in Kubernetes need since they reach "
                         "the pod IP; 127.0.0.1 keeps it on the node; :: for IPv6 and IPv4)")
-    p.add_argument("--hang-timeout", type=float, default=0.0,
-                   help="restart the group when workers report no step for this many seconds (0 = off)")
+    p.add_argument("--hang-timeout", default="auto",
+                   help="restart the group when a worker makes no optimizer step (or report_step) for this many "
+                        "seconds; auto (default): max(300 s, 20 x median step, 2 x longest pause), once a first "
+                        "step was seen; 0 = off (docs/failures.md)")
+    p.add_argument("--stack-signal", default=DEFAULT_STACK_SIGNAL,
+                   help=f"signal on which workers dump their Python stacks for the agent (default {DEFAULT_STACK_SIGNAL}; "
+                        "off = no stack dumps)")
+    p.add_argument("--flight-recorder", default="auto", choices=("auto", "on", "off"),
+                   help="torch's collective flight recorder in workers, dumped on hangs and timeouts: "
+                        "auto (default: on with CUDA), on, off")
     p.add_argument("--ntp-server", action="append", default=[], help="NTP server to measure offset against "
                    "(repeatable)")
     p.add_argument("--checkpoint-url", default=None,

@@ -91,6 +91,39 @@ def _positive(name: str, value: float, *, zero_ok: bool = False) -> float:
     return value
 
 
+def parse_hang_timeout(text: str) -> float | None:
+    """'auto' -> None (the automatic rule); '0' -> 0.0 (off); '90' -> 90.0."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--hang-timeout {text!r}: expected auto, 0 (off) or a number of seconds") from None
+    return _positive("--hang-timeout", value, zero_ok=True)
+
+
+# Signals the stack dump may not use: faulthandler's own, uncatchable ones, and the agent's and torch's.
+_RESERVED_SIGNALS = {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS,
+                     signal.SIGILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD}
+
+
+def parse_stack_signal(text: str) -> int | None:
+    """'SIGRTMIN+6', 'SIGUSR2', '40' -> a signal number; 'off' -> None."""
+    from elastic_rt.agent.stacks import parse_signal
+
+    try:
+        num = parse_signal(text)
+    except (AttributeError, ValueError):
+        raise ConfigError(f"--stack-signal {text!r}: expected a signal name (SIGRTMIN+6, SIGUSR2), "
+                          "a number or off") from None
+    if num is None:
+        return None
+    if num in _RESERVED_SIGNALS or not 0 < num <= int(signal.SIGRTMAX):
+        raise ConfigError(f"--stack-signal {text!r}: that signal is reserved or invalid; "
+                          "use a real-time signal such as SIGRTMIN+6")
+    return num
+
+
 def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> AgentConfig:
     """Validate parsed `launch` arguments into an AgentConfig (raises ConfigError); `environ`
     (default os.environ) is the environment the workers would inherit."""
@@ -164,7 +197,9 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         restart_grace_s=_positive("--restart-grace", args.restart_grace, zero_ok=True),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
-        hang_timeout_s=_positive("--hang-timeout", args.hang_timeout, zero_ok=True),
+        hang_timeout_s=parse_hang_timeout(str(args.hang_timeout)),
+        stack_signal=parse_stack_signal(str(args.stack_signal)),
+        flight_recorder=args.flight_recorder,
         ntp_servers=tuple(args.ntp_server or ()),
         checkpoint_url=args.checkpoint_url,
         sysfs_root=args.sysfs_root,

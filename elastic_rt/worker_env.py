@@ -15,6 +15,9 @@ ENV_NODE_ID = "ELASTIC_RT_NODE_ID"
 ENV_ROUND = "ELASTIC_RT_ROUND"  # rendezvous round the worker was started in
 ENV_PARENT_PID = "ELASTIC_RT_AGENT_PID"  # the agent's pid, for the death signal check
 ENV_CHECKPOINT_URL = "ELASTIC_RT_CHECKPOINT_URL"
+ENV_STACK_SIGNAL = "ELASTIC_RT_STACK_SIGNAL"  # faulthandler dumps stacks on this signal (0: off)
+ENV_FLIGHT_RECORDER = "ELASTIC_RT_FLIGHT_RECORDER"  # 1: serve flight recorder dump requests
+ENV_NO_PROGRESS_HOOK = "ELASTIC_RT_NO_PROGRESS_HOOK"  # 1: optimizer steps do not count as progress
 
 # torchrun's launch-time part of the worker contract (torch/distributed/run.py, launcher/api.py),
 # decided once per launch by elastic_rt.config.worker_env_defaults. The per-worker part (RANK,

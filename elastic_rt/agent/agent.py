@@ -12,6 +12,7 @@ from typing import Any, Callable, Protocol, Sequence
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
 from elastic_rt.reporting.inbox import WorkerReports
@@ -30,6 +31,7 @@ class AgentObserver(Protocol):
     def on_workers_finished(self, state: str) -> None: ...
     def on_tick(self) -> None: ...
     def on_etcd(self, up: bool) -> None: ...
+    def on_failures(self, causes: dict[int, str]) -> None: ...  # global rank -> "cause=...: detail"
 
 
 class NullObserver:
@@ -40,6 +42,7 @@ class NullObserver:
     def on_workers_finished(self, state: str) -> None: ...
     def on_tick(self) -> None: ...
     def on_etcd(self, up: bool) -> None: ...
+    def on_failures(self, causes: dict[int, str]) -> None: ...
 
 
 RoundListener = Callable[..., None]  # called with round, store, group_rank, group_world_size, master_addr
@@ -64,6 +67,7 @@ class ElasticRTAgent(LocalElasticAgent):
         policy: RestartPolicy | None = None,
         round_listeners: Sequence[RoundListener] = (),
         log_line_prefix_template: str | None = None,
+        diagnostics: FailureDiagnostics | None = None,
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout_s,
@@ -77,6 +81,8 @@ class ElasticRTAgent(LocalElasticAgent):
         self.observer: AgentObserver = observer or NullObserver()
         self.policy: RestartPolicy = policy or NeverRestart()
         self._round_listeners = tuple(round_listeners)
+        self.diagnostics = diagnostics or FailureDiagnostics(
+            log_dir=os.path.dirname(reports.directory.rstrip(os.sep)), reports_dir=reports.directory)
         self.restarts: dict[str, int] = {}
         self._broken_group = False
 
@@ -125,6 +131,10 @@ class ElasticRTAgent(LocalElasticAgent):
             ENV_ROUND: str(m.round if m else 0),
         })
         pids = super()._start_workers(worker_group)
+        self.diagnostics.on_workers_started(
+            [(w.local_rank, w.global_rank, pids[w.local_rank]) for w in worker_group.workers if w.local_rank in pids],
+            getattr(self._pcontext, "stderrs", {}) or {})
+        self.diagnostics.watch(self._pcontext)
         self.observer.on_workers_started(dict(pids))
         self.policy.on_workers_started(pids.keys())
         return pids
@@ -133,7 +143,9 @@ class ElasticRTAgent(LocalElasticAgent):
         """Stop every worker and its descendants: `death_sig`, the grace period, then SIGKILL."""
         if self._pcontext is not None:
             pids = list(self._pcontext.pids().values())
-            killed = stop_tree(pids, sig=death_sig, grace_s=float(timeout))
+            killed = stop_tree(pids, sig=death_sig, grace_s=float(timeout),
+                               before_kill=lambda alive: self.diagnostics.on_grace_expired(
+                                   self._prefix(), alive, float(timeout)))
             if killed:
                 log.info("%s SIGKILLed %d process(es) left after %gs grace", self._prefix(), len(killed), timeout)
         super()._shutdown(signal.SIGKILL, timeout=5)
@@ -218,21 +230,41 @@ class ElasticRTAgent(LocalElasticAgent):
                     self._stop_workers(self._worker_group)
                     self._worker_group.state = WorkerState.FAILED
                     return RunResult(state=WorkerState.FAILED)
+                if change == "hang":
+                    change = self._peer_restart_explains_hang() or change
+                if change == "hang":
+                    policies = getattr(self.policy, "policies", (self.policy,))  # a PolicyGroup or one
+                    verdict = next((v for p in policies if (v := getattr(p, "last_hang", None))), None)
+                    self.diagnostics.on_hang(self._prefix(), verdict)
+                    self.observer.on_failures(dict(self.diagnostics.last_failures))
+                    for p in policies:
+                        getattr(p, "on_hang_restart", lambda: None)()
+                    if self._remaining_restarts <= 0:
+                        log.error("%s workers hung and no restarts are left (--max-restarts %d; with the auto "
+                                  "hang timeout, long pauses between steps may need --hang-timeout)",
+                                  self._prefix(), spec.max_restarts)
+                        self._stop_workers(self._worker_group)
+                        self._worker_group.state = WorkerState.FAILED
+                        return RunResult(state=WorkerState.FAILED)
+                    self._remaining_restarts -= 1
                 if change:
-                    if change == "hang":
-                        if self._remaining_restarts <= 0:
-                            log.error("%s workers hung and no restarts are left", self._prefix())
-                            self._stop_workers(self._worker_group)
-                            self._worker_group.state = WorkerState.FAILED
-                            return RunResult(state=WorkerState.FAILED)
-                        self._remaining_restarts -= 1
                     self._restart(change, now)
             else:
                 raise RuntimeError(f"{self._prefix()} worker group in unexpected state {state.name}")
 
+    def _peer_restart_explains_hang(self) -> str | None:
+        """Local workers that all merely wait (none stopped or in uninterruptible sleep) are most
+        likely stuck in a collective with a peer that is the culprit: give that node's restart a
+        moment to arrive, so that the hang counts against the node that caused it."""
+        if self._worker_group.group_world_size <= 1 or self.diagnostics.local_suspects():
+            return None
+        change = self._wait_for_peer_loss()
+        if change:
+            log.info("%s local workers stalled while another node restarted: following it (%s), not counted "
+                     "as a hang here", self._prefix(), change.replace("_", " "))
+        return change
+
     def _log_failures(self, result: RunResult) -> None:
-        for rank, failure in sorted(result.failures.items()):
-            msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-            first = (msg or "").strip().splitlines()[-1:] or [""]
-            log.warning("%s worker rank %d (pid %s) exited with code %s %s", self._prefix(), rank,
-                        failure.pid, failure.exitcode, first[0][:200])
+        """One line per failed worker: rank, pid, cause and the user-code frame that raised."""
+        self.diagnostics.on_failures(self._prefix(), result.failures)
+        self.observer.on_failures(dict(self.diagnostics.last_failures))

@@ -38,7 +38,9 @@ class AgentConfig:
     restart_grace_s: float = 1.0
     metrics_port: int = DEFAULT_METRICS_PORT
     metrics_host: str = DEFAULT_METRICS_HOST
-    hang_timeout_s: float = 0.0
+    hang_timeout_s: float | None = None  # None: auto (docs/failures.md); 0: off
+    stack_signal: int | None = None  # workers dump their Python stacks on it; None: off
+    flight_recorder: str = "auto"  # torch's collective flight recorder in workers: auto (CUDA), on, off
     ntp_servers: tuple[str, ...] = ()
     checkpoint_url: str | None = None
     sysfs_root: str = "/sys"

@@ -49,6 +49,9 @@ class ObserverGroup:
     def on_etcd(self, up: bool) -> None:
         self._each("on_etcd", up)
 
+    def on_failures(self, causes: dict[int, str]) -> None:
+        self._each("on_failures", causes)
+
     def close(self) -> None:
         self._each("close")
 

@@ -23,7 +23,9 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
+from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
+from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
@@ -127,9 +129,10 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     )
     reports = WorkerReports(os.path.join(log_dir, "heartbeat"))
     stop = threading.Event()
-    round_checks = goodput = None
+    round_checks = goodput = failure_metrics = None
     if observer is None:
         from elastic_rt.collectors.schedule import NtpPoller, RoundChecks
+        from elastic_rt.metrics.definitions import FailureMetrics
         from elastic_rt.metrics.observer import MetricsObserver
 
         metrics_observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports,
@@ -145,11 +148,16 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
                                   settings=straggler_settings(cfg), registry=metrics_observer.registry,
                                   started_at=process_start_monotonic())
         observer = ObserverGroup(metrics_observer, goodput)
+        failure_metrics = FailureMetrics(registry=metrics_observer.registry, run_id=cfg.rdzv_id, node=node_id)
+    diagnostics = build_diagnostics(cfg, log_dir, reports.directory, failure_metrics)
     policy = HealthPolicy(
         heartbeats=reports.heartbeats, hang_timeout_s=cfg.hang_timeout_s,
         probe_failure=round_checks.probe_failure if round_checks else (lambda: None),
         probe_failure_action=cfg.probe_failure_action,
     )
+    log.info("[%s] %s; stack dumps %s; flight recorder %s; logs in %s", node_id, policy.describe_hang_timeout(),
+             f"on signal {cfg.stack_signal}" if cfg.stack_signal else "off",
+             "on" if diagnostics.flight_recorder else "off", log_dir)
     if goodput is not None:
         policy = PolicyGroup(policy, StragglerPolicy(goodput))
     agent = ElasticRTAgent(
@@ -164,14 +172,27 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         observer=observer,
         policy=policy,
         round_listeners=(round_checks.on_round, goodput.exchange.on_round) if round_checks else (),
+        diagnostics=diagnostics,
     )
     leave = getattr(handler, "leave", None)
     try:
         return _run(agent, cfg, node_id, log_dir, handler, leave)
     finally:
         stop.set()
+        diagnostics.close()
         getattr(observer, "close", lambda: None)()
         getattr(handler, "close", lambda: None)()
+
+
+def build_diagnostics(cfg: AgentConfig, log_dir: str, reports_dir: str, metrics) -> FailureDiagnostics:
+    """Failure causes, stacks and flight recorder dumps; sets the variables every worker inherits."""
+    import torch
+
+    recorder = torch.cuda.is_available() if cfg.flight_recorder == "auto" else cfg.flight_recorder == "on"
+    diagnostics = FailureDiagnostics(log_dir=log_dir, reports_dir=reports_dir, metrics=metrics, oom=OomEvidence(),
+                                     stack_signal=cfg.stack_signal, flight_recorder=recorder)
+    os.environ.update(diagnostics.worker_env(os.environ, torch_version=torch.__version__))
+    return diagnostics
 
 
 def straggler_settings(cfg: AgentConfig) -> StragglerSettings:

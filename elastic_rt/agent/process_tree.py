@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Iterable
+from typing import Callable, Iterable
 
 import psutil
 
@@ -41,8 +41,10 @@ def _send(procs: Iterable[psutil.Process], sig: int) -> list[int]:
     return sent
 
 
-def stop_tree(roots: Iterable[int | psutil.Process], *, sig: int = signal.SIGTERM, grace_s: float = 30.0) -> list[int]:
+def stop_tree(roots: Iterable[int | psutil.Process], *, sig: int = signal.SIGTERM, grace_s: float = 30.0,
+              before_kill: Callable[[list[int]], object] | None = None) -> list[int]:
     """Send `sig` to every process of the trees, SIGKILL what is left after grace_s.
+    before_kill(pids) is called with the roots still alive when the grace period ran out.
 
     The trees are captured once, before the first signal, so children that a dying parent
     leaves behind (re-parented to init) are still found and killed. Every later signal goes
@@ -50,9 +52,18 @@ def stop_tree(roots: Iterable[int | psutil.Process], *, sig: int = signal.SIGTER
     a worker reaped during the grace period frees its pid, and a new process may get it.
     Returns the pids that had to be SIGKILLed.
     """
+    roots = list(roots)
+    root_pids = {r.pid if isinstance(r, psutil.Process) else r for r in roots}
     procs = collect_tree(roots)
     _send(procs, sig)
     _, alive = psutil.wait_procs(procs, timeout=grace_s) if grace_s > 0 else ([], procs)
+    if before_kill is not None and grace_s > 0 and sig != signal.SIGKILL:
+        survivors = [p.pid for p in alive if p.pid in root_pids]
+        if survivors:
+            try:
+                before_kill(survivors)
+            except Exception as exc:  # diagnostics must never keep a process from being stopped
+                log.warning("collecting the stacks of processes that outlived SIGTERM failed: %s", exc)
     # Children started during the grace period (e.g. a DataLoader respawning workers), found
     # under the processes of the first capture that are still alive.
     left = collect_tree(alive)

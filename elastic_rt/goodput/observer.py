@@ -80,6 +80,11 @@ class GoodputObserver:
                           committed_step=self.ledger.committed_step)
         self._export()
 
+    def on_failures(self, causes: dict[int, str]) -> None:
+        """Classified worker failures (or the hung rank) before the restart they cause."""
+        for rank, cause in sorted(causes.items()):
+            self.events.write("failure", rank=rank, cause=cause, round=self._round)
+
     def on_recovered(self, duration_s: float) -> None:
         self.events.write("recovered", duration_s=round_s(duration_s), round=self._round)
 

@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from elastic_rt.agent.failures import CAUSES as FAILURE_CAUSES, COLLECTIVE_PATTERNS
 from elastic_rt.collectors.clock import ClockMetrics
 from elastic_rt.reporting.heartbeat import Heartbeat
 from elastic_rt.collectors.rdma import RdmaCollector
@@ -324,3 +325,43 @@ class GoodputMetrics:
         """Set the flag of every local rank (1: flagged)."""
         for rank in local_ranks | self._ranks:
             self.straggler.labels(*self._base, str(rank)).set(1.0 if rank in flagged else 0.0)
+
+
+# ---- Why workers failed (issue 17): causes, hangs, collective backend errors ------------------------
+COLLECTIVE_ERROR_KINDS = tuple(dict.fromkeys((backend, kind) for _, backend, kind in COLLECTIVE_PATTERNS))
+
+
+class FailureMetrics:
+    """Worker failures by cause, hangs by the rank that stopped first, collective backend errors."""
+
+    def __init__(self, *, registry: CollectorRegistry, run_id: str, node: str) -> None:
+        self._base = (run_id, node)
+        base = ["run_id", "node"]
+        self.failures = Counter(
+            "elastic_rt_worker_failures", "Worker failures by cause (see docs/failures.md).", base + ["cause"],
+            registry=registry)
+        self.hangs = Counter(
+            "elastic_rt_hangs",
+            "Hang restarts, by the local rank that stopped progressing first and its process state "
+            "(psutil: stopped, disk-sleep, sleeping, running).",
+            base + ["local_rank", "process_state"], registry=registry)
+        self.collective_errors = Counter(
+            "elastic_rt_collective_errors",
+            "Collective backend errors seen in failed workers (NCCL watchdog timeouts, communicator aborts, "
+            "gloo timeouts and closed peers).",
+            base + ["backend", "kind"], registry=registry)
+        for cause in FAILURE_CAUSES:  # export zeros so rate() and alerts see every series
+            self.failures.labels(*self._base, cause)
+        for backend, kind in COLLECTIVE_ERROR_KINDS:
+            self.collective_errors.labels(*self._base, backend, kind)
+
+    def on_failure(self, cause: str, collective: tuple[str, str] | None = None) -> None:
+        if cause not in FAILURE_CAUSES:
+            raise ValueError(f"unknown failure cause {cause!r}; expected one of {FAILURE_CAUSES}")
+        self.failures.labels(*self._base, cause).inc()
+        if collective is not None:
+            self.collective_errors.labels(*self._base, *collective).inc()
+
+    def on_hang(self, local_rank: int, process_state: str) -> None:
+        self.failures.labels(*self._base, "hang").inc()
+        self.hangs.labels(*self._base, str(local_rank), process_state).inc()

@@ -46,7 +46,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def _fmt_reason(reason: str) -> str:
-    return reason.replace("_", " ")
+    """'worker_failure (rank 1 cause=...)' -> 'worker failure (rank 1 cause=...)': the causes keep their spelling."""
+    head, sep, tail = reason.partition(" (")
+    return head.replace("_", " ") + sep + tail
 
 
 def render(t: Timeline) -> str:
@@ -58,7 +60,8 @@ def render(t: Timeline) -> str:
         f"({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t0))})",
         "", "Timeline (seconds since the start):",
     ]
-    for s, e in t.events("start", "rendezvous", "restart", "first_step", "lost", "straggler", "finished", "exit"):
+    for s, e in t.events("start", "rendezvous", "failure", "restart", "first_step", "lost", "straggler", "finished",
+                         "exit"):
         kind = e["event"]
         if kind == "start":
             text = f"agent started (pid {s.pid})"
@@ -69,6 +72,8 @@ def render(t: Timeline) -> str:
             committed = e.get("committed_step")
             text = f"restart: {_fmt_reason(e.get('reason', '?'))}" + (
                 f" (last commit: step {committed})" if committed is not None else "")
+        elif kind == "failure":
+            text = f"worker failed: rank {e.get('rank', '?')} {e.get('cause', '')}"
         elif kind == "first_step":
             text = f"training (first step seen: {e.get('step')})"
         elif kind == "lost":

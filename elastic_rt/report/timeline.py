@@ -139,7 +139,16 @@ class Timeline:
                 back = next((x["time"] for x in evs[i + 1:] if x["event"] == "first_step"), None)
                 lost = next((x for x in evs[i + 1:] if x["event"] in ("lost", "restart")), None)
                 lost = lost if lost is not None and lost["event"] == "lost" else {}
-                items.append((e["time"], back, s.node, e.get("reason", "?"), int(lost.get("steps", 0)),
+                reason = e.get("reason", "?")
+                failures = []  # classified failures logged since the previous restart, newest last
+                for x in reversed(evs[:i]):
+                    if x["event"] in ("restart", "workers_started"):
+                        break
+                    if x["event"] == "failure":
+                        failures.insert(0, f"rank {x.get('rank', '?')} {x.get('cause', '')}".strip())
+                if failures:
+                    reason = f"{reason} ({'; '.join(failures)})"
+                items.append((e["time"], back, s.node, reason, int(lost.get("steps", 0)),
                               float(lost.get("seconds", 0.0))))
         items.sort(key=lambda x: x[0])
         incidents: list[Incident] = []

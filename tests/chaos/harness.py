@@ -84,6 +84,20 @@ class Node:
         except psutil.NoSuchProcess:
             return []
 
+    def worker_pid(self, local_rank: int, timeout_s: float = 60) -> int:
+        """The pid of this node's worker with LOCAL_RANK=local_rank, polling until it runs."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for pid in self.worker_pids():
+                try:
+                    if psutil.Process(pid).environ().get("LOCAL_RANK") == str(local_rank):
+                        return pid
+                except psutil.Error:
+                    continue
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.name}: no worker with LOCAL_RANK={local_rank}:\n{self.output[-2000:]}")
+            time.sleep(0.1)
+
     def kill_node(self) -> None:
         """SIGKILL the agent and everything in its session, like a machine that loses power."""
         try:

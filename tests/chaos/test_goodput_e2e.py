@@ -30,16 +30,6 @@ def _journal(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _local_rank_pid(node: Node, local_rank: int) -> int:
-    for pid in node.worker_pids():
-        try:
-            if psutil.Process(pid).environ().get("LOCAL_RANK") == str(local_rank):
-                return pid
-        except psutil.Error:
-            continue
-    raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under {node.name}")
-
-
 def _report(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "elastic_rt.cli", "report", *args], capture_output=True, text=True,
@@ -57,7 +47,7 @@ def test_worker_killed_twice_categories_sum_and_lost_steps_match(tmp_path, nodes
     resume_at, since = 0, 0.0
     for restart in (1, 2):
         n.wait_for(r"\]:step=%d " % (resume_at + 8), 240, after=since)  # 3 steps past a commit
-        os.kill(_local_rank_pid(n, 1), signal.SIGKILL)
+        os.kill(n.worker_pid(1), signal.SIGKILL)
         m = n.wait_for(r"\]:start step=(\d+) .*restart=%d" % restart, 240)
         resume_at, since = int(m.group(1)), time.monotonic()
         lines = [line for _, line in n.lines]

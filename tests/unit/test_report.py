@@ -39,6 +39,7 @@ def two_nodes(tmp_path):
         (0, "start", {}), (2, "rendezvous", {"round": 0, "world_size": 4, "nodes": 2, "duration_s": 1.5}),
         (2.1, "workers_started", {"phase": "startup"}), (5, "first_step", {"step": 1, "phase": "training"}),
         (9, "checkpoint", {"step": 40, "save_duration_s": 0.2, "blocked_s": 0.2}),
+        (11.9, "failure", {"rank": 1, "cause": "cause=exception: ValueError: boom at my_train.py:33 in step"}),
         (12, "restart", {"reason": "worker_failure", "phase": "restart", "committed_step": 40}),
         (14, "rendezvous", {"round": 1, "world_size": 4, "nodes": 2, "duration_s": 1.0}),
         (14.1, "lost", {"steps": 25, "seconds": 2.5}), (14.1, "workers_started", {"phase": "restore"}),
@@ -68,7 +69,8 @@ def test_restarts_of_both_nodes_are_one_incident(two_nodes):
     t = load([str(two_nodes)])
     assert t.nodes == ["a", "b"] and len(t.sources) == 2
     (inc,) = t.incidents()
-    assert inc.causes == (("a", "worker_failure"), ("b", "round_advanced"))
+    assert inc.causes == (("a", "worker_failure (rank 1 cause=exception: ValueError: boom at my_train.py:33 in step)"),
+                          ("b", "round_advanced"))
     assert inc.start == pytest.approx(T0 + 12) and inc.recovery_s == pytest.approx(4.5)
     assert inc.lost_steps == 25 and inc.lost_s == pytest.approx(6.0)
     assert [w for _, w in t.world_sizes()] == [4, 4, 0, 0, 4, 4, 0]
@@ -79,7 +81,10 @@ def test_restarts_of_both_nodes_are_one_incident(two_nodes):
 def test_render_prints_restarts_goodput_and_stragglers(two_nodes):
     text = render(load([str(two_nodes / "a"), str(two_nodes / "b")]))
     assert "Restarts: 1" in text
-    assert "a: worker failure; b: round advanced" in text
+    # the classified cause (issue 17) beside the restart reason, its file name spelt as it is
+    assert "a: worker failure (rank 1 cause=exception: ValueError: boom at my_train.py:33 in step); " \
+           "b: round advanced" in text
+    assert "worker failed: rank 1 cause=exception" in text
     assert "progress lost: 25 step(s)" in text
     assert "1 agent(s) wrote no exit line" in text
     assert re.search(r"not accounted \(no exit line\) +2\.0 s", text)  # b's last line came 2 s after its totals
