@@ -77,3 +77,7 @@ class MetricsObserver:
         if report is not None:
             self.metrics.on_checkpoint(step=report.step, save_duration_s=report.save_duration_s,
                                        blocked_s=report.blocked_s)
+
+    def on_etcd(self, up: bool) -> None:
+        """The rendezvous reached etcd (True) or lost it (False)."""
+        self.metrics.etcd.on_etcd(up)
