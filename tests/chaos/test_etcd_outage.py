@@ -30,13 +30,15 @@ pytestmark = pytest.mark.slow
 PLAIN = str(ROOT / "tests" / "chaos" / "scripts" / "plain_ddp_steps.py")
 LONG = pytest.mark.skipif(os.environ.get("ELASTIC_RT_LONG_TESTS") != "1",
                           reason="long variant: set ELASTIC_RT_LONG_TESTS=1 to run it")
-DATASET, BATCH = 240, 4  # 2 nodes x 2 workers x 4 = 16 samples a step: 15 steps an epoch, no padding
+# Every world size the tests use (2, 3, 4, 6 workers) takes a multiple of 6 or 12 samples a step, so
+# the sampler never pads when it re-shards a remainder: each sample of an epoch is trained exactly once.
+DATASET, BATCH = 360, 6
 
 
 def node_args(endpoint: str, run_id: str, node_id: str, *, nnodes: str, steps: int, step_sleep: float,
-              script: str = PLAIN, metrics_port: int = 0, local_addr: str = "127.0.0.1",
+              script: str = PLAIN, metrics_port: int = 0, local_addr: str = "127.0.0.1", nproc: int = 2,
               job_args: list[str] | None = None) -> list[str]:
-    args = launch_args(endpoint, run_id, node_id, nnodes=nnodes, steps=steps, step_sleep=step_sleep,
+    args = launch_args(endpoint, run_id, node_id, nnodes=nnodes, nproc=nproc, steps=steps, step_sleep=step_sleep,
                        job_args=job_args)
     args[args.index(EXAMPLE)] = script
     args[args.index("--metrics-port") + 1] = str(metrics_port)
