@@ -3,7 +3,8 @@
 Protocol (keys from RunKeys):
   round            current round number R (created as 0)
   rounds/R/join/N  node N's join, attached to N's lease (vanishes when N dies)
-  rounds/R/final   the membership of round R, written once (create-only) by whoever closes it
+  rounds/R/final   the membership of round R, written once (create-only) by whoever closes it;
+                   when rank 0 closes it, also rank 0's address and c10d store port
   alive/N          node N's liveness key, attached to its lease, for the whole run; its value
                    holds N's address, liveness port and incarnation (one per agent process)
   waiting/N        a node that found round R already closed and waits for R+1
@@ -69,6 +70,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elastic_rt.errors import EtcdUnavailableError, RendezvousDataError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
@@ -108,6 +110,7 @@ class Membership:
     round: int
     nodes: tuple[str, ...]
     rank: int
+    master: tuple[str, int] | None = None  # rank 0's address and store port, when the final carries them
 
 
 def _decode_json(kv: KeyValue, what: str) -> dict:
@@ -210,7 +213,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         m = self.membership
         store = EtcdStore(self._client, self.keys.round_store(m.round),
                           timedelta(seconds=self.settings.store_timeout_s))
-        bootstrap = self._io(RendezvousStoreInfo.build, m.rank, store, self.settings.local_addr)
+        if m.master is not None:  # rank 0 closed the round and put its address and port in the final
+            bootstrap = RendezvousStoreInfo(master_addr=m.master[0], master_port=m.master[1])
+        else:
+            bootstrap = self._io(RendezvousStoreInfo.build, m.rank, store, self.settings.local_addr)
         self._watch_neighbours(m.nodes)
         if m.rank == 0 and m.round >= 2:  # rounds before the previous one are history
             try:
@@ -400,27 +406,44 @@ class EtcdRendezvousHandler(RendezvousHandler):
             v.wait(version, max(0.0, min(deadline - self._clock(), 5.0)))
 
     def _join_and_wait(self, rnd: int, deadline: float) -> Membership | None:
+        """Join round rnd and wait for its final. Each wake-up costs O(1) for every node but the closer
+        (the oldest join), which alone looks at all joins on every change; the others look at most
+        twice a second, to write the final themselves if the closer does not within 1-2 s."""
         s, k, c, v = self.settings, self.keys, self._client, self._view
         value = json.dumps({"addr": s.local_addr}).encode()
         min_seen_at: float | None = None
         close_due_at: float | None = None  # when a node that is not the closer writes the final itself
+        evaluate_at = 0.0
+        oldest: str | None = None
         put_with = 0
         written: KeyValue | None = None  # the final as our own create-only write returned it
         while True:
+            members: list[str] | None = None
             with v.lock:
                 version = v.version
                 closed, cur, final = v.closed, v.current_round(), v.finals.get(rnd) or written
-                joins = dict(v.joins.get(rnd, {}))
-                alive_nodes = set(v.alive)
-            mine = joins.get(s.node_id)
+                joins = v.joins.get(rnd, {})
+                mine = joins.get(s.node_id)
+                if oldest not in joins:
+                    oldest = min(joins, key=lambda n: joins[n].create_revision) if joins else None
+                now = self._clock()
+                decide = mine is not None and (oldest == s.node_id or now >= evaluate_at)
+                if decide:
+                    n_joined = len(joins)
+                    everyone = rnd > 0 and all(n in joins for n in v.alive)
+                    if n_joined >= s.min_nodes:
+                        members = sorted(joins, key=lambda n: joins[n].create_revision)[: s.max_nodes]
             if closed:
                 self._unjoin(rnd, mine)
                 raise RendezvousClosedError(f"run {s.run_id} is closed (the job finished); use a new --rdzv-id")
             if final is not None:
-                nodes = tuple(_decode_json(final, "round membership").get("nodes", ()))
+                data = _decode_json(final, "round membership")
+                nodes = tuple(data.get("nodes", ()))
                 if s.node_id in nodes:
                     self._formed(nodes)
-                    return Membership(rnd, nodes, nodes.index(s.node_id))
+                    master = data.get("master")
+                    master = (str(master[0]), int(master[1])) if isinstance(master, list) and len(master) == 2 else None
+                    return Membership(rnd, nodes, nodes.index(s.node_id), master)
                 self._unjoin(rnd, mine)
                 return None
             if cur != rnd:
@@ -434,31 +457,29 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     put_with = lease
                 v.wait(version, 1.0)
                 continue
-            joined = [n for n, _ in sorted(joins.items(), key=lambda item: item[1].create_revision)]
-            now = self._clock()
-            if len(joined) >= s.min_nodes and min_seen_at is None:
-                min_seen_at = now
             wait_s = deadline - now
-            if len(joined) >= s.max_nodes:
-                close = True
-            elif len(joined) >= s.min_nodes:
-                everyone = rnd > 0 and alive_nodes <= set(joined)
-                last_call_left = min_seen_at + s.last_call_timeout_s - now
-                close = everyone or last_call_left <= 0
-                wait_s = min(wait_s, max(last_call_left, 0.0))
+            if not decide:
+                wait_s = min(wait_s, evaluate_at - now)
             else:
+                evaluate_at = now + 0.5
                 close = False
-            if not close:
-                close_due_at = None
-            elif joined[0] == s.node_id or (close_due_at is not None and now >= close_due_at):
-                members = joined[: s.max_nodes]
-                _, written = c.compare_and_put(
-                    k.final(rnd), json.dumps({"round": rnd, "nodes": members}).encode(), expected_mod_revision=None
-                )
-                continue
-            else:
-                close_due_at = close_due_at or now + 1.0 + self._rng()
-                wait_s = min(wait_s, close_due_at - now)
+                if members is not None:
+                    min_seen_at = now if min_seen_at is None else min_seen_at
+                    last_call_left = min_seen_at + s.last_call_timeout_s - now
+                    close = n_joined >= s.max_nodes or everyone or last_call_left <= 0
+                    wait_s = min(wait_s, max(last_call_left, 0.0))
+                if not close:
+                    close_due_at = None
+                elif oldest == s.node_id or (close_due_at is not None and now >= close_due_at):
+                    final_value = {"round": rnd, "nodes": members}
+                    if members[0] == s.node_id:  # rank 0 closes: its store address travels with the final
+                        final_value["master"] = [s.local_addr, get_free_port()]
+                    _, written = c.compare_and_put(k.final(rnd), json.dumps(final_value).encode(),
+                                                   expected_mod_revision=None)
+                    continue
+                else:
+                    close_due_at = close_due_at or now + 1.0 + self._rng()
+                    wait_s = min(wait_s, close_due_at - now)
             self._check_deadline(deadline, cleanup_key=k.join(rnd, s.node_id))
             v.wait(version, max(wait_s, 0.01))
 

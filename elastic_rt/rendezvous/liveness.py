@@ -75,9 +75,18 @@ class LivenessListener:
         threading.Thread(target=self._serve, name="elastic-rt-liveness", daemon=True).start()
 
     def _serve(self) -> None:
+        try:
+            self._serve_until_closed()
+        finally:  # closing the listener drops every held connection, as the process exiting would
+            for key in list(self._sel.get_map().values()):
+                if key.fileobj is not self._sock:
+                    self._forget(key.fileobj)
+            self._sel.close()
+
+    def _serve_until_closed(self) -> None:
         while not self._closed.is_set():
             try:
-                events = self._sel.select(timeout=0.5)
+                events = self._sel.select(timeout=0.2)
             except (OSError, ValueError):
                 return
             for key, _ in events:

@@ -20,11 +20,11 @@ from elastic_rt.rendezvous.registration import create_etcd_v3_handler
 
 N = 64
 # Requests per node per round, keepalives aside. Today: lease grant + alive put and the view's
-# read + watch (first round only), join put, round CAS, final write (the closer; others only if
-# it is late), and the round store's bootstrap (torch's RendezvousStoreInfo: rank 0 writes two
-# keys, the others read them, a read and at most a watch each). Before the watches it was ~15
-# at N = 64 and grew with N (~52 at 256).
-PER_NODE_PER_ROUND = 12
+# read + two watchers (first round only), join put, at most one CAS on `round` and one on
+# `final` (only the closer, unless it is late). Rank 0's store address travels in the final,
+# so the round's c10d store is not touched. Before the watches it was ~15 at N = 64 and grew
+# with N (~52 at 256).
+PER_NODE_PER_ROUND = 8
 LEASE_TTL_S = 3.0
 
 
