@@ -52,6 +52,14 @@ def accounting(tmp_path) -> list[str]:
             "--ckpt-url", f"file://{tmp_path}/ck"]
 
 
+def example_pair(nodes: list[Node], endpoints: str, run_id: str, tmp_path, steps: int) -> tuple[Node, Node]:
+    """Nodes a and b (2 workers each) running the example job with exact accounting."""
+    pair = tuple(Node(node_args(endpoints, run_id, n, nnodes="2", steps=steps, step_sleep=0.05, script=EXAMPLE,
+                                job_args=accounting(tmp_path)), name=n) for n in "ab")
+    nodes.extend(pair)
+    return pair
+
+
 def assert_every_sample_once(all_nodes: list[Node], steps: int) -> None:
     committed = _committed_indices(all_nodes)
     assert sorted(committed) == list(range(1, steps + 1)), "every step committed once"
@@ -148,12 +156,7 @@ def test_single_etcd_paused_10s_plain_ddp_trains_through(etcd1, run_id, nodes): 
 
 
 def test_three_member_cluster_all_paused_10s_example_job_exact(etcd3, run_id, tmp_path, nodes):  # noqa: F811
-    job = accounting(tmp_path)
-    a = Node(node_args(etcd3.endpoints, run_id, "a", nnodes="2", steps=150, step_sleep=0.05, script=EXAMPLE,
-                       job_args=job), name="a")
-    b = Node(node_args(etcd3.endpoints, run_id, "b", nnodes="2", steps=150, step_sleep=0.05, script=EXAMPLE,
-                       job_args=job), name="b")
-    nodes.extend([a, b])
+    a, b = example_pair(nodes, etcd3.endpoints, run_id, tmp_path, 150)
     lead, _ = _rank0(a, b)
     lead.wait_for(r"\]:step=5 ", 120)
     resumed_at = pause(etcd3, etcd3.members, 10.0)
@@ -165,12 +168,7 @@ def test_three_member_cluster_all_paused_10s_example_job_exact(etcd3, run_id, tm
 
 
 def test_etcd_leader_killed_in_training_then_in_a_reformation(etcd3, run_id, tmp_path, nodes):  # noqa: F811
-    job = accounting(tmp_path)
-    a = Node(node_args(etcd3.endpoints, run_id, "a", nnodes="2", steps=150, step_sleep=0.05, script=EXAMPLE,
-                       job_args=job), name="a")
-    b = Node(node_args(etcd3.endpoints, run_id, "b", nnodes="2", steps=150, step_sleep=0.05, script=EXAMPLE,
-                       job_args=job), name="b")
-    nodes.extend([a, b])
+    a, b = example_pair(nodes, etcd3.endpoints, run_id, tmp_path, 150)
     lead, other = _rank0(a, b)
     lead.wait_for(r"\]:step=5 ", 120)
     first = leader(etcd3)
@@ -194,12 +192,7 @@ def test_etcd_leader_killed_in_training_then_in_a_reformation(etcd3, run_id, tmp
 @LONG
 @pytest.mark.long
 def test_etcd_killed_and_restarted_from_its_data_after_30s(etcd1, run_id, tmp_path, nodes):  # noqa: F811
-    job = accounting(tmp_path)
-    a = Node(node_args(etcd1.endpoints, run_id, "a", nnodes="2", steps=600, step_sleep=0.05, script=EXAMPLE,
-                       job_args=job), name="a")
-    b = Node(node_args(etcd1.endpoints, run_id, "b", nnodes="2", steps=600, step_sleep=0.05, script=EXAMPLE,
-                       job_args=job), name="b")
-    nodes.extend([a, b])
+    a, b = example_pair(nodes, etcd1.endpoints, run_id, tmp_path, 600)
     lead, _ = _rank0(a, b)
     lead.wait_for(r"\]:step=5 ", 120)
     m = etcd1.members[0]

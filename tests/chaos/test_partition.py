@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import time
 
 import psutil
@@ -22,6 +21,7 @@ from elastic_rt.rendezvous.registration import parse_endpoints
 from tests.chaos.harness import EXAMPLE, Node
 from tests.chaos.test_etcd_outage import accounting, assert_every_sample_once, finish, node_args, restarts
 from tests.chaos.test_launch_e2e import nodes  # noqa: F401 - fixture
+from tests.integration.test_chaos_proxy import _ipv6_loopback
 
 pytestmark = pytest.mark.slow
 
@@ -118,16 +118,7 @@ def test_grey_node_frozen_is_reformed_out_and_does_not_corrupt_the_job(etcd_endp
     assert_every_sample_once([a, b, c], 120)
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 def test_ipv6_loopback_local_addr_and_etcd(run_id, nodes):  # noqa: F811
     with EtcdCluster(1, host="::1") as etcd:
         a, b = (Node(node_args(etcd.endpoints, run_id, n, nnodes="1:2", steps=60, step_sleep=0.05,
