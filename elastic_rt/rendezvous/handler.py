@@ -58,80 +58,28 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
 from torch.distributed.elastic.rendezvous import (
-    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStoreInfo,
-    RendezvousTimeoutError,
 )
-from torch.distributed.elastic.utils.distributed import get_free_port
 
-from elastic_rt.errors import EtcdUnavailableError, RendezvousDataError
-from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
+from elastic_rt.errors import EtcdUnavailableError
+from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.health import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.lease import NodeLease
 from elastic_rt.rendezvous.liveness import PeerWatch, parse_peer, ring_neighbours
+from elastic_rt.rendezvous.monitor import MembershipMonitor
+from elastic_rt.rendezvous.rounds import Membership, RendezvousSettings, Rounds
 from elastic_rt.rendezvous.store import EtcdStore
 from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RendezvousSettings:
-    run_id: str
-    node_id: str
-    local_addr: str
-    min_nodes: int
-    max_nodes: int
-    lease_ttl_s: float = 3.0
-    join_timeout_s: float = 600.0
-    last_call_timeout_s: float = 10.0
-    store_timeout_s: float = 300.0
-
-    @property
-    def reregister_grace_s(self) -> float:
-        """After an etcd outage, how long a peer whose lease expired has to register again: one TTL
-        for its beats to find the lease gone, the keepalive backoff cap, one more beat."""
-        return self.lease_ttl_s + 2.0 + self.lease_ttl_s / 3
-
-
-@dataclass(frozen=True)
-class Membership:
-    """The outcome of one round, from this node's point of view."""
-
-    round: int
-    nodes: tuple[str, ...]
-    rank: int
-    master: tuple[str, int] | None = None  # rank 0's address and store port, when the final carries them
-
-
-def _decode_json(kv: KeyValue, what: str) -> dict:
-    try:
-        value = json.loads(kv.value.decode())
-        if not isinstance(value, dict):
-            raise ValueError("not an object")
-        return value
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise RendezvousDataError(
-            f"etcd key {kv.key} ({what}) holds {len(kv.value)} bytes that elastic-rt did not write "
-            f"({exc}); remove the run's keys with `etcdctl del --prefix {kv.key.rsplit('/rounds/', 1)[0]}/` "
-            "or use a new --rdzv-id"
-        ) from exc
-
-
-def _incarnation(kv: KeyValue) -> str | None:
-    try:
-        return json.loads(kv.value.decode()).get("incarnation")
-    except (UnicodeDecodeError, ValueError, AttributeError):
-        return None
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
@@ -153,10 +101,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock)
         self._started = False
         self._peer_watch: PeerWatch | None = None
-        self._incarnations: dict[str, str | None] = {}
-        self._formed_at = 0.0
-        self._quiet: tuple | None = None  # the view state membership_change last found nothing in
-        self._reported_lost: str | None = None
+        self._monitor = MembershipMonitor(
+            node_id=settings.node_id, view=self._view, health=self.health, lease_ttl_s=settings.lease_ttl_s,
+            grace_s=settings.reregister_grace_s, max_nodes=settings.max_nodes, clock=clock,
+            dead=lambda node: self._peer_watch is not None and self._peer_watch.dead(node),
+            renewals_lost=lambda: self._lease.renewals_lost,
+        )
+        self._rounds = Rounds(client, self.keys, settings, self._view, lease_id=lambda: self._lease.lease_id,
+                              on_formed=self._monitor.formed, clock=clock, rng=rng)
         self.membership: Membership | None = None
 
     # ---- RendezvousHandler API -------------------------------------------
@@ -209,7 +161,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         t0 = self._clock()
-        self.membership = self._retrying(self._next_round, t0 + self.settings.join_timeout_s)
+        self._start()
+        self.membership = self._retrying(lambda deadline: self._rounds.next_round(self.membership, deadline),
+                                         t0 + self.settings.join_timeout_s)
         m = self.membership
         store = EtcdStore(self._client, self.keys.round_store(m.round),
                           timedelta(seconds=self.settings.store_timeout_s))
@@ -277,59 +231,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         round is gone (see the module docstring for when that is decided); "scale_up":
         nodes wait to join and there is room. None also while etcd is unreachable.
         """
-        m = self.membership
-        if m is None or not self._started or not self.etcd_reachable():
+        if self.membership is None or not self._started or not self.etcd_reachable():
             return None
-        v = self._view
-        with v.lock:
-            state = (v.version, self._lease.renewals_lost, self.health.last_recovery())
-            if state == self._quiet:
-                return None
-            rnd = v.current_round()
-            if rnd is not None and rnd > m.round:
-                return "round_advanced"
-            lost, pending = self._lost_peer(m)
-            if lost is not None:
-                return "peer_lost"
-            if len(m.nodes) < self.settings.max_nodes and any(
-                node in v.alive and node not in m.nodes for node in v.waiting
-            ):
-                return "scale_up"
-            self._quiet = None if pending else state
-            return None
-
-    def _lost_peer(self, m: Membership) -> tuple[str | None, bool]:
-        """(a lost member or None, whether a member is missing but still in its grace period).
-        The caller holds the view's lock."""
-        v, s, now = self._view, self.settings, self._clock()
-        pending = False
-        for node in m.nodes:
-            if node == s.node_id:
-                continue
-            kv = v.alive.get(node)
-            if kv is not None:
-                known = self._incarnations.get(node)
-                if known is not None and _incarnation(kv) not in (None, known):
-                    return self._lost(node, "its agent restarted (new incarnation)"), False
-                continue
-            if self._peer_watch is not None and self._peer_watch.dead(node):
-                return self._lost(node, "lease gone and its liveness connection closed"), False
-            gone_at = v.departed.get(node, self._formed_at)
-            if not self.health.unreachable_since(gone_at - s.lease_ttl_s):
-                return self._lost(node, "lease expired while etcd answered this node"), False
-            since = max(gone_at, self.health.last_recovery() or gone_at)
-            if now - since > s.reregister_grace_s:
-                return self._lost(node, f"not registered again within {s.reregister_grace_s:g} s "
-                                        "after the etcd outage"), False
-            pending = True
-        return None, pending
-
-    def _lost(self, node: str, why: str) -> str:
-        if self._reported_lost != node:
-            self._reported_lost = node
-            log.warning("node %s round %d: node %s lost: %s", self.settings.node_id,
-                        self.membership.round if self.membership else -1, node, why)
-        return node
+        return self._monitor.change()
 
     # ---- the protocol -------------------------------------------------------
     def _io(self, fn, *args):
@@ -365,136 +269,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._view.start()
             self._started = True
 
-    def _next_round(self, deadline: float) -> Membership:
-        s, k, c, v = self.settings, self.keys, self._client, self._view
-        previous = self.membership
-        self._start()
-        said_waiting = None
-        while True:
-            self._check_deadline(deadline)
-            with v.lock:
-                version, closed, rnd_kv = v.version, v.closed, v.round
-                rnd = v.current_round()
-                final = v.finals.get(rnd) if rnd is not None else None
-                waiting = v.waiting.get(s.node_id)
-            if closed:
-                raise RendezvousClosedError(f"run {s.run_id} is closed (the job finished); use a new --rdzv-id")
-            if rnd is None:
-                c.compare_and_put(k.round, b"0", expected_mod_revision=None)
-                v.wait_for(lambda: v.round is not None, 1.0)
-                continue
-            if final is not None:
-                _decode_json(final, "round membership")  # foreign data: one clear error, no waiting
-            if final is None:
-                result = self._join_and_wait(rnd, deadline)
-                if result is not None:
-                    if waiting is not None or s.node_id in v.waiting:
-                        c.delete(k.waiting(s.node_id))
-                    return result
-                continue  # round closed without us: wait for the next one
-            if previous is not None and previous.round == rnd:
-                # Our own round is over: open the next one (one of the racing nodes wins).
-                c.compare_and_put(k.round, str(rnd + 1).encode(), expected_mod_revision=rnd_kv.mod_revision)
-                v.wait_for(lambda: v.current_round() != rnd, 1.0)
-                continue
-            # Round rnd runs without us: ask its members to make room, wait for rnd + 1.
-            if waiting is None or waiting.lease != self._lease.lease_id:
-                c.put(k.waiting(s.node_id), b"", lease=self._lease.lease_id)
-            if said_waiting != rnd:
-                said_waiting = rnd
-                log.info("node %s: round %d is running; waiting for the next round", s.node_id, rnd)
-            v.wait(version, max(0.0, min(deadline - self._clock(), 5.0)))
-
-    def _join_and_wait(self, rnd: int, deadline: float) -> Membership | None:
-        """Join round rnd and wait for its final. Each wake-up costs O(1) for every node but the closer
-        (the oldest join), which alone looks at all joins on every change; the others look at most
-        twice a second, to write the final themselves if the closer does not within 1-2 s."""
-        s, k, c, v = self.settings, self.keys, self._client, self._view
-        value = json.dumps({"addr": s.local_addr}).encode()
-        min_seen_at: float | None = None
-        close_due_at: float | None = None  # when a node that is not the closer writes the final itself
-        evaluate_at = 0.0
-        oldest: str | None = None
-        put_with = 0
-        written: KeyValue | None = None  # the final as our own create-only write returned it
-        while True:
-            members: list[str] | None = None
-            with v.lock:
-                version = v.version
-                closed, cur, final = v.closed, v.current_round(), v.finals.get(rnd) or written
-                joins = v.joins.get(rnd, {})
-                mine = joins.get(s.node_id)
-                if oldest not in joins:
-                    oldest = min(joins, key=lambda n: joins[n].create_revision) if joins else None
-                now = self._clock()
-                decide = mine is not None and (oldest == s.node_id or now >= evaluate_at)
-                if decide:
-                    n_joined = len(joins)
-                    everyone = rnd > 0 and all(n in joins for n in v.alive)
-                    if n_joined >= s.min_nodes:
-                        members = sorted(joins, key=lambda n: joins[n].create_revision)[: s.max_nodes]
-            if closed:
-                self._unjoin(rnd, mine)
-                raise RendezvousClosedError(f"run {s.run_id} is closed (the job finished); use a new --rdzv-id")
-            if final is not None:
-                data = _decode_json(final, "round membership")
-                nodes = tuple(data.get("nodes", ()))
-                if s.node_id in nodes:
-                    self._formed(nodes)
-                    master = data.get("master")
-                    master = (str(master[0]), int(master[1])) if isinstance(master, list) and len(master) == 2 else None
-                    return Membership(rnd, nodes, nodes.index(s.node_id), master)
-                self._unjoin(rnd, mine)
-                return None
-            if cur != rnd:
-                self._unjoin(rnd, mine)
-                return None
-            lease = self._lease.lease_id
-            if mine is None or mine.lease != lease:
-                # not joined yet, or our lease was lost and granted anew: (re-)join
-                if put_with != lease or mine is not None:
-                    c.put(k.join(rnd, s.node_id), value, lease=lease)
-                    put_with = lease
-                v.wait(version, 1.0)
-                continue
-            wait_s = deadline - now
-            if not decide:
-                wait_s = min(wait_s, evaluate_at - now)
-            else:
-                evaluate_at = now + 0.5
-                close = False
-                if members is not None:
-                    min_seen_at = now if min_seen_at is None else min_seen_at
-                    last_call_left = min_seen_at + s.last_call_timeout_s - now
-                    close = n_joined >= s.max_nodes or everyone or last_call_left <= 0
-                    wait_s = min(wait_s, max(last_call_left, 0.0))
-                if not close:
-                    close_due_at = None
-                elif oldest == s.node_id or (close_due_at is not None and now >= close_due_at):
-                    final_value = {"round": rnd, "nodes": members}
-                    if members[0] == s.node_id:  # rank 0 closes: its store address travels with the final
-                        final_value["master"] = [s.local_addr, get_free_port()]
-                    _, written = c.compare_and_put(k.final(rnd), json.dumps(final_value).encode(),
-                                                   expected_mod_revision=None)
-                    continue
-                else:
-                    close_due_at = close_due_at or now + 1.0 + self._rng()
-                    wait_s = min(wait_s, close_due_at - now)
-            self._check_deadline(deadline, cleanup_key=k.join(rnd, s.node_id))
-            v.wait(version, max(wait_s, 0.01))
-
-    def _unjoin(self, rnd: int, mine: KeyValue | None) -> None:
-        if mine is not None:
-            self._client.delete(self.keys.join(rnd, self.settings.node_id))
-
-    def _formed(self, nodes: tuple[str, ...]) -> None:
-        """Remember who the members are (their incarnations) as the round forms."""
-        with self._view.lock:
-            self._incarnations = {n: _incarnation(kv) for n in nodes if (kv := self._view.alive.get(n))}
-        self._formed_at = self._clock()
-        self._quiet = None
-        self._reported_lost = None
-
     def _evict(self, peer) -> None:
         log.info("node %s: node %s's agent is gone (liveness connection closed, then refused); evicting it",
                  self.settings.node_id, peer.node)
@@ -512,14 +286,3 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 return
             self._peer_watch = PeerWatch(self._evict)
         self._peer_watch.watch(peers)
-
-    def _check_deadline(self, deadline: float, cleanup_key: str | None = None) -> None:
-        if self._clock() < deadline:
-            return
-        if cleanup_key:
-            self._client.delete(cleanup_key)
-        s = self.settings
-        raise RendezvousTimeoutError(
-            f"rendezvous {s.run_id} did not gather {s.min_nodes} node(s) within "
-            f"{s.join_timeout_s:g} s (join_timeout); are the other nodes started with the same --rdzv-id?"
-        )
