@@ -25,7 +25,6 @@ from tests.integration.test_chaos_proxy import _ipv6_loopback
 
 pytestmark = pytest.mark.slow
 
-STEP = re.compile(r"\]:step=\d+ loss=\S+ world_size=(\d+)")
 
 
 def _three(endpoints: dict[str, str], run_id: str, tmp_path, steps: int) -> list[Node]:
@@ -41,14 +40,19 @@ def _first(all_nodes: list[Node], pattern: str, after: float = 0.0) -> float:
 
 
 def assert_one_group_at_a_time(all_nodes: list[Node], old_world: int, new_world: int, after: float) -> None:
-    """Once the smaller group trained its first step, the old group never trains again (until it is rejoined,
-    which is a new group of the old size: only steps before the rejoin round count)."""
+    """Once the smaller group trained its first step, the old group never trains again (until the lost node
+    rejoins, which forms a new group of the old size: only lines before that round count).
+
+    A frozen node relays, when it resumes, the step line its rank 0 printed just before the freeze: one old
+    step beyond those seen before the new group's first step is that line; two would be training."""
     first_new = _first(all_nodes, rf"\]:step=\d+ loss=\S+ world_size={new_world}$", after)
     assert first_new < float("inf"), "the others never trained without the lost node"
     rejoined = _first(all_nodes, r"round 2: rank", after)
-    stale = [line for n in all_nodes for t, line in n.lines
-             if first_new < t < rejoined and (m := STEP.search(line)) and int(m.group(1)) == old_world]
-    assert not stale, f"the old group trained beside the new one: {stale[:3]}"
+    old = [(t, int(m.group(1))) for n in all_nodes for t, line in n.lines
+           if (m := re.search(rf"\]:step=(\d+) loss=\S+ world_size={old_world}$", line)) and t < rejoined]
+    before = max((step for t, step in old if t < first_new), default=0)
+    stale = sorted(step for t, step in old if t > first_new and step > before + 1)
+    assert not stale, f"the old group trained steps {stale} beside the new one (it had reached {before})"
 
 
 def test_agent_cut_from_etcd_is_reformed_out_then_rejoins(etcd_endpoint, run_id, tmp_path, nodes):  # noqa: F811
