@@ -11,6 +11,7 @@ from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT
 from elastic_rt.agent.stacks import DEFAULT_STACK_SIGNAL
 from elastic_rt.config import KNOWN_BACKENDS
 from elastic_rt.errors import ElasticRTError
+from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,6 +92,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--straggler-action", default="report", choices=("report", "leave"),
                    help="report: log, count and export elastic_rt_straggler; leave: also stop this node's workers "
                         "and leave the job so the others re-form without it (default report)")
+    p.add_argument("--signals-to-handle", "--signals_to_handle", default=DEFAULT_SIGNALS_TO_HANDLE,
+                   help="signals the agent handles (stopping the workers) and hands to them as "
+                        f"TORCHELASTIC_SIGNALS_TO_HANDLE, as torchrun does (default {DEFAULT_SIGNALS_TO_HANDLE})")
     p.add_argument("--sysfs-root", default="/sys",
                    help="where sysfs is mounted (RDMA ports are read under it; default /sys)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import signal
 import uuid
+from typing import Mapping
 
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous.keys import validate_run_id
+from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE, ENV_OMP_NUM_THREADS, ENV_SIGNALS_TO_HANDLE
 
 KNOWN_BACKENDS = ("etcd-v3", "etcd-v3-torch", "c10d", "static")
 
@@ -50,12 +53,36 @@ def parse_nproc(text: str) -> int:
             return torch.cuda.device_count()
         if text == "gpu":
             raise ConfigError("--nproc-per-node gpu: no CUDA device is visible")
-        import os
-
         return os.cpu_count() or 1 if text == "cpu" else 1
     if not text.isdigit() or int(text) < 1:
         raise ConfigError(f"--nproc-per-node {text!r}: expected a positive integer, 'cpu', 'gpu' or 'auto'")
     return int(text)
+
+
+def parse_signals(text: str) -> str:
+    """'SIGTERM, SIGUSR1' -> 'SIGTERM,SIGUSR1'; every name must be a signal of this platform."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    bad = [n for n in names if not isinstance(getattr(signal, n, None), signal.Signals)]
+    if bad or not names:
+        raise ConfigError(f"--signals-to-handle {text!r}: {', '.join(bad) or 'empty'} is not a signal name "
+                          f"(e.g. {DEFAULT_SIGNALS_TO_HANDLE})")
+    return ",".join(names)
+
+
+def worker_env_defaults(*, nproc_per_node: int, signals_to_handle: str,
+                        environ: Mapping[str, str]) -> tuple[tuple[tuple[str, str], ...], bool]:
+    """torchrun's launch-time decisions about the workers' environment (torch/distributed/run.py
+    and launcher/api.py), made once: the variables to export into the agent's environment, which
+    every worker inherits, and whether OMP_NUM_THREADS was defaulted (torchrun then warns once).
+
+    OMP_NUM_THREADS=1 when several workers share the node and the user did not set it (a value
+    the user set, even an empty one, is kept); TORCHELASTIC_SIGNALS_TO_HANDLE always.
+    """
+    env = {ENV_SIGNALS_TO_HANDLE: signals_to_handle}
+    defaulted = ENV_OMP_NUM_THREADS not in environ and nproc_per_node > 1
+    if defaulted:
+        env[ENV_OMP_NUM_THREADS] = "1"
+    return tuple(sorted(env.items())), defaulted
 
 
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> float:
@@ -97,8 +124,9 @@ def parse_stack_signal(text: str) -> int | None:
     return num
 
 
-def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
-    """Validate parsed `launch` arguments into an AgentConfig (raises ConfigError)."""
+def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> AgentConfig:
+    """Validate parsed `launch` arguments into an AgentConfig (raises ConfigError); `environ`
+    (default os.environ) is the environment the workers would inherit."""
     conf = parse_rdzv_conf(args.rdzv_conf)
     if args.standalone:
         min_nodes = max_nodes = 1
@@ -145,10 +173,14 @@ def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ConfigError(f"--straggler-windows {args.straggler_windows}: must be >= 1")
     if not args.script:
         raise ConfigError("no training script given: elastic-rt launch [options] SCRIPT [ARGS...]")
+    nproc_per_node = parse_nproc(str(args.nproc_per_node))
+    worker_env, omp_defaulted = worker_env_defaults(
+        nproc_per_node=nproc_per_node, signals_to_handle=parse_signals(args.signals_to_handle),
+        environ=os.environ if environ is None else environ)
     return AgentConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        nproc_per_node=parse_nproc(str(args.nproc_per_node)),
+        nproc_per_node=nproc_per_node,
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         rdzv_id=run_id,
@@ -176,6 +208,8 @@ def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
         probe_backend=args.probe_backend,
         probe_interval_s=_positive("--probe-interval", args.probe_interval, zero_ok=True),
         probe_failure_action=args.probe_failure_action,
+        worker_env=worker_env,
+        omp_threads_defaulted=omp_defaulted,
         straggler_threshold=args.straggler_threshold,
         straggler_windows=args.straggler_windows,
         straggler_window_s=_positive("--straggler-window", args.straggler_window),

@@ -49,6 +49,9 @@ class AgentConfig:
     probe_backend: str = "auto"
     probe_interval_s: float = 0.0
     probe_failure_action: str = "report"
+    # exported into the agent's environment at launch, so every worker inherits them (torchrun's contract)
+    worker_env: tuple[tuple[str, str], ...] = ()
+    omp_threads_defaulted: bool = False  # OMP_NUM_THREADS=1 was chosen for the user: warn once
     straggler_threshold: float = 1.5
     straggler_windows: int = 3
     straggler_window_s: float = 10.0

@@ -34,7 +34,7 @@ from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, proces
 from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.inbox import WorkerReports
-from elastic_rt.worker_env import ENV_CHECKPOINT_URL
+from elastic_rt.worker_env import ENV_CHECKPOINT_URL, OMP_DEFAULT_WARNING
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,16 @@ def worker_command(cfg: AgentConfig) -> tuple[str, tuple[str, ...]]:
     runner = ("-u", "-m", "elastic_rt.agent.worker_main", "--")
     target = ("-m", cfg.script) if cfg.run_as_module else (cfg.script,)
     return sys.executable, runner + target + cfg.script_args
+
+
+def apply_worker_env(cfg: AgentConfig) -> None:
+    """Export the launch-time worker variables (torchrun's, then elastic-rt's) into this process's
+    environment, which torch's agent copies into every worker it starts, restarts included."""
+    if cfg.omp_threads_defaulted:
+        log.warning(OMP_DEFAULT_WARNING)
+    os.environ.update(cfg.worker_env)
+    if cfg.checkpoint_url:
+        os.environ[ENV_CHECKPOINT_URL] = cfg.checkpoint_url
 
 
 def build_handler(cfg: AgentConfig):
@@ -99,8 +109,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         raise ConfigError(f"training script {cfg.script!r} not found")
     install_signal_handlers()
     preflight(cfg, cfg.sysfs_root)
-    if cfg.checkpoint_url:
-        os.environ[ENV_CHECKPOINT_URL] = cfg.checkpoint_url  # inherited by every worker
+    apply_worker_env(cfg)
     handler = build_handler(cfg)
     node_id = getattr(getattr(handler, "settings", None), "node_id", None) or cfg.node_id or f"node-{os.getpid()}"
     entrypoint, args = worker_command(cfg)
