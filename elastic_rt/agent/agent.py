@@ -85,6 +85,9 @@ class ElasticRTAgent(LocalElasticAgent):
             log_dir=os.path.dirname(reports.directory.rstrip(os.sep)), reports_dir=reports.directory)
         self.restarts: dict[str, int] = {}
         self._broken_group = False
+        add_listener = getattr(spec.rdzv_handler, "add_etcd_listener", None)
+        if add_listener is not None and hasattr(self.observer, "on_etcd"):
+            add_listener(self.observer.on_etcd)
 
     # ---- helpers -----------------------------------------------------------
     def _handler(self):
@@ -176,6 +179,26 @@ class ElasticRTAgent(LocalElasticAgent):
                      ",".join(sorted(set(before.nodes) - set(after.nodes))))
         self.observer.on_recovered(time.monotonic() - detected_at)
 
+    def _await_etcd(self, what: str) -> None:
+        """Membership decisions need etcd: while it does not answer, wait (saying so every 10 s) rather
+        than guess; then let the view catch up with what the other nodes did meanwhile."""
+        handler = self._handler()
+        reachable = getattr(handler, "etcd_reachable", None)
+        if reachable is None or reachable():
+            return
+        t0 = time.monotonic()
+        limit_s = getattr(getattr(handler, "settings", None), "join_timeout_s", 600.0)
+        said = None
+        while not reachable() and time.monotonic() - t0 < limit_s:
+            if said is None or time.monotonic() - said >= 10.0:
+                said = time.monotonic()
+                log.warning("%s %s; waiting for etcd to answer before re-forming (%.0f s so far)",
+                            self._prefix(), what, said - t0)
+            time.sleep(0.2)
+        if reachable():
+            handler.catch_up()
+            log.info("%s etcd answers again after %.1f s; handling: %s", self._prefix(), time.monotonic() - t0, what)
+
     def _wait_for_peer_loss(self) -> str | None:
         """A worker failure with no restarts left: was it caused by a peer dying?"""
         deadline = time.monotonic() + self._peer_loss_wait_s
@@ -204,6 +227,7 @@ class ElasticRTAgent(LocalElasticAgent):
                 return result
             if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
                 self._log_failures(result)
+                self._await_etcd("worker(s) failed")
                 change = self._membership_change()
                 if change in ("round_advanced", "peer_lost"):
                     self._restart(change, now)

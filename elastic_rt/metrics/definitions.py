@@ -118,6 +118,7 @@ class AgentMetrics:
         self.probe_failures.labels(*self._base)
 
         self.clock = ClockMetrics(registry=registry, run_id=run_id, node=node, timex_reader=timex_reader)
+        self.etcd = EtcdMetrics(registry=registry, run_id=run_id, node=node)
         registry.register(WorkerCollector(run_id=run_id, node=node, pids=worker_pids, heartbeats=heartbeats))
         if sysfs_root is not None:
             registry.register(RdmaCollector(sysfs_root=sysfs_root, const_labels={"run_id": run_id, "node": node}))
@@ -365,3 +366,43 @@ class FailureMetrics:
     def on_hang(self, local_rank: int, process_state: str) -> None:
         self.failures.labels(*self._base, "hang").inc()
         self.hangs.labels(*self._base, str(local_rank), process_state).inc()
+# ---- etcd reachability (fed by the rendezvous through observer.on_etcd) -------------------------
+class EtcdMetrics:
+    """elastic_rt_etcd_up and elastic_rt_etcd_unreachable_seconds_total; the seconds grow at scrape
+    time while etcd is unreachable, so a dashboard sees an outage as it happens."""
+
+    def __init__(self, *, registry: CollectorRegistry, run_id: str, node: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._labels = [run_id, node]
+        self._clock = clock
+        self._down_since: float | None = None
+        self._total_s = 0.0
+        registry.register(self)
+
+    def on_etcd(self, up: bool) -> None:
+        now = self._clock()
+        if up and self._down_since is not None:
+            self._total_s += now - self._down_since
+            self._down_since = None
+        elif not up and self._down_since is None:
+            self._down_since = now
+
+    def _families(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        up = GaugeMetricFamily("elastic_rt_etcd_up", "1 while this agent reaches etcd, 0 while it does not "
+                               "(workers keep running; membership changes wait).", labels=["run_id", "node"])
+        down = CounterMetricFamily("elastic_rt_etcd_unreachable_seconds",
+                                   "Seconds this agent spent unable to reach etcd.", labels=["run_id", "node"])
+        return up, down
+
+    def collect(self):
+        up, down = self._families()
+        since = self._down_since
+        up.add_metric(self._labels, 1.0 if since is None else 0.0)
+        down.add_metric(self._labels, self._total_s + (0.0 if since is None else self._clock() - since))
+        yield up
+        yield down
+
+    def describe(self):
+        yield from self._families()

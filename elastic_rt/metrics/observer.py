@@ -105,5 +105,6 @@ class MetricsObserver:
                                        blocked_s=report.blocked_s)
 
     def on_etcd(self, up: bool) -> None:
-        """The rendezvous reached etcd (True) or lost it (False): feeds the readiness check `etcd`."""
+        """The rendezvous reached etcd (True) or lost it (False): the `etcd` gauges and readiness check."""
         self.etcd.on_etcd(up)
+        self.metrics.etcd.on_etcd(up)

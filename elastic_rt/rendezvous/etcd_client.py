@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -80,6 +81,16 @@ class KeyValue:
     create_revision: int
     mod_revision: int
     lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    deleted: bool
+    kv: KeyValue  # for a delete: the key and the revision it was deleted at, no value
+
+
+class WatchCompacted(Exception):
+    """A watch's start revision was compacted away: re-read, then watch from the new revision."""
 
 
 def _kv(kv) -> KeyValue:
@@ -184,17 +195,29 @@ class EtcdClient:
         self._lock = threading.Lock()
 
     # ---- plumbing -------------------------------------------------------
+    @property
+    def current_endpoint(self) -> str:
+        """The endpoint calls go to first (it changes on failover)."""
+        with self._lock:
+            return self._endpoints[self._current].label
+
     def close(self) -> None:
         for ep in self._endpoints:
             ep.channel.close()
 
-    def _call(self, fn: Callable[[_Endpoint, float], object], timeout_s: float | None = None):
-        """Run fn on the current endpoint; on an unreachable one, fail over to the next."""
+    def _call(self, fn: Callable[[_Endpoint, float], object], timeout_s: float | None = None,
+              attempts: int | None = None):
+        """Run fn on the current endpoint; on an unreachable one, fail over to the next.
+
+        With `attempts`, at most that many endpoints are tried; the next call starts at the
+        one after the last that failed (the lease keepalive tries one endpoint per beat).
+        """
         timeout = self.config.request_timeout_s if timeout_s is None else timeout_s
         errors: list[str] = []
         with self._lock:
             start = self._current
-        for i in range(len(self._endpoints)):
+        tries = len(self._endpoints) if attempts is None else max(1, min(attempts, len(self._endpoints)))
+        for i in range(tries):
             idx = (start + i) % len(self._endpoints)
             ep = self._endpoints[idx]
             try:
@@ -218,6 +241,10 @@ class EtcdClient:
                     self._current = idx
                 log.info("etcd: failed over to %s", ep.label)
             return result
+        if tries < len(self._endpoints):
+            with self._lock:
+                if self._current == start:
+                    self._current = (start + tries) % len(self._endpoints)
         raise EtcdUnavailableError(
             f"etcd at {self.config.describe()} is not reachable "
             f"({'; '.join(errors)}); is it running? see --rdzv-endpoint"
@@ -269,9 +296,9 @@ class EtcdClient:
         resp = self._call(lambda ep, t: ep.kv.Range(req, timeout=t, metadata=ep.metadata))
         return int(resp.count)
 
-    def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+    def put(self, key: str, value: bytes, *, lease: int = 0, timeout_s: float | None = None) -> int:
         req = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
-        resp = self._call(lambda ep, t: ep.kv.Put(req, timeout=t, metadata=ep.metadata))
+        resp = self._call(lambda ep, t: ep.kv.Put(req, timeout=t, metadata=ep.metadata), timeout_s)
         return resp.header.revision
 
     def delete(self, key: str) -> bool:
@@ -323,14 +350,25 @@ class EtcdClient:
         multis = [[_kv(kv) for kv in r.kvs] for r in ranges[len(keys):]]
         return singles, multis, resp.header.revision
 
+    def read_ranges(self, ranges: list[tuple[str, bytes]]) -> tuple[list[list[KeyValue]], int]:
+        """Every key k with start <= k < end, for each (start, end), in one round trip at one revision."""
+        ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=a.encode(), range_end=b)) for a, b in ranges]
+        req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
+        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
+        return [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses], resp.header.revision
+
     # ---- leases -----------------------------------------------------------
-    def grant_lease(self, ttl_s: float) -> int:
+    def grant_lease(self, ttl_s: float, *, timeout_s: float | None = None) -> int:
         req = etcdrpc.LeaseGrantRequest(TTL=max(1, int(round(ttl_s))))
-        resp = self._call(lambda ep, t: ep.lease.LeaseGrant(req, timeout=t, metadata=ep.metadata))
+        resp = self._call(lambda ep, t: ep.lease.LeaseGrant(req, timeout=t, metadata=ep.metadata), timeout_s)
         return int(resp.ID)
 
-    def refresh_lease(self, lease_id: int) -> float:
-        """Send one keep-alive; returns the remaining TTL (0 or less: the lease is gone)."""
+    def refresh_lease(self, lease_id: int, *, timeout_s: float | None = None, attempts: int | None = None) -> float:
+        """Send one keep-alive; returns the remaining TTL (0 or less: the lease is gone).
+
+        The lease thread passes a deadline of at most a third of the TTL and one attempt,
+        so a hung member costs one beat, and the next beat goes to the next endpoint.
+        """
 
         def once(ep: _Endpoint, t: float) -> float:
             for resp in ep.lease.LeaseKeepAlive(
@@ -339,7 +377,7 @@ class EtcdClient:
                 return float(resp.TTL)
             return 0.0
 
-        return self._call(once)
+        return self._call(once, timeout_s=timeout_s, attempts=attempts)
 
     def revoke_lease(self, lease_id: int) -> None:
         req = etcdrpc.LeaseRevokeRequest(ID=lease_id)
@@ -455,3 +493,72 @@ class EtcdClient:
                 stream.cancel()
 
         return self._call(watch, timeout_s=timeout_s)
+    def open_watch(self, ranges: list[tuple[str, bytes]], start_revisions: list[int]) -> "WatchStream":
+        """One Watch stream on the current endpoint, a watcher per (start, end) range from its revision."""
+        with self._lock:
+            ep = self._endpoints[self._current]
+        try:
+            self._authenticate(ep, self.config.request_timeout_s)
+        except grpc.RpcError as exc:
+            raise EtcdUnavailableError(f"etcd at {ep.label}: cannot authenticate the watch: {exc.code().name}") from exc
+        return WatchStream(ep, ranges, start_revisions)
+
+
+class WatchStream:
+    """A gRPC Watch stream with one watcher per key range; iterate it for (range index, events).
+
+    The stream asks etcd to cancel it when its member loses the raft leader
+    ("hasleader"), so a member cut from its cluster cannot leave it silently stale.
+    Iteration ends with EtcdUnavailableError (stream broken or cancelled),
+    WatchCompacted, or normally after close().
+    """
+
+    def __init__(self, ep: _Endpoint, ranges: list[tuple[str, bytes]], start_revisions: list[int]) -> None:
+        self.endpoint = ep.label
+        self._requests: queue.Queue = queue.Queue()
+        for (start, end), rev in zip(ranges, start_revisions):
+            create = etcdrpc.WatchCreateRequest(key=start.encode(), range_end=end, start_revision=rev)
+            self._requests.put(etcdrpc.WatchRequest(create_request=create))
+        self._index: dict[int, int] = {}  # etcd's watch id -> range index (ids come back in create order)
+        self._closed = False
+        metadata = tuple(ep.metadata or ()) + (("hasleader", "true"),)
+        self._stream = ep.watch.Watch(self._outgoing(), metadata=metadata)
+
+    def _outgoing(self):
+        while True:
+            req = self._requests.get()
+            if req is None:
+                return
+            yield req
+
+    def __iter__(self):
+        try:
+            for resp in self._stream:
+                if resp.created:
+                    self._index[resp.watch_id] = len(self._index)
+                if resp.compact_revision:
+                    raise WatchCompacted(f"revision compacted up to {resp.compact_revision}")
+                if resp.canceled:
+                    raise EtcdUnavailableError(f"etcd at {self.endpoint} cancelled the watch: "
+                                               f"{resp.cancel_reason or 'no reason given'}")
+                index = self._index.get(resp.watch_id)
+                if index is None:
+                    continue
+                events = [WatchEvent(ev.type == 1, _kv(ev.kv)) for ev in resp.events]
+                yield index, events, resp.created
+        except grpc.RpcError as exc:
+            if self._closed:
+                return
+            code = exc.code() if hasattr(exc, "code") else None
+            raise EtcdUnavailableError(
+                f"etcd watch at {self.endpoint} broke: {code.name if code else 'error'}"
+            ) from exc
+        finally:
+            self._requests.put(None)
+        if not self._closed:
+            raise EtcdUnavailableError(f"etcd at {self.endpoint} ended the watch stream")
+
+    def close(self) -> None:
+        self._closed = True
+        self._requests.put(None)
+        self._stream.cancel()

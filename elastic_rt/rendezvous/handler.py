@@ -1,109 +1,114 @@
-"""elastic-rt's rendezvous on etcd v3: lease-based membership, one key per node per round.
+"""elastic-rt's rendezvous on etcd v3: lease-based membership, one key per node per round, watched not polled.
 
 Protocol (keys from RunKeys):
   round            current round number R (created as 0)
   rounds/R/join/N  node N's join, attached to N's lease (vanishes when N dies)
-  rounds/R/final   the membership of round R, written once by whoever closes it
-  alive/N          node N's liveness key, attached to its lease, for the whole run
+  rounds/R/final   the membership of round R, written once (create-only) by whoever closes it;
+                   when rank 0 closes it, also rank 0's address and c10d store port
+  alive/N          node N's liveness key, attached to its lease, for the whole run; its value
+                   holds N's address, liveness port and incarnation (one per agent process)
   waiting/N        a node that found round R already closed and waits for R+1
   closed           the job is over; late joiners exit instead of waiting
+  stores/R/        the c10d store of round R's agents (bulk traffic, not watched)
 
-A round closes when MAX nodes joined, or when at least MIN joined and either
-every live node (alive/*) has joined (re-formation rounds, R > 0: no last call
-needed) or last_call_timeout_s passed since MIN were seen. A node of round R
-that must re-rendezvous bumps `round` from R to R+1 by compare-and-set. Each
-node writes O(1) keys per round; nobody rewrites a shared blob.
+Every node keeps a local view of these keys (MembershipView): one range read, then one
+watch stream from that read's revision. The agent's monitor tick and the rendezvous loop
+read only the view; an idle job costs etcd the lease keepalives and nothing else.
+
+A round closes when MAX nodes joined, or when at least MIN joined and either every live
+node (alive/*) has joined (re-formation rounds, R > 0: no last call needed) or
+last_call_timeout_s passed since MIN were seen. The node with the oldest join closes it
+(one create-only write); the others learn the final from the watch and try themselves
+only if it does not come within a jittered second or two. A node of round R that must
+re-rendezvous bumps `round` from R to R+1 by compare-and-set. Per node and round: one
+join put, at most one CAS on `round` and one on `final`, a waiting put and delete for
+late nodes; no re-reading of the joins on any wake-up.
+
+Failure model (docs/failure-model.md says it for operators):
+- etcd is needed to change membership, not to train. While etcd does not answer, the
+  view is stale and membership_change() says nothing (never a restart because etcd is
+  unreachable); the lease thread retries with jittered backoff and fails over between
+  endpoints. When etcd answers again and nothing changed, nothing restarts: a lease that
+  expired meanwhile is granted anew and alive/ re-put with the same incarnation.
+- A peer is lost when its alive key is gone AND one of: its liveness connection says its
+  agent died (held connection closed then refused, or refused where it answered before);
+  etcd answered this node throughout (from a TTL before the key vanished until now: the
+  peer failed to renew while etcd worked, i.e. it is dead, frozen or cut off); or it did not
+  re-register within reregister_grace_s after this node's own etcd outage ended. A peer
+  that re-registers with another incarnation (its agent restarted) is lost at once.
+  Fast path: a held connection that closes and then refuses revokes the peer's lease
+  at once (a SIGKILLed agent); a host that vanished is lost when its lease expires.
+- Fencing. The round number is the fencing token: a group of round R is valid while
+  `round` is R, and only a member of round R can advance it (a node joining late waits).
+  A node that could not renew its lease for longer than the TTL may have been re-formed
+  out, but while it cannot reach etcd it cannot tell "etcd is down for everyone" (nobody
+  can re-form: forming a round needs etcd) from "I am cut off" (the others re-form
+  without it, which kills their workers, so its own old group cannot complete a
+  collective). So it keeps its workers while etcd is unreachable and decides when etcd
+  answers: if `round` moved past R, it stops its workers (round_advanced) and joins the
+  next round as a new member (scale-up if MAX allows, else it waits); if not, it
+  re-registers and goes on. A worker failure meanwhile is decided the same way, when etcd
+  answers. There is never a second group of round R: `final` of R is written once, and a
+  new group needs a new round.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 import time
-from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 from torch.distributed.elastic.rendezvous import (
-    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStoreInfo,
-    RendezvousTimeoutError,
 )
 
-from elastic_rt.errors import EtcdUnavailableError, RendezvousDataError
-from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
+from elastic_rt.errors import EtcdUnavailableError
+from elastic_rt.rendezvous.etcd_client import EtcdClient
+from elastic_rt.rendezvous.health import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.lease import NodeLease
-from elastic_rt.rendezvous.liveness import PeerWatch, parse_peer, process_is_gone, ring_neighbours
+from elastic_rt.rendezvous.liveness import PeerWatch, parse_peer, ring_neighbours
+from elastic_rt.rendezvous.monitor import MembershipMonitor
+from elastic_rt.rendezvous.rounds import Membership, RendezvousSettings, Rounds
 from elastic_rt.rendezvous.store import EtcdStore
+from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RendezvousSettings:
-    run_id: str
-    node_id: str
-    local_addr: str
-    min_nodes: int
-    max_nodes: int
-    lease_ttl_s: float = 3.0
-    join_timeout_s: float = 600.0
-    last_call_timeout_s: float = 10.0
-    store_timeout_s: float = 300.0
-
-
-@dataclass(frozen=True)
-class Membership:
-    """The outcome of one round, from this node's point of view."""
-
-    round: int
-    nodes: tuple[str, ...]
-    rank: int
-
-
-def _decode_json(kv: KeyValue, what: str) -> dict:
-    try:
-        value = json.loads(kv.value.decode())
-        if not isinstance(value, dict):
-            raise ValueError("not an object")
-        return value
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise RendezvousDataError(
-            f"etcd key {kv.key} ({what}) holds {len(kv.value)} bytes that elastic-rt did not write "
-            f"({exc}); remove the run's keys with `etcdctl del --prefix {kv.key.rsplit('/rounds/', 1)[0]}/` "
-            "or use a new --rdzv-id"
-        ) from exc
-
-
-def _decode_round(kv: KeyValue | None) -> int | None:
-    if kv is None:
-        return None
-    text = kv.value.decode(errors="replace")
-    if not text.isdigit():
-        raise RendezvousDataError(
-            f"etcd key {kv.key} holds {kv.value[:32]!r}, not a round number; "
-            "remove it (`etcdctl del` that key) or use a new --rdzv-id"
-        )
-    return int(text)
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
     """torch.distributed.elastic RendezvousHandler backed by etcd v3 leases and watches."""
 
-    def __init__(self, client: EtcdClient, settings: RendezvousSettings) -> None:
+    def __init__(self, client: EtcdClient, settings: RendezvousSettings, *,
+                 clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random) -> None:
         self._client = client
         self.settings = settings
         self.keys = RunKeys(settings.run_id)
+        self._clock = clock
+        self._rng = rng
+        self.health = EtcdHealth(node_id=settings.node_id, clock=clock)
         self._lease = NodeLease(
-            client, self.keys, settings.node_id, ttl_s=settings.lease_ttl_s,
-            info={"addr": settings.local_addr},
+            client, self.keys, settings.node_id, ttl_s=settings.lease_ttl_s, health=self.health,
+            info={"addr": settings.local_addr}, local_addr=settings.local_addr, clock=clock,
+            on_beat=self._follow_failover,
         )
-        self._lease_started = False
-        self._probed: dict[str, float] = {}
+        self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock)
+        self._started = False
         self._peer_watch: PeerWatch | None = None
+        self._monitor = MembershipMonitor(
+            node_id=settings.node_id, view=self._view, health=self.health, lease_ttl_s=settings.lease_ttl_s,
+            grace_s=settings.reregister_grace_s, max_nodes=settings.max_nodes, clock=clock,
+            dead=lambda node: self._peer_watch is not None and self._peer_watch.dead(node),
+            renewals_lost=lambda: self._lease.renewals_lost,
+        )
+        self._rounds = Rounds(client, self.keys, settings, self._view, lease_id=lambda: self._lease.lease_id,
+                              on_formed=self._monitor.formed, clock=clock, rng=rng)
         self.membership: Membership | None = None
 
     # ---- RendezvousHandler API -------------------------------------------
@@ -114,11 +119,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return self.settings.run_id
 
     def is_closed(self) -> bool:
+        if self._started:
+            with self._view.lock:
+                return self._view.closed
         kv, _ = self._io(self._client.get, self.keys.closed)
         return kv is not None
 
-    def set_closed(self) -> None:
-        self._io(self._client.put, self.keys.closed, json.dumps({"by": self.settings.node_id}).encode())
+    def set_closed(self, *, timeout_s: float = 30.0) -> None:
+        """Mark the job over; retried while etcd does not answer, for up to timeout_s."""
+        value = json.dumps({"by": self.settings.node_id}).encode()
+        self._retrying(lambda _deadline: self._client.put(self.keys.closed, value), self._clock() + timeout_s)
 
     def shutdown(self) -> bool:
         """torch calls this when its agent exits: close the run and leave."""
@@ -133,6 +143,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def close(self) -> None:
         """Release the etcd connections (after leave(); the handler is unusable afterwards)."""
+        self._view.stop()
         self._client.close()
 
     def leave(self) -> None:
@@ -140,57 +151,89 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._peer_watch is not None:
             self._peer_watch.stop()
             self._peer_watch = None
-        if self._lease_started:
+        if self._started:
+            self._view.stop()
             self._lease.stop(revoke=True)
-            self._lease_started = False
+            self._started = False
 
     def num_nodes_waiting(self) -> int:
         return 1 if self.membership_change() else 0
 
     def next_rendezvous(self) -> RendezvousInfo:
-        t0 = time.monotonic()
-        self.membership = self._retrying(self._next_round, t0 + self.settings.join_timeout_s)
+        t0 = self._clock()
+        self._start()
+        self.membership = self._retrying(lambda deadline: self._rounds.next_round(self.membership, deadline),
+                                         t0 + self.settings.join_timeout_s)
         m = self.membership
         store = EtcdStore(self._client, self.keys.round_store(m.round),
                           timedelta(seconds=self.settings.store_timeout_s))
-        bootstrap = self._io(RendezvousStoreInfo.build, m.rank, store, self.settings.local_addr)
-        try:
-            self._watch_neighbours(m.nodes)
-        except EtcdUnavailableError as exc:
-            log.warning("node %s: not watching neighbours this round: %s", self.settings.node_id, exc)
+        if m.master is not None:  # rank 0 closed the round and put its address and port in the final
+            bootstrap = RendezvousStoreInfo(master_addr=m.master[0], master_port=m.master[1])
+        else:
+            bootstrap = self._io(RendezvousStoreInfo.build, m.rank, store, self.settings.local_addr)
+        self._watch_neighbours(m.nodes)
         if m.rank == 0 and m.round >= 2:  # rounds before the previous one are history
-            self._io(self._client.delete_range, self.keys.rounds_prefix, self.keys.round_prefix(m.round - 1))
+            try:
+                self._client.delete_range(self.keys.rounds_prefix, self.keys.round_prefix(m.round - 1))
+                self._client.delete_range(self.keys.stores_prefix, self.keys.round_store(m.round - 1))
+            except EtcdUnavailableError as exc:
+                log.info("node %s: old rounds not cleaned up now: %s", self.settings.node_id, exc)
         log.info(
             "node %s round %d: rank %d of %d nodes (%s) in %.2f s",
-            self.settings.node_id, m.round, m.rank, len(m.nodes), ",".join(m.nodes), time.monotonic() - t0,
+            self.settings.node_id, m.round, m.rank, len(m.nodes), ",".join(m.nodes), self._clock() - t0,
         )
         return RendezvousInfo(store, m.rank, len(m.nodes), bootstrap)
 
+    # ---- etcd reachability (used by the agent) ----------------------------
+    def add_etcd_listener(self, fn: Callable[[bool], None]) -> None:
+        """fn(up) whenever etcd becomes unreachable (False) or reachable again (True)."""
+        self.health.add_listener(fn)
+
+    def etcd_reachable(self) -> bool:
+        """etcd answers, this node's lease is current and its view is connected: decisions can be made."""
+        if not self._started:
+            return self.health.up
+        return (self.health.up and self._view.connected
+                and self._lease.unrenewed_for_s() <= self.settings.lease_ttl_s)
+
+    def catch_up(self, timeout_s: float = 2.0) -> bool:
+        """After an outage: read `round` once and wait until the view has seen it (so a decision made
+        next sees what the others did meanwhile). False when etcd did not answer."""
+        try:
+            kv, _ = self._client.get(self.keys.round)
+        except EtcdUnavailableError:
+            return False
+        deadline = self._clock() + timeout_s
+        version = -1
+        while True:
+            with self._view.lock:
+                ok = kv is None or (self._view.round is not None
+                                    and self._view.round.mod_revision >= kv.mod_revision)
+                version = self._view.version
+            if ok or self._clock() >= deadline:
+                return ok
+            self._view.wait(version, deadline - self._clock())
+
+    def _follow_failover(self) -> None:
+        """After a beat: if the keepalive failed over to another endpoint, move the watch there too
+        (a hung member keeps a watch stream open and silent)."""
+        endpoint = self._view.stream_endpoint
+        if endpoint is not None and endpoint != self._client.current_endpoint:
+            log.info("node %s: moving the membership watch to %s", self.settings.node_id,
+                     self._client.current_endpoint)
+            self._view.reconnect()
+
     # ---- membership watching (used by the agent's monitor loop) ------------
     def membership_change(self) -> str | None:
-        """Why this node's current group must re-form, or None.
+        """Why this node's current group must re-form, or None. Reads local state only.
 
-        "round_advanced": another node started a new round; "peer_lost": a node of
-        this round lost its lease; "scale_up": nodes wait to join and there is room.
+        "round_advanced": another node started a new round; "peer_lost": a node of this
+        round is gone (see the module docstring for when that is decided); "scale_up":
+        nodes wait to join and there is room. None also while etcd is unreachable.
         """
-        m = self.membership
-        if m is None:
+        if self.membership is None or not self._started or not self.etcd_reachable():
             return None
-        k = self.keys
-        (rnd_kv,), (alive, waiting), _ = self._io(
-            self._client.read_many, [k.round], [k.alive_prefix, k.waiting_prefix]
-        )
-        rnd = _decode_round(rnd_kv)
-        if rnd is not None and rnd > m.round:
-            return "round_advanced"
-        alive_nodes = {kv.key[len(k.alive_prefix):] for kv in alive}
-        if any(node not in alive_nodes for node in m.nodes):
-            return "peer_lost"
-        if len(m.nodes) < self.settings.max_nodes and any(
-            kv.key[len(k.waiting_prefix):] in alive_nodes for kv in waiting
-        ):
-            return "scale_up"
-        return None
+        return self._monitor.change()
 
     # ---- the protocol -------------------------------------------------------
     def _io(self, fn, *args):
@@ -200,150 +243,46 @@ class EtcdRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(str(exc)) from exc
 
     def _retrying(self, fn, deadline: float):
-        """Run fn(deadline); while etcd is unreachable, retry until the join deadline."""
-        warned = False
+        """Run fn(deadline); while etcd is unreachable, retry with jittered backoff until the deadline,
+        saying every 10 s what it waits for."""
+        backoff = Backoff(base_s=0.2, cap_s=2.0, rng=self._rng)
+        first: float | None = None
+        said = 0.0
         while True:
             try:
                 return fn(deadline)
             except EtcdUnavailableError as exc:
-                if time.monotonic() + 1.0 >= deadline:
+                now = self._clock()
+                wait = backoff.next()
+                if now + wait >= deadline:
                     raise RendezvousConnectionError(str(exc)) from exc
-                if not warned:
-                    log.warning("node %s: %s; retrying until the join timeout", self.settings.node_id, exc)
-                    warned = True
-                time.sleep(1.0)
+                first = now if first is None else first
+                if now - said >= 10.0:
+                    said = now
+                    log.warning("node %s: waiting for etcd (%.0f s so far): %s", self.settings.node_id,
+                                now - first, exc)
+                time.sleep(wait)
 
-    def _ensure_lease(self) -> None:
-        if not self._lease_started:
+    def _start(self) -> None:
+        if not self._started:
             self._lease.start()
-            self._lease_started = True
-
-    def _next_round(self, deadline: float) -> Membership:
-        s, k, c = self.settings, self.keys, self._client
-        previous = self.membership
-        self._ensure_lease()
-        while True:
-            self._check_deadline(deadline)
-            (rnd_kv, closed), _, rev = c.read_many([k.round, k.closed], [])
-            if closed is not None:
-                raise RendezvousClosedError(f"run {s.run_id} is closed (the job finished); use a new --rdzv-id")
-            rnd = _decode_round(rnd_kv)
-            if rnd is None:
-                c.compare_and_put(k.round, b"0", expected_mod_revision=None)
-                continue
-            final, _ = c.get(k.final(rnd))
-            if final is not None:
-                _decode_json(final, "round membership")  # foreign data: one clear error, no waiting
-            if final is None:
-                result = self._join_and_wait(rnd, deadline)
-                if result is not None:
-                    c.delete(k.waiting(s.node_id))
-                    return result
-                continue  # round closed without us: wait for the next one
-            if previous is not None and previous.round == rnd:
-                # Our own round is over: open the next one (one of the racing nodes wins).
-                c.compare_and_put(k.round, str(rnd + 1).encode(), expected_mod_revision=rnd_kv.mod_revision)
-                continue
-            # Round rnd runs without us: ask its members to make room, wait for rnd + 1.
-            c.put(k.waiting(s.node_id), b"", lease=self._lease.lease_id)
-            log.info("node %s: round %d is running; waiting for the next round", s.node_id, rnd)
-            c.wait_for_change(k.round, after_revision=rev, timeout_s=max(0.0, deadline - time.monotonic()))
-
-    def _join_and_wait(self, rnd: int, deadline: float) -> Membership | None:
-        s, k, c = self.settings, self.keys, self._client
-        c.put(k.join(rnd, s.node_id), json.dumps({"addr": s.local_addr}).encode(), lease=self._lease.lease_id)
-        min_seen_at: float | None = None
-        while True:
-            (final, rnd_kv, closed), (joins, alive), rev = c.read_many(
-                [k.final(rnd), k.round, k.closed], [k.join_prefix(rnd), k.alive_prefix]
-            )
-            if closed is not None:
-                c.delete(k.join(rnd, s.node_id))
-                raise RendezvousClosedError(f"run {s.run_id} is closed (the job finished); use a new --rdzv-id")
-            if final is not None:
-                nodes = tuple(_decode_json(final, "round membership").get("nodes", ()))
-                if s.node_id in nodes:
-                    return Membership(rnd, nodes, nodes.index(s.node_id))
-                c.delete(k.join(rnd, s.node_id))
-                return None
-            if _decode_round(rnd_kv) != rnd:
-                c.delete(k.join(rnd, s.node_id))
-                return None
-            joined = [kv.key[len(k.join_prefix(rnd)):] for kv in sorted(joins, key=lambda kv: kv.create_revision)]
-            if s.node_id not in joined:  # our lease was lost and re-granted: join again
-                c.put(k.join(rnd, s.node_id), json.dumps({"addr": s.local_addr}).encode(), lease=self._lease.lease_id)
-                continue
-            now = time.monotonic()
-            if len(joined) >= s.min_nodes and min_seen_at is None:
-                min_seen_at = now
-            alive_nodes = {kv.key[len(k.alive_prefix):] for kv in alive}
-            if rnd > 0 and self._evict_dead(alive, set(joined)):
-                continue
-            wait_s = deadline - now
-            if len(joined) >= s.max_nodes:
-                close = True
-            elif len(joined) >= s.min_nodes:
-                everyone = rnd > 0 and alive_nodes <= set(joined)
-                last_call_left = min_seen_at + s.last_call_timeout_s - now
-                close = everyone or last_call_left <= 0
-                wait_s = min(wait_s, max(last_call_left, 0.0))
-            else:
-                close = False
-            if close:
-                members = joined[: s.max_nodes]
-                c.compare_and_put(
-                    k.final(rnd), json.dumps({"round": rnd, "nodes": members}).encode(), expected_mod_revision=None
-                )
-                continue
-            self._check_deadline(deadline, cleanup_key=k.join(rnd, s.node_id))
-            c.wait_for_change(k.base, after_revision=rev, timeout_s=max(wait_s, 0.01), prefix=True)
-
-    def _evict_dead(self, alive: list[KeyValue], joined: set[str]) -> bool:
-        """Revoke the lease of live-looking nodes whose agent process is gone (checked at most
-        once a second each), so a re-forming round need not wait for their TTL."""
-        evicted = False
-        now = time.monotonic()
-        for kv in alive:
-            node = kv.key[len(self.keys.alive_prefix):]
-            if node in joined or now - self._probed.get(node, 0.0) < 1.0:
-                continue
-            self._probed[node] = now
-            peer = parse_peer(node, kv.value, kv.lease)
-            if kv.lease and peer is not None and process_is_gone(peer):
-                self._evict(peer)
-                evicted = True
-        return evicted
+            self._view.start()
+            self._started = True
 
     def _evict(self, peer) -> None:
-        log.info("node %s: node %s's agent is gone (liveness port closed); evicting it",
+        log.info("node %s: node %s's agent is gone (liveness connection closed, then refused); evicting it",
                  self.settings.node_id, peer.node)
         self._client.revoke_lease(peer.lease)
 
     def _watch_neighbours(self, nodes: tuple[str, ...]) -> None:
         """Hold connections to the ring neighbours' liveness listeners: a dead agent is evicted
         the moment its connections close, and the other nodes see it through etcd."""
-        names = ring_neighbours(nodes, self.settings.node_id)
-        if not names:
-            if self._peer_watch is not None:
-                self._peer_watch.watch([])
-            return
-        _, (alive,), _ = self._client.read_many([], [self.keys.alive_prefix])
-        peers = []
-        for kv in alive:
-            node = kv.key[len(self.keys.alive_prefix):]
-            if node in names and (peer := parse_peer(node, kv.value, kv.lease)) is not None:
-                peers.append(peer)
+        names = set(ring_neighbours(nodes, self.settings.node_id))
+        with self._view.lock:
+            alive = {n: kv for n, kv in self._view.alive.items() if n in names}
+        peers = [p for n, kv in alive.items() if (p := parse_peer(n, kv.value, kv.lease)) is not None]
         if self._peer_watch is None:
+            if not peers:
+                return
             self._peer_watch = PeerWatch(self._evict)
         self._peer_watch.watch(peers)
-
-    def _check_deadline(self, deadline: float, cleanup_key: str | None = None) -> None:
-        if time.monotonic() < deadline:
-            return
-        if cleanup_key:
-            self._client.delete(cleanup_key)
-        s = self.settings
-        raise RendezvousTimeoutError(
-            f"rendezvous {s.run_id} did not gather {s.min_nodes} node(s) within "
-            f"{s.join_timeout_s:g} s (join_timeout); are the other nodes started with the same --rdzv-id?"
-        )

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from elastic_rt.errors import ConfigError
+from elastic_rt.errors import ConfigError, RendezvousDataError
+from elastic_rt.rendezvous.etcd_client import prefix_end
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROOT = "/elastic-rt/"
@@ -79,5 +80,41 @@ class RunKeys:
     def final(self, rnd: int) -> str:
         return self.round_prefix(rnd) + "final"
 
+    @property
+    def stores_prefix(self) -> str:
+        """The worker c10d stores, one per round: bulk traffic, outside the membership watch."""
+        return self.base + "stores/"
+
     def round_store(self, rnd: int) -> str:
-        return self.round_prefix(rnd) + "store/"
+        return f"{self.stores_prefix}{rnd:010d}/"
+
+    def watch_ranges(self) -> list[tuple[str, bytes]]:
+        """(start, end) ranges of every membership key: the whole run except the worker stores."""
+        return [(self.base, self.stores_prefix.encode()),
+                (prefix_end(self.stores_prefix).decode(), prefix_end(self.base))]
+
+    def parse(self, key: str) -> tuple[str, int | None, str | None]:
+        """(kind, round, node) of a membership key; kind "" for keys the protocol does not own."""
+        rel = key[len(self.base):] if key.startswith(self.base) else ""
+        if rel in ("round", "closed"):
+            return rel, None, None
+        for kind in ("alive", "waiting"):
+            if rel.startswith(kind + "/"):
+                return kind, None, rel[len(kind) + 1:]
+        parts = rel.split("/")
+        if len(parts) >= 3 and parts[0] == "rounds" and parts[1].isdigit():
+            if parts[2] == "final" and len(parts) == 3:
+                return "final", int(parts[1]), None
+            if parts[2] == "join" and len(parts) == 4:
+                return "join", int(parts[1]), parts[3]
+        return "", None, None
+
+    @staticmethod
+    def decode_round(kv) -> int:
+        text = kv.value.decode(errors="replace")
+        if not text.isdigit():
+            raise RendezvousDataError(
+                f"etcd key {kv.key} holds {kv.value[:32]!r}, not a round number; "
+                "remove it (`etcdctl del` that key) or use a new --rdzv-id"
+            )
+        return int(text)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
+import uuid
+from typing import Callable
 
 from elastic_rt.errors import EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
+from elastic_rt.rendezvous.health import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import LivenessListener
 
@@ -15,30 +19,49 @@ log = logging.getLogger(__name__)
 
 
 class NodeLease:
-    """Grants a lease of `ttl_s`, refreshes it every ttl_s/4, re-grants it if it was lost.
+    """Grants a lease of `ttl_s` and keeps it alive: a beat every ttl_s/3, each with a deadline of
+    ttl_s/3 on one endpoint (the next beat goes to the next endpoint), jittered exponential backoff
+    while etcd does not answer.
 
-    Keys put with `lease_id` vanish `ttl_s` after this process stops refreshing
-    (SIGKILL, partition, hang): that is how peers learn of a dead node, with no
-    dependence on anybody's wall clock.
+    Keys put with `lease_id` vanish `ttl_s` after this process stops refreshing (SIGKILL,
+    partition, hang): that is how peers learn of a dead node, with no dependence on anybody's
+    wall clock. A lease found gone (it expired during an etcd outage, or a peer revoked it) is
+    granted anew and the alive key put again, with the same `incarnation`, so peers can tell
+    this process re-registering from a restarted agent.
     """
 
-    def __init__(self, client: EtcdClient, keys: RunKeys, node_id: str, *, ttl_s: float, info: dict) -> None:
+    def __init__(self, client: EtcdClient, keys: RunKeys, node_id: str, *, ttl_s: float, info: dict,
+                 health: EtcdHealth, local_addr: str = "0.0.0.0", clock: Callable[[], float] = time.monotonic,
+                 backoff: Backoff | None = None, on_beat: Callable[[], None] = lambda: None) -> None:
         self._client = client
         self._keys = keys
         self._node_id = node_id
         self._ttl_s = ttl_s
-        self._listener = LivenessListener()
-        self._info = json.dumps({**info, "liveness_port": self._listener.port}).encode()
+        self.beat_s = ttl_s / 3
+        self._health = health
+        self._clock = clock
+        self._backoff = backoff or Backoff(base_s=0.1, cap_s=2.0)
+        self._on_beat = on_beat
+        self._listener = LivenessListener(local_addr)
+        self.incarnation = uuid.uuid4().hex[:12]
+        self._info = json.dumps({**info, "liveness_port": self._listener.port, "incarnation": self.incarnation}).encode()
         self._lock = threading.Lock()
         self._lease_id = 0
+        self._registered = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.renewals_lost = 0  # times the lease expired under us (a long pause or partition)
+        self.last_renewed = 0.0  # monotonic send time of the last beat etcd answered with the lease alive
+        self.renewals_lost = 0  # times the lease was found gone (an outage, a pause, a partition, an eviction)
+        self.lost_at: float | None = None  # when it was last found gone
 
     @property
     def lease_id(self) -> int:
         with self._lock:
             return self._lease_id
+
+    def unrenewed_for_s(self) -> float:
+        """Seconds since etcd last confirmed this lease (longer than the TTL: peers may have re-formed)."""
+        return self._clock() - self.last_renewed
 
     def start(self) -> int:
         with self._lock:
@@ -48,21 +71,45 @@ class NodeLease:
         return self._lease_id
 
     def _grant(self) -> None:
-        self._lease_id = self._client.grant_lease(self._ttl_s)
-        self._client.put(self._keys.alive(self._node_id), self._info, lease=self._lease_id)
+        sent = self._clock()
+        self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=self.beat_s)
+        self._registered = False
+        self._register(sent)
+
+    def _register(self, sent: float) -> None:
+        self._client.put(self._keys.alive(self._node_id), self._info, lease=self._lease_id, timeout_s=self.beat_s)
+        self._registered = True
+        self.last_renewed = sent
+
+    def _beat(self) -> None:
+        sent = self._clock()
+        with self._lock:
+            if not self._registered:
+                self._register(sent)
+                return
+            ttl = self._client.refresh_lease(self._lease_id, timeout_s=self.beat_s, attempts=1)
+            if ttl > 0:
+                self.last_renewed = sent
+                return
+            self.renewals_lost += 1
+            self.lost_at = sent
+            log.warning("node %s: liveness lease %x is gone (expired during an outage or revoked); "
+                        "registering again", self._node_id, self._lease_id)
+            self._grant()
 
     def _run(self) -> None:
-        interval = max(0.1, self._ttl_s / 4)
-        while not self._stop.wait(interval):
+        wait = self.beat_s
+        while not self._stop.wait(wait):
             try:
-                with self._lock:
-                    ttl = self._client.refresh_lease(self._lease_id)
-                    if ttl <= 0:
-                        self.renewals_lost += 1
-                        log.warning("node %s: liveness lease expired; re-registering", self._node_id)
-                        self._grant()
+                self._beat()
             except EtcdUnavailableError as exc:
-                log.warning("node %s: cannot refresh liveness lease: %s", self._node_id, exc)
+                self._health.failure(str(exc))
+                wait = self._backoff.next()
+                continue
+            self._health.success()
+            self._backoff.reset()
+            self._on_beat()
+            wait = max(0.0, self.last_renewed + self.beat_s - self._clock())
 
     def stop(self, *, revoke: bool) -> None:
         """Stop refreshing; with revoke, peers see this node gone at once."""
@@ -76,5 +123,3 @@ class NodeLease:
             except EtcdUnavailableError as exc:
                 log.warning("node %s: could not revoke lease (%s); it expires in %g s", self._node_id, exc, self._ttl_s)
         self._lease_id = 0
-
-

@@ -2,8 +2,11 @@
 
 An etcd lease only expires a TTL after its holder stopped refreshing it. When an agent
 process dies (SIGKILL, OOM kill, crash) the kernel closes its sockets at once: peers
-connected to its listener read EOF, and new connections are refused. A host that
-vanished (power, partition) says nothing; there the lease TTL decides.
+holding a connection to its listener read EOF, and reconnecting is refused. That pair,
+"held connection closed, then refused", is the liveness evidence of a dead agent; so is
+"refused" from a port that answered before. A refusal from a port that never answered
+(a firewall's REJECT, an IPv4-only listener behind an IPv6 address) is no evidence at all,
+and a host that vanished (power, partition) says nothing: there the lease TTL decides.
 """
 
 from __future__ import annotations
@@ -13,30 +16,77 @@ import logging
 import selectors
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 log = logging.getLogger(__name__)
 
+MAX_CONNECTIONS = 64  # each agent is held by its two ring neighbours; the rest is slack
+
+
+def _format(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_listener(local_addr: str) -> tuple[socket.socket, str]:
+    """A listening socket on --local-addr's address family and interface (port chosen by the kernel).
+
+    A name that resolves to no address of this host (NAT, a DNS name of a load balancer)
+    falls back to the wildcard address of the same family; the returned text says which.
+    """
+    try:
+        infos = socket.getaddrinfo(local_addr, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        infos = []
+    family, addr = (infos[0][0], infos[0][4][0]) if infos else (socket.AF_INET, "0.0.0.0")
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    note = ""
+    try:
+        sock.bind((addr, 0))
+    except OSError as exc:
+        wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
+        note = f" (--local-addr {local_addr} -> {addr} is not an address of this host: {exc.strerror})"
+        sock.bind((wildcard, 0))
+    sock.listen(128)
+    sock.setblocking(False)
+    host, port = sock.getsockname()[:2]
+    return sock, f"{_format(host, port)}{note}"
+
 
 class LivenessListener:
-    """Accepts connections and keeps them open for as long as this process lives."""
+    """Accepts connections and keeps them open for as long as this process lives.
 
-    def __init__(self) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("0.0.0.0", 0))
-        self._sock.listen(128)
-        self._sock.setblocking(False)
+    At most `max_connections` are held; beyond that it stops accepting (new connections
+    wait in the kernel's backlog, which a prober reads as "no answer", never as "dead").
+    """
+
+    def __init__(self, local_addr: str = "0.0.0.0", *, max_connections: int = MAX_CONNECTIONS) -> None:
+        self._sock, self.address = bind_listener(local_addr)
         self.port = self._sock.getsockname()[1]
+        self._max = max_connections
+        self._held = 0
+        self._accepting = True
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._sock, selectors.EVENT_READ)
         self._closed = threading.Event()
+        log.info("liveness listener on %s", self.address)
         threading.Thread(target=self._serve, name="elastic-rt-liveness", daemon=True).start()
 
     def _serve(self) -> None:
+        try:
+            self._serve_until_closed()
+        finally:  # closing the listener drops every held connection, as the process exiting would
+            for key in list(self._sel.get_map().values()):
+                if key.fileobj is not self._sock:
+                    self._forget(key.fileobj)
+            self._sel.close()
+
+    def _serve_until_closed(self) -> None:
         while not self._closed.is_set():
             try:
-                events = self._sel.select(timeout=0.5)
+                events = self._sel.select(timeout=0.2)
             except (OSError, ValueError):
                 return
             for key, _ in events:
@@ -45,17 +95,33 @@ class LivenessListener:
                         conn, _ = self._sock.accept()
                         conn.setblocking(False)
                         self._sel.register(conn, selectors.EVENT_READ)
+                        self._held += 1
                     elif not key.fileobj.recv(64):  # the peer hung up: forget it
-                        self._sel.unregister(key.fileobj)
-                        key.fileobj.close()
+                        self._forget(key.fileobj)
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError:
-                    try:
-                        self._sel.unregister(key.fileobj)
-                        key.fileobj.close()
-                    except (KeyError, ValueError, OSError):
-                        pass
+                    if key.fileobj is not self._sock:
+                        self._forget(key.fileobj)
+            self._throttle()
+
+    def _forget(self, conn) -> None:
+        try:
+            self._sel.unregister(conn)
+            conn.close()
+            self._held -= 1
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _throttle(self) -> None:
+        if self._accepting and self._held >= self._max:
+            self._sel.unregister(self._sock)
+            self._accepting = False
+            log.warning("liveness listener %s holds %d connections (the cap); not accepting more",
+                        self.address, self._held)
+        elif not self._accepting and self._held < self._max:
+            self._sel.register(self._sock, selectors.EVENT_READ)
+            self._accepting = True
 
     def close(self) -> None:
         self._closed.set()
@@ -81,15 +147,14 @@ def parse_peer(node: str, info: bytes, lease: int) -> Peer | None:
         return None
 
 
-def process_is_gone(peer: Peer, timeout_s: float = 0.3) -> bool:
-    """True only when the peer's liveness port refuses connections: its agent process is dead."""
+def probe(peer: Peer, timeout_s: float = 0.5) -> tuple[str, socket.socket | None]:
+    """("open", the connection) | ("refused", None) | ("unreachable", None)."""
     try:
-        with socket.create_connection((peer.addr, peer.port), timeout=timeout_s):
-            return False
+        return "open", socket.create_connection((peer.addr, peer.port), timeout=timeout_s)
     except ConnectionRefusedError:
-        return True
+        return "refused", None
     except OSError:
-        return False  # unreachable or slow: inconclusive, the lease TTL decides
+        return "unreachable", None
 
 
 def ring_neighbours(nodes: tuple[str, ...], me: str) -> list[str]:
@@ -101,38 +166,82 @@ def ring_neighbours(nodes: tuple[str, ...], me: str) -> list[str]:
 
 
 class PeerWatch:
-    """Holds a connection to each watched peer's listener; calls on_dead(peer) when its process dies."""
+    """Holds a connection to each watched peer's listener and collects evidence of death.
 
-    def __init__(self, on_dead: Callable[[Peer], None]) -> None:
+    `on_dead(peer)` is called once when a peer's agent is known gone (its held connection
+    closed and it refuses, or a port that answered before refuses); `dead(node)` says so later.
+    Unreachable peers are retried every `retry_s`.
+    """
+
+    def __init__(self, on_dead: Callable[[Peer], None], *, retry_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._on_dead = on_dead
+        self._retry_s = retry_s
+        self._clock = clock
         self._sel = selectors.DefaultSelector()
         self._lock = threading.Lock()
+        self._peers: dict[str, Peer] = {}
+        self._answered: set[Peer] = set()  # peers whose port accepted a connection at least once
+        self._pending: dict[str, float] = {}  # node -> when to try connecting again
+        self._dead: set[Peer] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic-rt-peer-watch", daemon=True)
         self._thread.start()
 
     def watch(self, peers: list[Peer]) -> None:
-        """Replace the watched set (after every rendezvous)."""
+        """Replace the watched set (after every rendezvous); connections to peers kept are kept."""
         with self._lock:
+            wanted = {p.node: p for p in peers}
             for key in list(self._sel.get_map().values()):
-                self._sel.unregister(key.fileobj)
-                key.fileobj.close()
-            for peer in peers:
-                try:
-                    conn = socket.create_connection((peer.addr, peer.port), timeout=1.0)
-                except ConnectionRefusedError:
-                    self._report(peer)
-                    continue
-                except OSError:
-                    continue  # unreachable now: the lease decides
+                if wanted.get(key.data.node) != key.data:
+                    self._sel.unregister(key.fileobj)
+                    key.fileobj.close()
+            held = {key.data.node for key in self._sel.get_map().values()}
+            self._peers = wanted
+            self._pending = {node: 0.0 for node in wanted if node not in held}
+        self._connect_pending()
+
+    def dead(self, node: str) -> bool:
+        with self._lock:
+            peer = self._peers.get(node)
+            return peer is not None and peer in self._dead
+
+    def _connect_pending(self) -> None:
+        now = self._clock()
+        with self._lock:
+            due = [self._peers[n] for n, t in self._pending.items() if t <= now and n in self._peers]
+        for peer in due:
+            self._try(peer, after_close=False)
+
+    def _try(self, peer: Peer, *, after_close: bool) -> None:
+        state, conn = probe(peer)
+        report = False
+        with self._lock:
+            if self._peers.get(peer.node) != peer:  # no longer watched
+                if conn is not None:
+                    conn.close()
+                return
+            if state == "open" and any(k.data == peer for k in self._sel.get_map().values()):
+                conn.close()  # another thread got there first
+            elif state == "open":
                 conn.setblocking(False)
                 self._sel.register(conn, selectors.EVENT_READ, peer)
-
-    def _report(self, peer: Peer) -> None:
-        try:
-            self._on_dead(peer)
-        except Exception as exc:  # noqa: BLE001 - e.g. etcd unreachable: the lease still expires
-            log.warning("could not evict node %s: %s", peer.node, exc)
+                self._answered.add(peer)
+                self._pending.pop(peer.node, None)
+            elif state == "refused" and (after_close or peer in self._answered):
+                report = peer not in self._dead
+                self._dead.add(peer)
+                self._pending.pop(peer.node, None)
+            else:
+                if state == "refused" and peer.node in self._pending and self._pending[peer.node] == 0.0:
+                    log.info("node %s's liveness port %s refused the first connection; its lease alone "
+                             "tells whether it lives", peer.node, _format(peer.addr, peer.port))
+                self._pending[peer.node] = self._clock() + self._retry_s
+        if report:
+            try:
+                self._on_dead(peer)
+            except Exception as exc:  # noqa: BLE001 - e.g. etcd unreachable: the lease still expires
+                log.warning("could not evict node %s: %s", peer.node, exc)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -140,6 +249,7 @@ class PeerWatch:
                 has = bool(self._sel.get_map())
             if not has:
                 self._stop.wait(0.2)
+                self._connect_pending()
                 continue
             try:
                 events = self._sel.select(timeout=0.2)
@@ -160,8 +270,8 @@ class PeerWatch:
                     except (KeyError, ValueError):
                         continue
                     key.fileobj.close()
-                if process_is_gone(key.data):
-                    self._report(key.data)
+                self._try(key.data, after_close=True)
+            self._connect_pending()
 
     def stop(self) -> None:
         self._stop.set()
@@ -169,3 +279,4 @@ class PeerWatch:
             for key in list(self._sel.get_map().values()):
                 self._sel.unregister(key.fileobj)
                 key.fileobj.close()
+            self._peers = {}

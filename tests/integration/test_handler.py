@@ -116,3 +116,139 @@ def test_neighbour_watch_reports_a_dead_agent_while_the_group_runs(etcd_endpoint
     proc.join(10)
     assert _poll(lambda: survivor.membership_change() == "peer_lost", timeout_s=20)
     survivor.leave()
+
+
+# ---- failure model (issue 9): outages, partitions, liveness evidence ---------------------------
+
+@pytest.fixture
+def own_etcd():
+    """An etcd of this test's own: it gets paused."""
+    from elastic_rt.chaos.etcd_server import EtcdCluster
+
+    with EtcdCluster(1) as cluster:
+        yield cluster
+
+
+def _live(handlers, timeout_s=30.0):
+    """Poll every handler's membership_change() (as the agent's monitor tick does) until timeout_s;
+    returns the first non-None answer per node."""
+    import time
+
+    seen: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for h in handlers:
+            change = h.membership_change()
+            if change and h.settings.node_id not in seen:
+                seen[h.settings.node_id] = change
+        time.sleep(0.1)
+    return seen
+
+
+def test_etcd_paused_past_the_lease_ttl_restarts_nothing(own_etcd, run_id):
+    """Leases expire when etcd resumes (it revokes them before any keepalive gets through): every node
+    registers again with the same incarnation, and nobody is declared lost."""
+    import time
+
+    a, b = (_handler(own_etcd.endpoints, run_id, n, 2, 2) for n in "ab")
+    try:
+        _together([a, b])
+        pid = own_etcd.members[0].proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert _poll(lambda: not a.etcd_reachable() and not b.etcd_reachable(), 10)
+            assert a.membership_change() is None and b.membership_change() is None
+            time.sleep(6.0)  # the outage: twice the 3 s TTL
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert _poll(lambda: a.etcd_reachable() and b.etcd_reachable(), 15)
+        assert _live([a, b], timeout_s=a.settings.reregister_grace_s + 2) == {}
+        assert a._lease.renewals_lost + b._lease.renewals_lost >= 1  # they did expire, and came back
+        with a._view.lock:
+            assert set(a._view.alive) == {"a", "b"}
+    finally:
+        for h in (a, b):
+            h.leave()
+            h.close()
+
+
+def test_node_cut_from_etcd_is_lost_within_ttl_and_rejoins_when_healed(etcd_endpoint, run_id):
+    import time
+
+    from elastic_rt.chaos.proxy import TcpProxy
+    from elastic_rt.rendezvous.registration import parse_endpoints
+
+    (host, port), = parse_endpoints(etcd_endpoint)
+    with TcpProxy(host, port) as proxy:
+        a, b = (_handler(etcd_endpoint, run_id, n, 2, 3, last_call_timeout=1) for n in "ab")
+        c = _handler(proxy.endpoint, run_id, "c", 2, 3, last_call_timeout=1, read_timeout=1)
+        try:
+            _together([a, b, c])
+            assert {h.membership.round for h in (a, b, c)} == {0}
+            cut_at = time.monotonic()
+            proxy.cut("blackhole")
+            assert _poll(lambda: a.membership_change() == "peer_lost", 15)
+            lost_after = time.monotonic() - cut_at
+            assert lost_after < a.settings.lease_ttl_s + 2.0, lost_after
+            assert b.membership_change() == "peer_lost"
+            assert c.membership_change() is None  # it cannot tell; it must not guess
+            assert sorted(_together([a, b]).values()) == [(0, 2), (1, 2)]
+            proxy.heal()
+            assert _poll(lambda: c.membership_change() == "round_advanced", 20)  # fenced: re-formed out
+            waiter = threading.Thread(target=c.next_rendezvous)
+            waiter.start()
+            assert _poll(lambda: a.membership_change() == "scale_up", 20)
+            _together([a, b])
+            waiter.join(30)
+            assert {h.membership.round for h in (a, b, c)} == {2}
+            assert sorted(h.membership.rank for h in (a, b, c)) == [0, 1, 2]
+        finally:
+            for h in (a, b, c):
+                h.leave()
+                h.close()
+
+
+def test_liveness_evidence_needs_a_port_that_answered():
+    """Refused on first contact (a firewall, the wrong address family) is no evidence; a held
+    connection that closes and then refuses is (the agent died)."""
+    import socket
+
+    from elastic_rt.rendezvous.liveness import LivenessListener, Peer, PeerWatch
+
+    dead: list[str] = []
+    watch = PeerWatch(lambda p: dead.append(p.node), retry_s=0.2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        never = Peer("never", "127.0.0.1", s.getsockname()[1], 1)  # bound, not listening: refuses
+    listener = LivenessListener("127.0.0.1")
+    held = Peer("held", "127.0.0.1", listener.port, 2)
+    try:
+        watch.watch([never, held])
+        assert not watch.dead("never") and not watch.dead("held")
+        listener.close()  # the agent dies: its sockets close, its port refuses
+        assert _poll(lambda: watch.dead("held"), 10)
+        assert dead == ["held"]
+        assert not watch.dead("never")
+    finally:
+        watch.stop()
+        listener.close()
+
+
+def test_liveness_listener_binds_the_local_address_family():
+    import socket
+
+    from elastic_rt.rendezvous.liveness import LivenessListener
+
+    v4 = LivenessListener("127.0.0.1")
+    assert v4.address == f"127.0.0.1:{v4.port}"
+    v4.close()
+    from tests.integration.test_chaos_proxy import _ipv6_loopback
+
+    if not _ipv6_loopback():
+        pytest.skip("this machine has no IPv6 loopback (::1)")
+    v6 = LivenessListener("::1")
+    try:
+        assert v6.address == f"[::1]:{v6.port}"
+        socket.create_connection(("::1", v6.port), timeout=2).close()
+    finally:
+        v6.close()

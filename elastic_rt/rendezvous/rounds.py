@@ -1,0 +1,213 @@
+"""The round protocol of the etcd-v3 rendezvous (handler.py's docstring describes it): join the current
+round or wait for the next, close a round, read its final; every decision made on the local view."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.utils.distributed import get_free_port
+
+from elastic_rt.errors import RendezvousDataError
+from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
+from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.view import MembershipView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousSettings:
+    run_id: str
+    node_id: str
+    local_addr: str
+    min_nodes: int
+    max_nodes: int
+    lease_ttl_s: float = 3.0
+    join_timeout_s: float = 600.0
+    last_call_timeout_s: float = 10.0
+    store_timeout_s: float = 300.0
+
+    @property
+    def reregister_grace_s(self) -> float:
+        """After an etcd outage, how long a peer whose lease expired has to register again: one TTL
+        for its beats to find the lease gone, the keepalive backoff cap, one more beat."""
+        return self.lease_ttl_s + 2.0 + self.lease_ttl_s / 3
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The outcome of one round, from this node's point of view."""
+
+    round: int
+    nodes: tuple[str, ...]
+    rank: int
+    master: tuple[str, int] | None = None  # rank 0's address and store port, when the final carries them
+
+
+def _decode_json(kv: KeyValue, what: str) -> dict:
+    try:
+        value = json.loads(kv.value.decode())
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        return value
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RendezvousDataError(
+            f"etcd key {kv.key} ({what}) holds {len(kv.value)} bytes that elastic-rt did not write "
+            f"({exc}); remove the run's keys with `etcdctl del --prefix {kv.key.rsplit('/rounds/', 1)[0]}/` "
+            "or use a new --rdzv-id"
+        ) from exc
+
+
+class Rounds:
+    """Rounds as this node takes part in them; `lease_id()` is the current lease to attach its keys to,
+    `on_formed(round, nodes)` is told of every round it becomes a member of."""
+
+    def __init__(self, client: EtcdClient, keys: RunKeys, settings: RendezvousSettings, view: MembershipView, *,
+                 lease_id: Callable[[], int], on_formed: Callable[[int, tuple[str, ...]], None],
+                 clock: Callable[[], float] = time.monotonic, rng: Callable[[], float]) -> None:
+        self._client = client
+        self.keys = keys
+        self.settings = settings
+        self._view = view
+        self._lease_id = lease_id
+        self._on_formed = on_formed
+        self._clock = clock
+        self._rng = rng
+
+    def next_round(self, previous: Membership | None, deadline: float) -> Membership:
+        """Join the current round (or wait for the next one) until a round forms with this node.
+        Raises EtcdUnavailableError (the caller retries), RendezvousClosedError, RendezvousTimeoutError."""
+        s, k, c, v = self.settings, self.keys, self._client, self._view
+        said_waiting = None
+        while True:
+            self._check_deadline(deadline)
+            with v.lock:
+                version, closed, rnd_kv = v.version, v.closed, v.round
+                rnd = v.current_round()
+                final = v.finals.get(rnd) if rnd is not None else None
+                waiting = v.waiting.get(s.node_id)
+            if closed:
+                raise RendezvousClosedError(f"run {s.run_id} is closed (the job finished); use a new --rdzv-id")
+            if rnd is None:
+                c.compare_and_put(k.round, b"0", expected_mod_revision=None)
+                v.wait_for(lambda: v.round is not None, 1.0)
+                continue
+            if final is not None:
+                _decode_json(final, "round membership")  # foreign data: one clear error, no waiting
+            if final is None:
+                result = self._join_and_wait(rnd, deadline)
+                if result is not None:
+                    if waiting is not None or s.node_id in v.waiting:
+                        c.delete(k.waiting(s.node_id))
+                    return result
+                continue  # round closed without us: wait for the next one
+            if previous is not None and previous.round == rnd:
+                # Our own round is over: open the next one (one of the racing nodes wins).
+                c.compare_and_put(k.round, str(rnd + 1).encode(), expected_mod_revision=rnd_kv.mod_revision)
+                v.wait_for(lambda: v.current_round() != rnd, 1.0)
+                continue
+            # Round rnd runs without us: ask its members to make room, wait for rnd + 1.
+            if waiting is None or waiting.lease != self._lease_id():
+                c.put(k.waiting(s.node_id), b"", lease=self._lease_id())
+            if said_waiting != rnd:
+                said_waiting = rnd
+                log.info("node %s: round %d is running; waiting for the next round", s.node_id, rnd)
+            v.wait(version, max(0.0, min(deadline - self._clock(), 5.0)))
+
+    def _join_and_wait(self, rnd: int, deadline: float) -> Membership | None:
+        """Join round rnd and wait for its final. Each wake-up costs O(1) for every node but the closer
+        (the oldest join), which alone looks at all joins on every change; the others look at most
+        twice a second, to write the final themselves if the closer does not within 1-2 s."""
+        s, k, c, v = self.settings, self.keys, self._client, self._view
+        value = json.dumps({"addr": s.local_addr}).encode()
+        min_seen_at: float | None = None
+        close_due_at: float | None = None  # when a node that is not the closer writes the final itself
+        evaluate_at = 0.0
+        oldest: str | None = None
+        put_with = 0
+        written: KeyValue | None = None  # the final as our own create-only write returned it
+        while True:
+            members: list[str] | None = None
+            with v.lock:
+                version = v.version
+                closed, cur, final = v.closed, v.current_round(), v.finals.get(rnd) or written
+                joins = v.joins.get(rnd, {})
+                mine = joins.get(s.node_id)
+                if oldest not in joins:
+                    oldest = min(joins, key=lambda n: joins[n].create_revision) if joins else None
+                now = self._clock()
+                decide = mine is not None and (oldest == s.node_id or now >= evaluate_at)
+                if decide:
+                    n_joined = len(joins)
+                    everyone = rnd > 0 and all(n in joins for n in v.alive)
+                    if n_joined >= s.min_nodes:
+                        members = sorted(joins, key=lambda n: joins[n].create_revision)[: s.max_nodes]
+            if closed:
+                self._unjoin(rnd, mine)
+                raise RendezvousClosedError(f"run {s.run_id} is closed (the job finished); use a new --rdzv-id")
+            if final is not None:
+                data = _decode_json(final, "round membership")
+                nodes = tuple(data.get("nodes", ()))
+                if s.node_id in nodes:
+                    self._on_formed(rnd, nodes)
+                    master = data.get("master")
+                    master = (str(master[0]), int(master[1])) if isinstance(master, list) and len(master) == 2 else None
+                    return Membership(rnd, nodes, nodes.index(s.node_id), master)
+                self._unjoin(rnd, mine)
+                return None
+            if cur != rnd:
+                self._unjoin(rnd, mine)
+                return None
+            lease = self._lease_id()
+            if mine is None or mine.lease != lease:
+                # not joined yet, or our lease was lost and granted anew: (re-)join
+                if put_with != lease or mine is not None:
+                    c.put(k.join(rnd, s.node_id), value, lease=lease)
+                    put_with = lease
+                v.wait(version, 1.0)
+                continue
+            wait_s = deadline - now
+            if not decide:
+                wait_s = min(wait_s, evaluate_at - now)
+            else:
+                evaluate_at = now + 0.5
+                close = False
+                if members is not None:
+                    min_seen_at = now if min_seen_at is None else min_seen_at
+                    last_call_left = min_seen_at + s.last_call_timeout_s - now
+                    close = n_joined >= s.max_nodes or everyone or last_call_left <= 0
+                    wait_s = min(wait_s, max(last_call_left, 0.0))
+                if not close:
+                    close_due_at = None
+                elif oldest == s.node_id or (close_due_at is not None and now >= close_due_at):
+                    final_value = {"round": rnd, "nodes": members}
+                    if members[0] == s.node_id:  # rank 0 closes: its store address travels with the final
+                        final_value["master"] = [s.local_addr, get_free_port()]
+                    _, written = c.compare_and_put(k.final(rnd), json.dumps(final_value).encode(),
+                                                   expected_mod_revision=None)
+                    continue
+                else:
+                    close_due_at = close_due_at or now + 1.0 + self._rng()
+                    wait_s = min(wait_s, close_due_at - now)
+            self._check_deadline(deadline, cleanup_key=k.join(rnd, s.node_id))
+            v.wait(version, max(wait_s, 0.01))
+
+    def _unjoin(self, rnd: int, mine: KeyValue | None) -> None:
+        if mine is not None:
+            self._client.delete(self.keys.join(rnd, self.settings.node_id))
+
+    def _check_deadline(self, deadline: float, cleanup_key: str | None = None) -> None:
+        if self._clock() < deadline:
+            return
+        if cleanup_key:
+            self._client.delete(cleanup_key)
+        s = self.settings
+        raise RendezvousTimeoutError(
+            f"rendezvous {s.run_id} did not gather {s.min_nodes} node(s) within "
+            f"{s.join_timeout_s:g} s (join_timeout); are the other nodes started with the same --rdzv-id?"
+        )

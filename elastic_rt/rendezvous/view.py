@@ -1,0 +1,227 @@
+"""This node's local copy of the run's membership keys, kept current by one etcd watch stream.
+
+One range read at start, then one Watch stream (a watcher per range of RunKeys.watch_ranges,
+which leaves the worker stores out) from the revision of that read. Reading the view costs
+etcd nothing: the agent's monitor tick and the rendezvous loop only read local state.
+A broken stream reconnects with jittered backoff and resumes each watcher after the last
+revision it delivered; a compacted revision costs one fresh range read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from elastic_rt.errors import EtcdUnavailableError, RendezvousDataError
+from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, WatchCompacted, WatchEvent, WatchStream
+from elastic_rt.rendezvous.health import Backoff
+from elastic_rt.rendezvous.keys import RunKeys
+
+log = logging.getLogger(__name__)
+
+
+class MembershipView:
+    """round, closed, alive/*, waiting/*, rounds/R/{join/*,final} as last seen; `version` counts changes.
+
+    Read the attributes while holding `lock` (a Condition that is notified on every change).
+    """
+
+    def __init__(self, client: EtcdClient, keys: RunKeys, *, node_id: str,
+                 clock: Callable[[], float] = time.monotonic, backoff: Backoff | None = None) -> None:
+        self._client = client
+        self._keys = keys
+        self._node_id = node_id
+        self._clock = clock
+        self._backoff = backoff or Backoff()
+        self._ranges = keys.watch_ranges()
+        self.lock = threading.Condition()
+        self.round: KeyValue | None = None
+        self.closed = False
+        self.alive: dict[str, KeyValue] = {}
+        self.departed: dict[str, float] = {}  # node -> when its alive key was seen deleted
+        self.waiting: dict[str, KeyValue] = {}
+        self.joins: dict[int, dict[str, KeyValue]] = {}
+        self.finals: dict[int, KeyValue] = {}
+        self.connected = False
+        self.version = 0
+        self._revs: list[int] = []
+        self._stream: WatchStream | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ----------------------------------------------------------
+    def start(self) -> None:
+        """One range read (raises EtcdUnavailableError), then the watch thread."""
+        if self._thread is not None:
+            return
+        self._reload()
+        self._thread = threading.Thread(target=self._run, name="elastic-rt-view", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.reconnect()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def reconnect(self) -> None:
+        """Drop the stream; the thread reopens it on the client's current endpoint (after a failover)."""
+        with self.lock:
+            stream = self._stream
+        if stream is not None:
+            stream.close()
+
+    @property
+    def stream_endpoint(self) -> str | None:
+        with self.lock:
+            return self._stream.endpoint if self._stream is not None else None
+
+    def wait(self, version: int, timeout_s: float) -> int:
+        """Block until the view changes past `version` or timeout_s passes; returns the version now."""
+        deadline = self._clock() + max(0.0, timeout_s)
+        with self.lock:
+            while self.version == version and not self._stop.is_set():
+                left = deadline - self._clock()
+                if left <= 0:
+                    break
+                self.lock.wait(left)
+            return self.version
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Block until predicate() (called with the lock held) is true or timeout_s passes."""
+        deadline = self._clock() + max(0.0, timeout_s)
+        with self.lock:
+            while not predicate():
+                left = deadline - self._clock()
+                if left <= 0 or self._stop.is_set():
+                    return False
+                self.lock.wait(left)
+            return True
+
+    # ---- the watch thread ---------------------------------------------------
+    def _run(self) -> None:
+        reload = False
+        while not self._stop.is_set():
+            try:
+                if reload:
+                    self._reload()
+                    reload = False
+                stream = self._client.open_watch(self._ranges, [r + 1 for r in self._revs])
+                with self.lock:
+                    self._stream = stream
+                if self._stop.is_set():
+                    stream.close()
+                created = 0
+                for index, events, is_created in stream:
+                    if is_created:
+                        created += 1
+                        if created == len(self._ranges):
+                            self._backoff.reset()
+                            self._set_connected(True)
+                        continue
+                    self._apply(index, events)
+            except WatchCompacted as exc:
+                log.info("node %s: membership watch: %s; re-reading", self._node_id, exc)
+                reload = True
+            except EtcdUnavailableError as exc:
+                self._set_connected(False)
+                log.debug("node %s: membership watch: %s", self._node_id, exc)
+                self._stop.wait(self._backoff.next())
+            except Exception as exc:  # noqa: BLE001 - the view must outlive any one bad response
+                self._set_connected(False)
+                log.warning("node %s: membership watch failed: %r; reconnecting", self._node_id, exc)
+                reload = True
+                self._stop.wait(self._backoff.next())
+            finally:
+                with self.lock:
+                    self._stream = None
+        self._set_connected(False)
+
+    def _set_connected(self, connected: bool) -> None:
+        with self.lock:
+            if self.connected != connected:
+                self.connected = connected
+                self.version += 1
+                self.lock.notify_all()
+
+    def _reload(self) -> None:
+        ranges, rev = self._client.read_ranges(self._ranges)
+        now = self._clock()
+        with self.lock:
+            before = set(self.alive)
+            self.round, self.closed = None, False
+            self.alive, self.waiting, self.joins, self.finals = {}, {}, {}, {}
+            for kvs in ranges:
+                for kv in kvs:
+                    self._put(kv, now)
+            for node in before - set(self.alive):
+                self.departed.setdefault(node, now)
+            self._revs = [rev] * len(self._ranges)
+            self.version += 1
+            self.lock.notify_all()
+
+    def _apply(self, index: int, events: list[WatchEvent]) -> None:
+        now = self._clock()
+        with self.lock:
+            for ev in events:
+                if ev.deleted:
+                    self._delete(ev.kv.key, now)
+                else:
+                    self._put(ev.kv, now)
+                self._revs[index] = max(self._revs[index], ev.kv.mod_revision)
+            self.version += 1
+            self.lock.notify_all()
+
+    # ---- key layout -> state (caller holds the lock) -------------------------
+    def _put(self, kv: KeyValue, now: float) -> None:
+        kind, rnd, node = self._keys.parse(kv.key)
+        if kind == "round":
+            self.round = kv
+            self._prune()
+        elif kind == "closed":
+            self.closed = True
+        elif kind == "alive":
+            self.alive[node] = kv
+            self.departed.pop(node, None)
+        elif kind == "waiting":
+            self.waiting[node] = kv
+        elif kind == "join":
+            self.joins.setdefault(rnd, {})[node] = kv
+        elif kind == "final":
+            self.finals[rnd] = kv
+
+    def _delete(self, key: str, now: float) -> None:
+        kind, rnd, node = self._keys.parse(key)
+        if kind == "round":
+            self.round = None
+        elif kind == "closed":
+            self.closed = False
+        elif kind == "alive":
+            if self.alive.pop(node, None) is not None:
+                self.departed[node] = now
+        elif kind == "waiting":
+            self.waiting.pop(node, None)
+        elif kind == "join":
+            self.joins.get(rnd, {}).pop(node, None)
+        elif kind == "final":
+            self.finals.pop(rnd, None)
+
+    def _prune(self) -> None:
+        """Keep the current and the previous round's keys only (rank 0 deletes older ones from etcd)."""
+        try:
+            current = self.current_round()
+        except RendezvousDataError:
+            return  # the handler reports it
+        if current is None:
+            return
+        for table in (self.joins, self.finals):
+            for rnd in [r for r in table if r < current - 1]:
+                del table[rnd]
+
+    def current_round(self) -> int | None:
+        """The round number (caller holds the lock); None before the first node created it."""
+        if self.round is None:
+            return None
+        return self._keys.decode_round(self.round)

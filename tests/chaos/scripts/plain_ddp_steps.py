@@ -1,0 +1,40 @@
+"""A plain torch DDP job that knows nothing of elastic-rt (what a new user brings): gloo on CPU, a fixed
+number of optimizer steps. Global rank 0 prints `step=N world_size=W` each step and `done steps=N world_size=W`."""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(1, args.steps + 1):
+        loss = model(torch.randn(8, 16)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == 0:
+            print(f"step={step} world_size={world} restart={os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                  flush=True)
+        time.sleep(args.step_sleep)
+    dist.barrier()
+    if rank == 0:
+        print(f"done steps={args.steps} world_size={world}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

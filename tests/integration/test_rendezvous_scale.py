@@ -1,0 +1,136 @@
+"""Issue 11 in CI: 64 etcd-v3 handlers (threads of one process) against a real etcd, counted by etcd itself.
+
+etcd's own /metrics (grpc_server_msg_received_total: one per unary call, one per message on a
+stream) say what each node costs: per round, a constant number of requests, whatever N is;
+while idle, lease keepalives and nothing else, however often the monitor tick asks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic_rt.chaos.etcd_server import EtcdCluster
+from elastic_rt.rendezvous.registration import create_etcd_v3_handler
+
+N = 64
+# Requests per node per round, keepalives aside. Today: lease grant + alive put and the view's
+# read + two watchers (first round only), join put, at most one CAS on `round` and one on
+# `final` (only the closer, unless it is late). Rank 0's store address travels in the final,
+# so the round's c10d store is not touched. Before the watches it was ~15 at N = 64 and grew
+# with N (~52 at 256).
+PER_NODE_PER_ROUND = 8
+LEASE_TTL_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EtcdCluster(1) as cluster:
+        yield cluster
+
+
+def requests_by_method(cluster) -> dict[str, float]:
+    url = f"http://{cluster.members[0].endpoint}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "grpc_server_msg_received":
+            for s in fam.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["grpc_method"]] = out.get(s.labels["grpc_method"], 0.0) + s.value
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+def _handlers(cluster, run_id, n):
+    return [
+        create_etcd_v3_handler(RendezvousParameters(
+            "etcd-v3", cluster.endpoints, run_id, n - 1, n, local_addr="127.0.0.1", node_id=f"n{i:03d}",
+            lease_ttl=LEASE_TTL_S, last_call_timeout=1, join_timeout=240))
+        for i in range(n)
+    ]
+
+
+def _rendezvous_all(handlers) -> float:
+    errors: list[BaseException] = []
+
+    def go(h):
+        try:
+            h.next_rendezvous()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=go, args=(h,)) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    return time.monotonic() - t0
+
+
+def _poll(pred, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_64_nodes_meet_and_reform_at_constant_cost_and_idle_costs_only_keepalives(etcd, run_id):
+    handlers = _handlers(etcd, run_id, N)
+    try:
+        before = requests_by_method(etcd)
+        took = _rendezvous_all(handlers)
+        first = delta(requests_by_method(etcd), before)
+        rounds = {h.membership.round for h in handlers}
+        assert rounds == {0} and {len(h.membership.nodes) for h in handlers} == {N}
+        assert sorted(h.membership.rank for h in handlers) == list(range(N))
+        per_node = sum(v for k, v in first.items() if k != "LeaseKeepAlive") / N
+        print(f"\n{N} nodes met in {took:.2f} s; {per_node:.1f} requests per node in round 0: {first}")
+        assert per_node <= PER_NODE_PER_ROUND, first
+
+        # Idle: the agent's monitor tick, 10 times a second on every node, costs etcd nothing.
+        for h in handlers:
+            assert h.membership_change() is None
+        before = requests_by_method(etcd)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:
+            for h in handlers:
+                assert h.membership_change() is None
+            time.sleep(0.1)
+        idle_s = time.monotonic() - t0
+        idle = delta(requests_by_method(etcd), before)
+        assert set(idle) <= {"LeaseKeepAlive"}, f"idle nodes issued {idle}"
+        keepalives_per_node_s = idle.get("LeaseKeepAlive", 0.0) / N / idle_s
+        print(f"idle: {keepalives_per_node_s:.2f} keepalives per node per second, nothing else")
+        assert keepalives_per_node_s <= 1.0 / (LEASE_TTL_S / 3) + 0.5
+
+        # One node leaves: everybody sees it from the watch and the rest re-form at the same cost.
+        leaver, rest = handlers[-1], handlers[:-1]
+        t_left = time.monotonic()
+        leaver.leave()
+        assert _poll(lambda: all(h.membership_change() == "peer_lost" for h in rest), 30)
+        before = requests_by_method(etcd)
+        took = _rendezvous_all(rest)
+        second = delta(requests_by_method(etcd), before)
+        assert {h.membership.round for h in rest} == {1} and {len(h.membership.nodes) for h in rest} == {N - 1}
+        per_node = sum(v for k, v in second.items() if k != "LeaseKeepAlive") / (N - 1)
+        print(f"re-formed without one node in {took:.2f} s ({time.monotonic() - t_left:.2f} s after it left); "
+              f"{per_node:.1f} requests per node: {second}")
+        assert per_node <= PER_NODE_PER_ROUND, second
+    finally:
+        for h in handlers:
+            h.leave()
+            h.close()
