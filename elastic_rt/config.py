@@ -105,6 +105,10 @@ def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ConfigError(f"--probe-bytes {args.probe_bytes}: must be >= 0 (0 = no probe)")
     if args.probe_backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"--probe-backend {args.probe_backend!r}: choose auto, gloo or nccl")
+    warm_imports = tuple(m.strip() for m in (args.warm_imports or "").split(",") if m.strip())
+    bad = [m for m in warm_imports if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", m)]
+    if bad:
+        raise ConfigError(f"--warm-imports {bad[0]!r}: expected dotted module names, e.g. torch,numpy")
     if not args.script:
         raise ConfigError("no training script given: elastic-rt launch [options] SCRIPT [ARGS...]")
     return AgentConfig(
@@ -136,6 +140,8 @@ def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
         probe_backend=args.probe_backend,
         probe_interval_s=_positive("--probe-interval", args.probe_interval, zero_ok=True),
         probe_failure_action=args.probe_failure_action,
+        warm_workers=args.warm_workers == "on",
+        warm_imports=warm_imports,
         run_as_module=bool(args.module),
         no_python=bool(args.no_python),
         script=args.script,

@@ -14,6 +14,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
+from elastic_rt.agent.warm import WarmPool
+from elastic_rt.agent.warm_start import warm_start
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
 
@@ -62,6 +64,7 @@ class ElasticRTAgent(LocalElasticAgent):
         policy: RestartPolicy | None = None,
         round_listeners: Sequence[RoundListener] = (),
         log_line_prefix_template: str | None = None,
+        warm_pool: WarmPool | None = None,
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout_s,
@@ -77,6 +80,9 @@ class ElasticRTAgent(LocalElasticAgent):
         self._round_listeners = tuple(round_listeners)
         self.restarts: dict[str, int] = {}
         self._broken_group = False
+        self._warm_pool = warm_pool
+        if warm_pool is not None:
+            warm_pool.log_prefix = self._prefix
 
     # ---- helpers -----------------------------------------------------------
     def _handler(self):
@@ -122,10 +128,14 @@ class ElasticRTAgent(LocalElasticAgent):
             ENV_NODE_ID: self._node_id,
             ENV_ROUND: str(m.round if m else 0),
         })
-        pids = super()._start_workers(worker_group)
+        with warm_start(self._warm_pool, ready=self._workers_stepped):
+            pids = super()._start_workers(worker_group)
         self.observer.on_workers_started(dict(pids))
         self.policy.on_workers_started(pids.keys())
         return pids
+
+    def _workers_stepped(self) -> bool:
+        return all(hb is not None for hb in self._reports.heartbeats().values())
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         """Stop every worker and its descendants: `death_sig`, the grace period, then SIGKILL."""

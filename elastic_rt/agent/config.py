@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 # and clear of what usually runs on a GPU node: node_exporter 9100, DCGM exporter
 # 9400, OpenTelemetry's Prometheus exporter 9464.
 DEFAULT_METRICS_PORT = 9402
+# What a warm worker imports before it knows its rank: torch's own modules (DDP imports torch._dynamo
+# on first use: seconds) and elastic-rt's checkpointing; nothing of the user's.
+DEFAULT_WARM_IMPORTS = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "elastic_rt.checkpoint")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +46,8 @@ class AgentConfig:
     probe_backend: str = "auto"
     probe_interval_s: float = 0.0
     probe_failure_action: str = "report"
+    warm_workers: bool = True
+    warm_imports: tuple[str, ...] = DEFAULT_WARM_IMPORTS
     run_as_module: bool = False
     no_python: bool = False
     script: str = ""

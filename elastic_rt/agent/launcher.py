@@ -21,10 +21,12 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from torch.distributed.elastic.utils import macros
 
 from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
+from elastic_rt.agent.warm import WarmPool
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.inbox import WorkerReports
@@ -132,6 +134,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         probe_failure=round_checks.probe_failure if round_checks else (lambda: None),
         probe_failure_action=cfg.probe_failure_action,
     )
+    warm_pool = make_warm_pool(cfg, node_id, entrypoint, args)
     agent = ElasticRTAgent(
         spec,
         logs_specs,
@@ -144,14 +147,30 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         observer=observer,
         policy=policy,
         round_listeners=(round_checks.on_round,) if round_checks else (),
+        warm_pool=warm_pool,
     )
     leave = getattr(handler, "leave", None)
     try:
+        if warm_pool is not None:
+            warm_pool.start()
         return _run(agent, cfg, node_id, log_dir, handler, leave)
     finally:
+        if warm_pool is not None:
+            warm_pool.close()
         stop.set()
         getattr(observer, "close", lambda: None)()
         getattr(handler, "close", lambda: None)()
+
+
+def make_warm_pool(cfg: AgentConfig, node_id: str, entrypoint: str, args: tuple[str, ...]) -> WarmPool | None:
+    """The warm-worker pool for this node, or None (--warm-workers off, --no-python: one log line)."""
+    if not cfg.warm_workers:
+        return None
+    if cfg.no_python:
+        log.info("[%s] warm workers off: --no-python runs an executable the agent cannot start ahead", node_id)
+        return None
+    return WarmPool(entrypoint=entrypoint, nproc=cfg.nproc_per_node, imports=cfg.warm_imports,
+                    args_for_rank=lambda rank: macros.substitute(list(args), str(rank)))
 
 
 def _probe_health(round_checks):

@@ -1,4 +1,5 @@
-"""Entry point of every worker: die with the agent (PR_SET_PDEATHSIG), then run the user's script."""
+"""Entry point of every worker: die with the agent (PR_SET_PDEATHSIG), then run the user's script
+(a warm worker first imports ahead and waits for its environment: agent/warm_child.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import runpy
 import signal
 import sys
 
-from elastic_rt.agent import teardown_guard
+from elastic_rt.agent import teardown_guard, warm_child
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_FILE, ENV_PARENT_PID
 
 _PR_SET_PDEATHSIG = 1
@@ -30,11 +31,14 @@ def _die_with_parent() -> None:
 def main(argv: list[str]) -> None:
     _die_with_parent()
     teardown_guard.install()
+    warm, argv = warm_child.split_argv(argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if warm is not None:  # a pre-started worker: import ahead, then wait for the agent's start message
+        argv = warm_child.become_worker(warm, argv)
     hb_dir = os.environ.get(ENV_HEARTBEAT_DIR)
     if hb_dir:
         os.environ[ENV_HEARTBEAT_FILE] = os.path.join(hb_dir, f"worker-{os.environ.get('LOCAL_RANK', '0')}")
-    if argv and argv[0] == "--":
-        argv = argv[1:]
     if not argv:
         sys.exit("elastic-rt worker: no training script given")
     if argv[0] == "-m":
