@@ -76,6 +76,10 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-imports", default=",".join(DEFAULT_WARM_IMPORTS),
                    help="modules a warm worker imports ahead (comma-separated; library modules only: they run "
                         "before the worker knows its rank)")
+    p.add_argument("--host-cache", default="on", choices=("on", "off"),
+                   help="keep the last checkpoint's files of this node's workers in shared memory "
+                        "(/dev/shm/elastic-rt-RUN-NODE/, removed at exit) so that a restart here loads "
+                        "from memory; storage stays the truth (default on)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
     p.add_argument("script", nargs="?", default="", help="training script")

@@ -141,6 +141,7 @@ def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
         probe_interval_s=_positive("--probe-interval", args.probe_interval, zero_ok=True),
         probe_failure_action=args.probe_failure_action,
         warm_workers=args.warm_workers == "on",
+        host_cache=args.host_cache == "on",
         warm_imports=warm_imports,
         run_as_module=bool(args.module),
         no_python=bool(args.no_python),

@@ -15,6 +15,7 @@ ENV_NODE_ID = "ELASTIC_RT_NODE_ID"
 ENV_ROUND = "ELASTIC_RT_ROUND"  # rendezvous round the worker was started in
 ENV_PARENT_PID = "ELASTIC_RT_AGENT_PID"  # the agent's pid, for the death signal check
 ENV_CHECKPOINT_URL = "ELASTIC_RT_CHECKPOINT_URL"
+ENV_HOST_CACHE_DIR = "ELASTIC_RT_HOST_CACHE_DIR"  # the node's checkpoint copy in shared memory
 
 
 @dataclass(frozen=True, kw_only=True)

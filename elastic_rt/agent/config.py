@@ -47,6 +47,7 @@ class AgentConfig:
     probe_interval_s: float = 0.0
     probe_failure_action: str = "report"
     warm_workers: bool = True
+    host_cache: bool = True
     warm_imports: tuple[str, ...] = DEFAULT_WARM_IMPORTS
     run_as_module: bool = False
     no_python: bool = False

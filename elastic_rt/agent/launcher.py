@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -30,7 +32,7 @@ from elastic_rt.agent.warm import WarmPool
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.inbox import WorkerReports
-from elastic_rt.worker_env import ENV_CHECKPOINT_URL
+from elastic_rt.worker_env import ENV_CHECKPOINT_URL, ENV_HOST_CACHE_DIR
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         probe_failure=round_checks.probe_failure if round_checks else (lambda: None),
         probe_failure_action=cfg.probe_failure_action,
     )
+    host_cache = make_host_cache(cfg, node_id)  # before the warm workers: they inherit its variable
     warm_pool = make_warm_pool(cfg, node_id, entrypoint, args)
     agent = ElasticRTAgent(
         spec,
@@ -157,9 +160,27 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     finally:
         if warm_pool is not None:
             warm_pool.close()
+        if host_cache is not None:
+            shutil.rmtree(host_cache, ignore_errors=True)
         stop.set()
         getattr(observer, "close", lambda: None)()
         getattr(handler, "close", lambda: None)()
+
+
+def make_host_cache(cfg: AgentConfig, node_id: str, shm_root: str = "/dev/shm") -> str | None:
+    """This node's (empty) directory for checkpoint copies in shared memory, handed to the workers
+    (elastic_rt/checkpoint/host_cache.py); None without shared memory or with --host-cache off."""
+    if not cfg.host_cache or not os.path.isdir(shm_root):
+        return None
+    path = os.path.join(shm_root, re.sub(r"[^\w.-]", "_", f"elastic-rt-{cfg.rdzv_id}-{node_id}"))
+    try:
+        shutil.rmtree(path, ignore_errors=True)  # left by an agent that was SIGKILLed
+        os.makedirs(path, mode=0o700)
+    except OSError as exc:
+        log.warning("[%s] no checkpoint copies in host memory: %s", node_id, exc)
+        return None
+    os.environ[ENV_HOST_CACHE_DIR] = path
+    return path
 
 
 def make_warm_pool(cfg: AgentConfig, node_id: str, entrypoint: str, args: tuple[str, ...]) -> WarmPool | None:
