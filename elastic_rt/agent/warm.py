@@ -275,7 +275,9 @@ class WarmPool:
                 os.close(fd)
                 if ok:
                     warm.ready.set()
-                    ready.append(rank)
+                    with self._lock:
+                        if self._idle.get(rank) is warm:  # not already started as a worker
+                            ready.append(rank)
         if ready:
             took = max(self._clock() - batch[r][0].started_at for r in ready)
             log.info("%s warm workers ready for local rank(s) %s (imports took %.1f s)", self.log_prefix(),

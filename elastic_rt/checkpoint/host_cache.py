@@ -9,6 +9,11 @@ from storage, and a memory copy is used only when its name matches that step's m
 entry and its bytes match the crc32. A copy that does not (corrupt, or stale: another
 timeline's bytes for the same step) is skipped with one warning, and the file is read
 from storage, its crc32 checked as it is read.
+
+The crc32 of a copy is checked when it is made (against the manifest, as it is copied) and a
+stamp beside it records the file's inode change time then. At load, a copy whose stamp still
+holds was not written since (any write, truncation or replacement moves ctime, which no process
+can set back) and is used without reading it twice; any other copy has its crc32 computed again.
 """
 
 from __future__ import annotations
@@ -33,7 +38,28 @@ from elastic_rt.worker_env import ENV_HOST_CACHE_DIR
 log = logging.getLogger(__name__)
 
 COPY_CHUNK_BYTES = 16 << 20
-_TMP_RE = re.compile(r"\.tmp\d+$")
+_TMP_RE = re.compile(r"(\.tmp\d+|\.ok)$")
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in at once
+
+
+def _identity(st: os.stat_result) -> str:
+    return f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_ctime_ns}"
+
+
+def _write_stamp(path: str) -> None:
+    """Record the copy's inode change time right after its crc32 was checked: any later write to it
+    (or truncation, or replacement) changes the inode's ctime, which no process can set back."""
+    with open(path + ".ok", "w") as f:
+        f.write(_identity(os.stat(path)))
+
+
+def _stamp_holds(path: str, st: os.stat_result) -> bool:
+    """True when the copy is unchanged since its crc32 was checked; else its crc32 is computed again."""
+    try:
+        with open(path + ".ok") as f:
+            return f.read() == _identity(st)
+    except OSError:
+        return False
 
 
 def cached_name(entry: FileEntry) -> str:
@@ -107,6 +133,7 @@ class HostCache:
             if crc != entry.crc32:
                 raise CheckpointError(f"{entry.path} on storage does not match its manifest")
             os.replace(tmp, final)
+            _write_stamp(final)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -246,15 +273,15 @@ class CachedStore:
     def _open_copy(self, path: str, entry: FileEntry) -> io.RawIOBase | None:
         try:
             with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size != entry.size:
+                stat = os.fstat(f.fileno())
+                if stat.st_size != entry.size:
                     return None
-                mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else None
+                mapped = mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ) if stat.st_size else None
         except OSError:
             return None
         if mapped is None:
             return _ViewStream(b"") if entry.crc32 == 0 else None
-        if self._verify and zlib.crc32(mapped) != entry.crc32:
+        if self._verify and not _stamp_holds(path, stat) and zlib.crc32(mapped) != entry.crc32:
             mapped.close()
             return None
         return _ViewStream(mapped, closer=mapped.close)

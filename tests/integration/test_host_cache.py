@@ -76,7 +76,8 @@ def run(saved, tmp_path):
 
 
 def _shards(directory) -> list[str]:
-    return sorted(glob.glob(f"{directory}/**/__*_0.distcp*", recursive=True))
+    """The shard files (DCP's __<rank>_0.distcp) on storage, or their copies in host memory."""
+    return sorted(p for p in glob.glob(f"{directory}/**/__*_0.distcp*", recursive=True) if not p.endswith(".ok"))
 
 
 def _flip_byte(path: str) -> None:
