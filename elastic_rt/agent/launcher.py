@@ -156,6 +156,8 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     try:
         if warm_pool is not None:
             warm_pool.start()
+            if hasattr(observer, "track_warm_workers"):
+                observer.track_warm_workers(lambda: len(warm_pool.idle_pids(ready_only=True)))
         return _run(agent, cfg, node_id, log_dir, handler, leave)
     finally:
         if warm_pool is not None:

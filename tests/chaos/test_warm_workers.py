@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from tests.chaos.harness import EXAMPLE, Node
-from tests.chaos.test_launch_e2e import nodes  # noqa: F401 - fixture
+from tests.chaos.harness import EXAMPLE, Node, launch_args
+from tests.chaos.test_launch_e2e import _rank0, nodes  # noqa: F401 - fixture
 from tests.chaos.test_resume_e2e import _committed_indices
 
 pytestmark = pytest.mark.slow
@@ -92,3 +92,31 @@ def test_no_python_runs_cold(tmp_path, nodes):  # noqa: F811
     assert n.matches(r"warm workers off: --no-python")
     assert sorted(m.group(1) for m in n.matches(r"shell worker rank=(\d) of 2")) == ["0", "1"]
     assert not n.matches(r"from warm workers")
+
+
+def test_hot_spare_takes_the_place_of_a_killed_node(etcd_endpoint, run_id, nodes):  # noqa: F811
+    started = {name: Node(launch_args(etcd_endpoint, run_id, name, nnodes="1:2", nproc=1, steps=150,
+                                      step_sleep=0.1), name=name) for name in ("a", "b", "c")}
+    nodes.extend(started.values())
+    spare = _poll_one(started, r"round \d+ is running; waiting for the next round", 180)
+    active = [n for n in started.values() if n is not spare]
+    spare.wait_for(r"warm workers ready for local rank\(s\) 0", 240)  # ready while it waits
+    leader, other = _rank0(*active)
+    leader.wait_for(r"\]:step=3 ", 120)
+    t_kill = time.monotonic()
+    other.kill_node()
+    spare.wait_for(r"started local rank\(s\) 0 from warm workers$", 120, after=t_kill)
+    assert leader.wait_exit(300) == 0, leader.output[-3000:]
+    assert spare.wait_exit(60) == 0, spare.output[-3000:]
+    done = leader.matches(r"done steps=150 world_size=(\d+)") + spare.matches(r"done steps=150 world_size=(\d+)")
+    assert [m.group(1) for m in done] == ["2"]  # the spare filled the place: still two workers
+
+
+def _poll_one(candidates: dict[str, Node], pattern: str, timeout_s: float) -> Node:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        hits = [n for n in candidates.values() if n.matches(pattern)]
+        if hits:
+            return hits[0]
+        time.sleep(0.2)
+    raise TimeoutError("no node waited as a spare:\n" + "\n----\n".join(n.output[-1500:] for n in candidates.values()))

@@ -83,3 +83,22 @@ def test_warm_flags():
     assert _cfg("--warm-imports", "torch, numpy").warm_imports == ("torch", "numpy")
     with pytest.raises(ConfigError, match="--warm-imports"):
         _cfg("--warm-imports", "torch;rm -rf")
+
+
+def test_standby_and_warm_worker_gauges():
+    from prometheus_client import CollectorRegistry
+
+    from elastic_rt.metrics.definitions import AgentMetrics
+
+    reg = CollectorRegistry()
+    m = AgentMetrics(registry=reg, run_id="job7", node="node-a", sysfs_root=None, timex_reader=None)
+    base = {"run_id": "job7", "node": "node-a"}
+    m.on_rendezvous_started()
+    assert reg.get_sample_value("elastic_rt_standby", base) == 1
+    m.on_rendezvous(round=1, world_size=2, nodes=1, duration_s=0.5)
+    assert reg.get_sample_value("elastic_rt_standby", base) == 0
+    ready = [2]
+    m.track_warm_workers(lambda: ready[0])
+    assert reg.get_sample_value("elastic_rt_warm_workers_ready", base) == 2
+    ready[0] = 0
+    assert reg.get_sample_value("elastic_rt_warm_workers_ready", base) == 0
