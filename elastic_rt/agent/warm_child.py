@@ -66,6 +66,19 @@ def _can_renice_back(current: int) -> bool:
     return soft == resource.RLIM_INFINITY or 20 - soft <= current
 
 
+def _renice_all_threads(value: int) -> None:
+    """Linux keeps a nice value per thread: threads the imports started were niced with this one."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+        except OSError:
+            pass
+
+
 def _read_message(fd: int) -> bytes:
     chunks, total = [], 0
     while True:
@@ -178,7 +191,7 @@ def become_worker(opts: WarmOptions, argv: list[str]) -> list[str]:
     if not raw:
         os._exit(0)  # the agent closed the pool or died: nothing to run
     if os.nice(0) != original_nice:
-        os.setpriority(os.PRIO_PROCESS, 0, original_nice)
+        _renice_all_threads(original_nice)
     message = json.loads(raw)
     env: dict[str, str] = message["env"]
     for name, path in (("stdout", 1), ("stderr", 2)):

@@ -25,7 +25,8 @@ SCRIPT = textwrap.dedent("""
     import colorsys
     go = sys.argv[1]
     print(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:], "rank": os.environ.get("RANK"),
-                      "pad": "ELASTIC_RT_WARM_PAD" in os.environ, "colorsys": colorsys.__file__}), flush=True)
+                      "pad": "ELASTIC_RT_WARM_PAD" in os.environ, "colorsys": colorsys.__file__,
+                      "nice": os.nice(0)}), flush=True)
     deadline = time.monotonic() + 60
     while not os.path.exists(go) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -86,6 +87,7 @@ def test_started_warm_worker_is_the_worker_a_cold_start_makes(job):
     line = json.loads(_poll(lambda: _read(out), 30, "script output"))
     assert line["pid"] == warm_pid and line["rank"] == "5" and line["pad"] is False
     assert line["argv"] == [str(tmp_path / "go")]
+    assert line["nice"] == os.nice(0)  # niced while importing ahead (where it can be undone), not after
     # what tools see in /proc (ps e, elastic-rt chaos, benchmarks): the worker's variables, no pad
     seen = psutil.Process(warm_pid).environ()
     assert seen["RANK"] == "5" and seen["WORLD_SIZE"] == "8" and "ELASTIC_RT_WARM_PAD" not in seen
