@@ -85,7 +85,11 @@ class HostCache:
 
     # ---- after a commit: copy this rank's files ---------------------------------------------------
     def keep(self, store: CheckpointStore, step: int) -> None:
-        """Copy the files this rank wrote for committed `step` into the cache, in the background."""
+        """Copy the files this rank wrote for committed `step` into the cache, in the background.
+        Local storage only: the copy reads the files back (from the page cache, just written); from
+        an object store that would download them again after every save."""
+        if not store.is_local:
+            return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rt-host-cache")
         self._pending = self._executor.submit(self._keep, store, step)
