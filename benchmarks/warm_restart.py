@@ -14,7 +14,7 @@ restore    --size-gib of state over 2 ranks (each rank 1/2 in 8 tensors), one co
            from the page cache (posix_fadvise DONTNEED: a disk read) and again from the page cache;
            restore from host memory (load_latest, copies in /dev/shm). Max over ranks, medians.
 
-    python benchmarks/warm_restart.py [--part recovery|restore|all] [--trials 3] [--json PATH]
+    python benchmarks/warm_restart.py [--part recovery|restore|all] [--trials 3] [--json PATH] [--allow-dirty]
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def restore_worker(rank: int, world_size: int, root: str, cache: str, size_bytes
 
 
 def run_restore(args) -> dict:
-    from elastic_rt.checkpoint.testing import run_world
+    from tests.support.world import run_world
 
     root = tempfile.mkdtemp(prefix="elastic-rt-restore-", dir=args.dir)
     cache = tempfile.mkdtemp(prefix="elastic-rt-bench-", dir="/dev/shm")
@@ -331,8 +331,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from provenance import provenance
+
     args = parse_args(argv)
-    out: dict = {"loadavg_start": os.getloadavg(), "cpus": os.cpu_count(), "id": uuid.uuid4().hex[:8]}
+    out: dict = {"provenance": provenance(args.allow_dirty),  # refuses uncommitted changes unless allowed
+                 "loadavg_start": os.getloadavg(), "cpus": os.cpu_count(), "id": uuid.uuid4().hex[:8]}
     if args.part in ("recovery", "all"):
         out["recovery"] = run_recovery(args)
     if args.part in ("restore", "all"):

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from elastic_rt import __version__
-from elastic_rt.agent.config import DEFAULT_METRICS_PORT, DEFAULT_WARM_IMPORTS
+from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT, DEFAULT_WARM_IMPORTS
 from elastic_rt.config import KNOWN_BACKENDS
 from elastic_rt.errors import ElasticRTError
 
@@ -49,8 +49,12 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-grace", type=float, default=1.0,
                    help="seconds workers get after SIGTERM when the group restarts (default 1)")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help=f"Prometheus /metrics and /healthz port (default {DEFAULT_METRICS_PORT}; 0 = off)")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics server binds (default all)")
+                   help=f"port of Prometheus /metrics and the /livez, /readyz health endpoints "
+                        f"(default {DEFAULT_METRICS_PORT}; 0 = off)")
+    p.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST,
+                   help=f"address the metrics and health server binds (default {DEFAULT_METRICS_HOST}: every "
+                        "IPv4 interface, which Prometheus and kubelet probes in Kubernetes need since they reach "
+                        "the pod IP; 127.0.0.1 keeps it on the node; :: for IPv6 and IPv4)")
     p.add_argument("--hang-timeout", type=float, default=0.0,
                    help="restart the group when workers report no step for this many seconds (0 = off)")
     p.add_argument("--ntp-server", action="append", default=[], help="NTP server to measure offset against "
@@ -66,8 +70,18 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-interval", type=float, default=0.0,
                    help="also probe every this many seconds while the round lasts (default 0 = after rendezvous only)")
     p.add_argument("--probe-failure-action", default="report", choices=("report", "leave"),
-                   help="report: mark /healthz unhealthy and count it; leave: also stop this node's workers and "
-                        "leave the job so the others re-form without it (default report)")
+                   help="report: fail the /readyz check `probe` and count it; leave: also stop this node's "
+                        "workers and leave the job so the others re-form without it (default report)")
+    p.add_argument("--straggler-threshold", type=float, default=1.5,
+                   help="flag a worker whose median step time is this many times the job's median (default 1.5; "
+                        "0 = off)")
+    p.add_argument("--straggler-windows", type=int, default=3,
+                   help="windows in a row over the threshold before a worker is flagged (default 3)")
+    p.add_argument("--straggler-window", type=float, default=10.0,
+                   help="seconds per step-timing window; also how often nodes exchange step times (default 10)")
+    p.add_argument("--straggler-action", default="report", choices=("report", "leave"),
+                   help="report: log, count and export elastic_rt_straggler; leave: also stop this node's workers "
+                        "and leave the job so the others re-form without it (default report)")
     p.add_argument("--sysfs-root", default="/sys",
                    help="where sysfs is mounted (RDMA ports are read under it; default /sys)")
     p.add_argument("--warm-workers", default="on", choices=("on", "off"),
@@ -96,10 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     from elastic_rt.chaos import cli as chaos_cli
     from elastic_rt.checkpoint import cli as ckpt_cli
     from elastic_rt.doctor import command as doctor
+    from elastic_rt.report import command as report_cmd
 
     ckpt_cli.add_subparser(sub)
     doctor.add_subparser(sub)
     chaos_cli.add_subparser(sub)
+    report_cmd.add_subparser(sub)
     return parser
 
 

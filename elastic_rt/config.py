@@ -105,6 +105,10 @@ def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ConfigError(f"--probe-bytes {args.probe_bytes}: must be >= 0 (0 = no probe)")
     if args.probe_backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"--probe-backend {args.probe_backend!r}: choose auto, gloo or nccl")
+    if args.straggler_threshold != 0 and args.straggler_threshold <= 1:
+        raise ConfigError(f"--straggler-threshold {args.straggler_threshold:g}: must be > 1 (times the median), or 0 = off")
+    if args.straggler_windows < 1:
+        raise ConfigError(f"--straggler-windows {args.straggler_windows}: must be >= 1")
     warm_imports = tuple(m.strip() for m in (args.warm_imports or "").split(",") if m.strip())
     bad = [m for m in warm_imports if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", m)]
     if bad:
@@ -140,6 +144,10 @@ def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
         probe_backend=args.probe_backend,
         probe_interval_s=_positive("--probe-interval", args.probe_interval, zero_ok=True),
         probe_failure_action=args.probe_failure_action,
+        straggler_threshold=args.straggler_threshold,
+        straggler_windows=args.straggler_windows,
+        straggler_window_s=_positive("--straggler-window", args.straggler_window),
+        straggler_action=args.straggler_action,
         warm_workers=args.warm_workers == "on",
         host_cache=args.host_cache == "on",
         warm_imports=warm_imports,

@@ -32,6 +32,7 @@ class AgentObserver(Protocol):
     def on_workers_started(self, pids: dict[int, int]) -> None: ...
     def on_workers_finished(self, state: str) -> None: ...
     def on_tick(self) -> None: ...
+    def on_etcd(self, up: bool) -> None: ...
 
 
 class NullObserver:
@@ -42,6 +43,7 @@ class NullObserver:
     def on_workers_started(self, pids: dict[int, int]) -> None: ...
     def on_workers_finished(self, state: str) -> None: ...
     def on_tick(self) -> None: ...
+    def on_etcd(self, up: bool) -> None: ...
 
 
 RoundListener = Callable[..., None]  # called with round, store, group_rank, group_world_size, master_addr
@@ -222,9 +224,10 @@ class ElasticRTAgent(LocalElasticAgent):
             elif state == WorkerState.HEALTHY:
                 self.observer.on_tick()
                 change = self._membership_change() or self.policy.check()
-                if change == "probe_failure":
-                    log.error("%s collective probe failed: leaving the job so that the others re-form "
-                              "without this node (--probe-failure-action leave)", self._prefix())
+                if change in ("probe_failure", "straggler"):
+                    log.error("%s %s: leaving the job so that the others re-form without this node (--%s-action leave)",
+                              self._prefix(), "collective probe failed" if change == "probe_failure"
+                              else "a local worker is a straggler", change.replace("_", "-"))
                     self._stop_workers(self._worker_group)
                     self._worker_group.state = WorkerState.FAILED
                     return RunResult(state=WorkerState.FAILED)

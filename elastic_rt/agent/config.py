@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 # and clear of what usually runs on a GPU node: node_exporter 9100, DCGM exporter
 # 9400, OpenTelemetry's Prometheus exporter 9464.
 DEFAULT_METRICS_PORT = 9402
+# Every IPv4 interface: Prometheus and the kubelet's probes reach a pod at its pod IP, and a
+# bare-metal scraper at the node's address. 127.0.0.1 keeps the endpoints on the node; "::"
+# serves IPv6 and IPv4.
+DEFAULT_METRICS_HOST = "0.0.0.0"
 # What a warm worker imports before it knows its rank: torch's own modules (DDP imports torch._dynamo
 # on first use: seconds) and elastic-rt's checkpointing; nothing of the user's.
 DEFAULT_WARM_IMPORTS = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "elastic_rt.checkpoint")
@@ -36,7 +40,7 @@ class AgentConfig:
     grace_period_s: float = 30.0
     restart_grace_s: float = 1.0
     metrics_port: int = DEFAULT_METRICS_PORT
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = DEFAULT_METRICS_HOST
     hang_timeout_s: float = 0.0
     ntp_servers: tuple[str, ...] = ()
     checkpoint_url: str | None = None
@@ -46,6 +50,10 @@ class AgentConfig:
     probe_backend: str = "auto"
     probe_interval_s: float = 0.0
     probe_failure_action: str = "report"
+    straggler_threshold: float = 1.5
+    straggler_windows: int = 3
+    straggler_window_s: float = 10.0
+    straggler_action: str = "report"
     warm_workers: bool = True
     host_cache: bool = True
     warm_imports: tuple[str, ...] = DEFAULT_WARM_IMPORTS

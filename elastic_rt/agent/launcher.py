@@ -26,10 +26,14 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.utils import macros
 
 from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
+from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
+from elastic_rt.metrics.health import liveness_threshold_s
+from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
+from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_CHECKPOINT_URL, ENV_HOST_CACHE_DIR
@@ -118,24 +122,31 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     )
     reports = WorkerReports(os.path.join(log_dir, "heartbeat"))
     stop = threading.Event()
-    round_checks = None
+    round_checks = goodput = None
     if observer is None:
         from elastic_rt.collectors.schedule import NtpPoller, RoundChecks
         from elastic_rt.metrics.observer import MetricsObserver
 
         metrics_observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports,
-                                           sysfs_root=cfg.sysfs_root)
+                                           sysfs_root=cfg.sysfs_root,
+                                           liveness_threshold_s=liveness_threshold_s(cfg.monitor_interval_s))
         round_checks = RoundChecks(node=node_id, metrics=metrics_observer.metrics, stop=stop,
                                    probe_bytes=cfg.probe_bytes, probe_timeout_s=cfg.probe_timeout_s,
                                    probe_backend=cfg.probe_backend, probe_interval_s=cfg.probe_interval_s)
-        metrics_observer.serve(cfg.metrics_host, cfg.metrics_port, healthy=_probe_health(round_checks))
+        add_readiness_checks(metrics_observer.readiness, cfg, round_checks)
+        metrics_observer.serve(cfg.metrics_host, cfg.metrics_port)
         NtpPoller(servers=cfg.ntp_servers, clock_metrics=metrics_observer.metrics.clock, stop=stop).start()
-        observer = metrics_observer
+        goodput = GoodputObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports, log_dir=log_dir,
+                                  settings=straggler_settings(cfg), registry=metrics_observer.registry,
+                                  started_at=process_start_monotonic())
+        observer = ObserverGroup(metrics_observer, goodput)
     policy = HealthPolicy(
         heartbeats=reports.heartbeats, hang_timeout_s=cfg.hang_timeout_s,
         probe_failure=round_checks.probe_failure if round_checks else (lambda: None),
         probe_failure_action=cfg.probe_failure_action,
     )
+    if goodput is not None:
+        policy = PolicyGroup(policy, StragglerPolicy(goodput))
     host_cache = make_host_cache(cfg, node_id)  # before the warm workers: they inherit its variable
     warm_pool = make_warm_pool(cfg, node_id, entrypoint, args)
     agent = ElasticRTAgent(
@@ -149,7 +160,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         peer_loss_wait_s=getattr(getattr(handler, "settings", None), "lease_ttl_s", 3.0) + 1.0,
         observer=observer,
         policy=policy,
-        round_listeners=(round_checks.on_round,) if round_checks else (),
+        round_listeners=(round_checks.on_round, goodput.exchange.on_round) if round_checks else (),
         warm_pool=warm_pool,
     )
     leave = getattr(handler, "leave", None)
@@ -196,12 +207,21 @@ def make_warm_pool(cfg: AgentConfig, node_id: str, entrypoint: str, args: tuple[
                     args_for_rank=lambda rank: macros.substitute(list(args), str(rank)))
 
 
-def _probe_health(round_checks):
-    def healthy() -> tuple[bool, str]:
-        failure = round_checks.probe_failure()
-        return (False, f"collective probe: {failure}") if failure else (True, "ok")
+def straggler_settings(cfg: AgentConfig) -> StragglerSettings:
+    return StragglerSettings(threshold=cfg.straggler_threshold, windows=cfg.straggler_windows,
+                             window_s=cfg.straggler_window_s, action=cfg.straggler_action)
 
-    return healthy
+
+def add_readiness_checks(readiness, cfg: AgentConfig, round_checks) -> None:
+    """/readyz: this node's fitness for the job, each check on its own data source. (`etcd` is the
+    observer's own, fed by on_etcd; /livez holds the monitor-loop check.)"""
+    from elastic_rt.collectors.rdma import RdmaCollector
+    from elastic_rt.collectors.timex import read_timex
+    from elastic_rt.metrics.readiness import clock_check, probe_check, rdma_check
+
+    readiness.add("probe", probe_check(round_checks, enabled=cfg.probe_bytes > 0))
+    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=cfg.sysfs_root).read_ports))
+    readiness.add("clock", clock_check(lambda: round_checks.last_skew, read_timex))
 
 
 def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) -> int:

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping
 
 from elastic_rt.checkpoint import collectives as coll
 from elastic_rt.checkpoint.manifest import FileEntry, Manifest
-from elastic_rt.checkpoint.store import STEP_DIR_RE, CheckpointStore, step_dirname
+from elastic_rt.checkpoint.storage import STEP_DIR_RE, CheckpointStore, step_dirname
 from elastic_rt.errors import CheckpointError
 from elastic_rt.worker_env import ENV_HOST_CACHE_DIR
 

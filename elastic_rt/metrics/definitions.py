@@ -194,3 +194,151 @@ class AgentMetrics:
 
     def on_probe_failure(self) -> None:
         self.probe_failures.labels(*self._base).inc()
+
+
+# ---- health checks (/livez, /readyz) as metrics ---------------------------------------------------
+HEALTH_CHECK_METRIC = "elastic_rt_health_check"
+LAST_TICK_AGE_METRIC = "elastic_rt_agent_last_tick_age_seconds"
+
+
+class HealthCollector:
+    """The /livez and /readyz checks as gauges, evaluated at scrape time like the endpoints.
+
+    results() yields (kind, check, ok) with kind "liveness" or "readiness"; last_tick_age_s()
+    gives the seconds since the agent's monitor loop last ticked (None before the first tick).
+    """
+
+    def __init__(self, *, run_id: str, node: str, results: Callable[[], Iterable[tuple[str, str, bool]]],
+                 last_tick_age_s: Callable[[], float | None]) -> None:
+        self._base = [run_id, node]
+        self._results = results
+        self._last_tick_age_s = last_tick_age_s
+
+    def _families(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        checks = GaugeMetricFamily(
+            HEALTH_CHECK_METRIC, "1 while the named /livez or /readyz check passes, else 0.",
+            labels=["run_id", "node", "kind", "check"])
+        age = GaugeMetricFamily(
+            LAST_TICK_AGE_METRIC, "Seconds since the agent's monitor loop last ticked (it ticks while workers run).",
+            labels=["run_id", "node"])
+        return checks, age
+
+    def collect(self):
+        checks, age = self._families()
+        for kind, name, ok in self._results():
+            checks.add_metric(self._base + [kind, name], 1.0 if ok else 0.0)
+        yield checks
+        value = self._last_tick_age_s()
+        if value is not None:
+            age.add_metric(self._base, value)
+        yield age
+
+    def describe(self):
+        yield from self._families()  # registering must not run the checks
+# ---- goodput, step timing and stragglers (issue 13; recorded by elastic_rt.goodput) ----------------
+# (imports kept with this block so that it merges as one piece)
+import bisect  # noqa: E402
+import threading  # noqa: E402
+
+from prometheus_client.core import HistogramMetricFamily  # noqa: E402
+from prometheus_client.registry import Collector  # noqa: E402
+
+GOODPUT_CATEGORIES = ("productive", "startup", "restart", "checkpoint", "restore", "lost", "other")
+STEP_TIME_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class StepTimeHistogram(Collector):
+    """elastic_rt_step_duration_seconds per local rank, where one observation may stand for many steps
+    (a tick that saw 100 steps of 1 ms adds 100 to the count): _count is steps, _sum their time."""
+
+    def __init__(self, *, run_id: str, node: str, buckets: tuple = STEP_TIME_BUCKETS_S) -> None:
+        self._base = [run_id, node]
+        self._bounds = tuple(float(b) for b in buckets) + (float("inf"),)
+        self._ranks: dict[int, tuple[list[int], list[float]]] = {}  # rank -> (bucket counts, [sum])
+        self._lock = threading.Lock()
+
+    def observe(self, local_rank: int, duration_s: float, steps: int = 1) -> None:
+        with self._lock:
+            counts, total = self._ranks.setdefault(local_rank, ([0] * len(self._bounds), [0.0]))
+            counts[bisect.bisect_left(self._bounds, duration_s)] += steps
+            total[0] += duration_s * steps
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily("elastic_rt_step_duration_seconds",
+                                     "Time per training step of each local worker, from its step heartbeats.",
+                                     labels=["run_id", "node", "local_rank"])
+
+    def collect(self):
+        fam = self._family()
+        with self._lock:
+            snapshot = {r: (list(c), t[0]) for r, (c, t) in self._ranks.items()}
+        for rank, (counts, total) in sorted(snapshot.items()):
+            cumulative, acc = [], 0
+            for bound, n in zip(self._bounds, counts):
+                acc += n
+                cumulative.append(("+Inf" if bound == float("inf") else repr(bound), acc))
+            fam.add_metric(self._base + [str(rank)], cumulative, total)
+        yield fam
+
+    def describe(self):
+        yield self._family()
+
+
+class GoodputMetrics:
+    """Goodput by category, step time per rank and straggler flags of one agent."""
+
+    def __init__(self, *, registry: CollectorRegistry, run_id: str, node: str) -> None:
+        self._base = (run_id, node)
+        base = ["run_id", "node"]
+        self.seconds = Counter("elastic_rt_goodput_seconds",
+                               "Wall time of this agent since the job started, by category (settled time).",
+                               base + ["category"], registry=registry)
+        self.uncommitted = Gauge("elastic_rt_goodput_uncommitted_seconds",
+                                 "Training time since the last commit: productive if kept, lost on a failure.",
+                                 base, registry=registry)
+        self.ratio = Gauge("elastic_rt_goodput_ratio",
+                           "(productive + uncommitted) / wall time since the job started.", base, registry=registry)
+        self.lost_steps = Counter("elastic_rt_goodput_lost_steps", "Steps re-done after failures.", base,
+                                  registry=registry)
+        self.step_time = Gauge("elastic_rt_step_time_seconds", "Median step time of the worker in the last window.",
+                               base + ["local_rank"], registry=registry)
+        self.step_time_ratio = Gauge("elastic_rt_step_time_ratio",
+                                     "The worker's median step time / the job's median (all nodes).",
+                                     base + ["local_rank"], registry=registry)
+        self.straggler = Gauge("elastic_rt_straggler",
+                               "1 while the worker is flagged as a straggler, else 0.", base + ["local_rank"],
+                               registry=registry)
+        self.step_histogram = StepTimeHistogram(run_id=run_id, node=node)
+        registry.register(self.step_histogram)
+        for category in GOODPUT_CATEGORIES:
+            self.seconds.labels(*self._base, category)
+        self.lost_steps.labels(*self._base)
+        self._exported = dict.fromkeys(GOODPUT_CATEGORIES, 0.0)
+        self._ranks: set[int] = set()
+
+    def on_totals(self, totals: Mapping[str, float], *, uncommitted_s: float, ratio: float) -> None:
+        """The ledger's totals (they only grow): counters advance by the difference."""
+        for category in GOODPUT_CATEGORIES:
+            delta = totals.get(category, 0.0) - self._exported[category]
+            if delta > 0:
+                self.seconds.labels(*self._base, category).inc(delta)
+                self._exported[category] += delta
+        self.uncommitted.labels(*self._base).set(uncommitted_s)
+        self.ratio.labels(*self._base).set(ratio)
+
+    def on_lost_steps(self, steps: int) -> None:
+        self.lost_steps.labels(*self._base).inc(max(0, steps))
+
+    def on_step_times(self, medians: Mapping[int, float], *, job_median_s: float | None = None) -> None:
+        for rank, value in medians.items():
+            self.step_time.labels(*self._base, str(rank)).set(value)
+            if job_median_s:
+                self.step_time_ratio.labels(*self._base, str(rank)).set(value / job_median_s)
+            self._ranks.add(rank)
+
+    def on_stragglers(self, flagged: set[int], local_ranks: set[int]) -> None:
+        """Set the flag of every local rank (1: flagged)."""
+        for rank in local_ranks | self._ranks:
+            self.straggler.labels(*self._base, str(rank)).set(1.0 if rank in flagged else 0.0)
