@@ -43,9 +43,9 @@ def test_killed_worker_is_replaced_by_a_warm_one_and_trains_the_same(tmp_path, n
     nodes.append(n)
     n.wait_for(r"started local rank\(s\) 0,1 from warm workers", 240)
     n.wait_for(READY, 240, after=_after_first_step(n))  # the refill, after the first step
+    workers = _poll(lambda: _running(n), 60, "two running workers and two idle warm ones")
     idle = {p: psutil.Process(p).create_time() for p in n.warm_pids()}
-    assert len(idle) == 2
-    victim = next(p for p in n.worker_pids() if psutil.Process(p).environ().get("LOCAL_RANK") == "1")
+    victim = workers["1"]
     t_kill, wall_kill = time.monotonic(), time.time()
     os.kill(victim, signal.SIGKILL)
     n.wait_for(r"started local rank\(s\) 0,1 from warm workers$", 120, after=t_kill)  # ready, not importing
@@ -61,12 +61,31 @@ def test_killed_worker_is_replaced_by_a_warm_one_and_trains_the_same(tmp_path, n
         assert sorted(samples) == list(range(200)), f"epoch {epoch}"
 
 
+def _running(n: Node) -> dict[str, int] | None:
+    """LOCAL_RANK -> pid of the two workers, once they run beside two idle warm workers."""
+    try:
+        workers = {psutil.Process(p).environ().get("LOCAL_RANK"): p for p in n.worker_pids()}
+    except psutil.NoSuchProcess:
+        return None
+    return workers if set(workers) == {"0", "1"} and len(n.warm_pids()) == 2 else None
+
+
+def _poll(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"no {what} within {timeout_s} s")
+
+
 def test_sigkilled_agent_leaves_no_warm_process_behind(nodes):  # noqa: F811
     n = Node(_standalone("--steps", "100000", "--step-sleep", "0.1"), name="agent")
     nodes.append(n)
     n.wait_for(READY, 240, after=_after_first_step(n))
+    _poll(lambda: _running(n), 60, "two running workers and two idle warm ones")
     tree = psutil.Process(n.proc.pid).children(recursive=True)
-    assert len(n.warm_pids()) == 2 and len(n.worker_pids()) == 2
     os.kill(n.proc.pid, signal.SIGKILL)  # the agent only: its children must follow it
     _, alive = psutil.wait_procs(tree, timeout=60)
     assert not alive, [p.pid for p in alive]
