@@ -14,6 +14,7 @@ import pytest
 from tests.chaos.harness import EXAMPLE, Node, launch_args
 from tests.chaos.test_launch_e2e import _rank0, nodes  # noqa: F401 - fixture
 from tests.chaos.test_resume_e2e import _committed_indices
+from tests.integration.test_warm_pool import _poll
 
 pytestmark = pytest.mark.slow
 
@@ -68,16 +69,6 @@ def _running(n: Node) -> dict[str, int] | None:
     except psutil.NoSuchProcess:
         return None
     return workers if set(workers) == {"0", "1"} and len(n.warm_pids()) == 2 else None
-
-
-def _poll(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"no {what} within {timeout_s} s")
 
 
 def test_sigkilled_agent_leaves_no_warm_process_behind(nodes):  # noqa: F811
