@@ -7,7 +7,7 @@ import logging
 import sys
 
 from elastic_rt import __version__
-from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT
+from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT, DEFAULT_WARM_IMPORTS
 from elastic_rt.agent.stacks import DEFAULT_STACK_SIGNAL
 from elastic_rt.config import KNOWN_BACKENDS
 from elastic_rt.errors import ElasticRTError
@@ -97,6 +97,16 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                         f"TORCHELASTIC_SIGNALS_TO_HANDLE, as torchrun does (default {DEFAULT_SIGNALS_TO_HANDLE})")
     p.add_argument("--sysfs-root", default="/sys",
                    help="where sysfs is mounted (RDMA ports are read under it; default /sys)")
+    p.add_argument("--warm-workers", default="on", choices=("on", "off"),
+                   help="keep a pre-started worker per local rank (torch imported, waiting for its rank) so "
+                        "that a restart skips the interpreter start and imports (default on)")
+    p.add_argument("--warm-imports", default=",".join(DEFAULT_WARM_IMPORTS),
+                   help="modules a warm worker imports ahead (comma-separated; library modules only: they run "
+                        "before the worker knows its rank)")
+    p.add_argument("--host-cache", default="on", choices=("on", "off"),
+                   help="keep the last checkpoint's files of this node's workers in shared memory "
+                        "(/dev/shm/elastic-rt-RUN-NODE/, removed at exit) so that a restart here loads "
+                        "from memory; storage stays the truth (default on)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
     p.add_argument("script", nargs="?", default="", help="training script")

@@ -171,6 +171,10 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         raise ConfigError(f"--straggler-threshold {args.straggler_threshold:g}: must be > 1 (times the median), or 0 = off")
     if args.straggler_windows < 1:
         raise ConfigError(f"--straggler-windows {args.straggler_windows}: must be >= 1")
+    warm_imports = tuple(m.strip() for m in (args.warm_imports or "").split(",") if m.strip())
+    bad = [m for m in warm_imports if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", m)]
+    if bad:
+        raise ConfigError(f"--warm-imports {bad[0]!r}: expected dotted module names, e.g. torch,numpy")
     if not args.script:
         raise ConfigError("no training script given: elastic-rt launch [options] SCRIPT [ARGS...]")
     nproc_per_node = parse_nproc(str(args.nproc_per_node))
@@ -214,6 +218,9 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         straggler_windows=args.straggler_windows,
         straggler_window_s=_positive("--straggler-window", args.straggler_window),
         straggler_action=args.straggler_action,
+        warm_workers=args.warm_workers == "on",
+        host_cache=args.host_cache == "on",
+        warm_imports=warm_imports,
         run_as_module=bool(args.module),
         no_python=bool(args.no_python),
         script=args.script,

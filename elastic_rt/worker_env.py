@@ -32,6 +32,7 @@ OMP_DEFAULT_WARNING = (
     "system being overloaded, please further tune the variable for optimal performance in your "
     "application as needed."
 )
+ENV_HOST_CACHE_DIR = "ELASTIC_RT_HOST_CACHE_DIR"  # the node's checkpoint copy in shared memory
 
 
 @dataclass(frozen=True, kw_only=True)

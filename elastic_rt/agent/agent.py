@@ -15,6 +15,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
+from elastic_rt.agent.warm import WarmPool
+from elastic_rt.agent.warm_start import warm_start
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
 
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 class AgentObserver(Protocol):
     """What the agent reports as it goes (metrics, logs). It decides nothing."""
 
+    def on_rendezvous_started(self) -> None: ...
     def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None: ...
     def on_restart(self, reason: str) -> None: ...
     def on_recovered(self, duration_s: float) -> None: ...
@@ -35,6 +38,7 @@ class AgentObserver(Protocol):
 
 
 class NullObserver:
+    def on_rendezvous_started(self) -> None: ...
     def on_rendezvous(self, **_: Any) -> None: ...
     def on_restart(self, reason: str) -> None: ...
     def on_recovered(self, duration_s: float) -> None: ...
@@ -68,6 +72,7 @@ class ElasticRTAgent(LocalElasticAgent):
         round_listeners: Sequence[RoundListener] = (),
         log_line_prefix_template: str | None = None,
         diagnostics: FailureDiagnostics | None = None,
+        warm_pool: WarmPool | None = None,
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout_s,
@@ -88,6 +93,9 @@ class ElasticRTAgent(LocalElasticAgent):
         add_listener = getattr(spec.rdzv_handler, "add_etcd_listener", None)
         if add_listener is not None and hasattr(self.observer, "on_etcd"):
             add_listener(self.observer.on_etcd)
+        self._warm_pool = warm_pool
+        if warm_pool is not None:
+            warm_pool.log_prefix = self._prefix
 
     # ---- helpers -----------------------------------------------------------
     def _handler(self):
@@ -109,6 +117,7 @@ class ElasticRTAgent(LocalElasticAgent):
     # ---- worker lifecycle --------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         t0 = time.monotonic()
+        getattr(self.observer, "on_rendezvous_started", lambda: None)()
         super()._rendezvous(worker_group)
         m = self._membership()
         self.observer.on_rendezvous(
@@ -133,7 +142,8 @@ class ElasticRTAgent(LocalElasticAgent):
             ENV_NODE_ID: self._node_id,
             ENV_ROUND: str(m.round if m else 0),
         })
-        pids = super()._start_workers(worker_group)
+        with warm_start(self._warm_pool, ready=self._workers_stepped):
+            pids = super()._start_workers(worker_group)
         self.diagnostics.on_workers_started(
             [(w.local_rank, w.global_rank, pids[w.local_rank]) for w in worker_group.workers if w.local_rank in pids],
             getattr(self._pcontext, "stderrs", {}) or {})
@@ -141,6 +151,9 @@ class ElasticRTAgent(LocalElasticAgent):
         self.observer.on_workers_started(dict(pids))
         self.policy.on_workers_started(pids.keys())
         return pids
+
+    def _workers_stepped(self) -> bool:
+        return all(hb is not None for hb in self._reports.heartbeats().values())
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         """Stop every worker and its descendants: `death_sig`, the grace period, then SIGKILL."""

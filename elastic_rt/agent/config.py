@@ -13,6 +13,9 @@ DEFAULT_METRICS_PORT = 9402
 # bare-metal scraper at the node's address. 127.0.0.1 keeps the endpoints on the node; "::"
 # serves IPv6 and IPv4.
 DEFAULT_METRICS_HOST = "0.0.0.0"
+# What a warm worker imports before it knows its rank: torch's own modules (DDP imports torch._dynamo
+# on first use: seconds) and elastic-rt's checkpointing; nothing of the user's.
+DEFAULT_WARM_IMPORTS = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "elastic_rt.checkpoint")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +59,9 @@ class AgentConfig:
     straggler_windows: int = 3
     straggler_window_s: float = 10.0
     straggler_action: str = "report"
+    warm_workers: bool = True
+    host_cache: bool = True
+    warm_imports: tuple[str, ...] = DEFAULT_WARM_IMPORTS
     run_as_module: bool = False
     no_python: bool = False
     script: str = ""

@@ -28,8 +28,14 @@ class ObserverGroup:
             except Exception:  # noqa: BLE001 - an observer's bug must not take the agent down
                 log.exception("observer %s.%s failed", type(observer).__name__, method)
 
+    def on_rendezvous_started(self) -> None:
+        self._each("on_rendezvous_started")
+
     def on_rendezvous(self, **kwargs: Any) -> None:
         self._each("on_rendezvous", **kwargs)
+
+    def track_warm_workers(self, ready: Any) -> None:
+        self._each("track_warm_workers", ready)
 
     def on_restart(self, reason: str) -> None:
         self._each("on_restart", reason)

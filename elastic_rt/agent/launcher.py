@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -21,6 +23,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from torch.distributed.elastic.utils import macros
 
 from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
 from elastic_rt.agent.diagnostics import FailureDiagnostics
@@ -28,13 +31,14 @@ from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
+from elastic_rt.agent.warm import WarmPool
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
 from elastic_rt.metrics.health import liveness_threshold_s
 from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
 from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.inbox import WorkerReports
-from elastic_rt.worker_env import ENV_CHECKPOINT_URL, OMP_DEFAULT_WARNING
+from elastic_rt.worker_env import ENV_CHECKPOINT_URL, ENV_HOST_CACHE_DIR, OMP_DEFAULT_WARNING
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +164,8 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
              "on" if diagnostics.flight_recorder else "off", log_dir)
     if goodput is not None:
         policy = PolicyGroup(policy, StragglerPolicy(goodput))
+    host_cache = make_host_cache(cfg, node_id)  # before the warm workers: they inherit its variable
+    warm_pool = make_warm_pool(cfg, node_id, entrypoint, args)
     agent = ElasticRTAgent(
         spec,
         logs_specs,
@@ -173,11 +179,20 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         policy=policy,
         round_listeners=(round_checks.on_round, goodput.exchange.on_round) if round_checks else (),
         diagnostics=diagnostics,
+        warm_pool=warm_pool,
     )
     leave = getattr(handler, "leave", None)
     try:
+        if warm_pool is not None:
+            warm_pool.start()
+            if hasattr(observer, "track_warm_workers"):
+                observer.track_warm_workers(lambda: len(warm_pool.idle_pids(ready_only=True)))
         return _run(agent, cfg, node_id, log_dir, handler, leave)
     finally:
+        if warm_pool is not None:
+            warm_pool.close()
+        if host_cache is not None:
+            shutil.rmtree(host_cache, ignore_errors=True)
         stop.set()
         diagnostics.close()
         getattr(observer, "close", lambda: None)()
@@ -193,6 +208,33 @@ def build_diagnostics(cfg: AgentConfig, log_dir: str, reports_dir: str, metrics)
                                      stack_signal=cfg.stack_signal, flight_recorder=recorder)
     os.environ.update(diagnostics.worker_env(os.environ, torch_version=torch.__version__))
     return diagnostics
+
+
+def make_host_cache(cfg: AgentConfig, node_id: str, shm_root: str = "/dev/shm") -> str | None:
+    """This node's (empty) directory for checkpoint copies in shared memory, handed to the workers
+    (elastic_rt/checkpoint/host_cache.py); None without shared memory or with --host-cache off."""
+    if not cfg.host_cache or not os.path.isdir(shm_root):
+        return None
+    path = os.path.join(shm_root, re.sub(r"[^\w.-]", "_", f"elastic-rt-{cfg.rdzv_id}-{node_id}"))
+    try:
+        shutil.rmtree(path, ignore_errors=True)  # left by an agent that was SIGKILLed
+        os.makedirs(path, mode=0o700)
+    except OSError as exc:
+        log.warning("[%s] no checkpoint copies in host memory: %s", node_id, exc)
+        return None
+    os.environ[ENV_HOST_CACHE_DIR] = path
+    return path
+
+
+def make_warm_pool(cfg: AgentConfig, node_id: str, entrypoint: str, args: tuple[str, ...]) -> WarmPool | None:
+    """The warm-worker pool for this node, or None (--warm-workers off, --no-python: one log line)."""
+    if not cfg.warm_workers:
+        return None
+    if cfg.no_python:
+        log.info("[%s] warm workers off: --no-python runs an executable the agent cannot start ahead", node_id)
+        return None
+    return WarmPool(entrypoint=entrypoint, nproc=cfg.nproc_per_node, imports=cfg.warm_imports,
+                    args_for_rank=lambda rank: macros.substitute(list(args), str(rank)))
 
 
 def straggler_settings(cfg: AgentConfig) -> StragglerSettings:

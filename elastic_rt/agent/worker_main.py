@@ -1,7 +1,8 @@
 """Entry point of every worker: die with the agent (PR_SET_PDEATHSIG), hook progress, stacks and errors, then run the script.
 
-Nothing here imports torch: the hooks into torch run when the script imports it
-(elastic_rt.agent.after_import), so a script pays nothing for what it does not use.
+A warm worker first imports ahead and waits for its environment (agent/warm_child.py). Nothing
+else here imports torch: the hooks into torch run when the script imports it (or at once, if a
+warm worker imported it ahead: elastic_rt.agent.after_import).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import time
 import traceback
 
-from elastic_rt.agent import teardown_guard
+from elastic_rt.agent import teardown_guard, warm_child
 from elastic_rt.agent.after_import import when_imported
 from elastic_rt.worker_env import (
     ENV_FLIGHT_RECORDER,
@@ -84,14 +85,17 @@ def record_error(exc: BaseException, path: str | None) -> None:
 def main(argv: list[str]) -> None:
     _die_with_parent()
     teardown_guard.install()
+    warm, argv = warm_child.split_argv(argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if warm is not None:  # a pre-started worker: import ahead, then wait for the agent's start message
+        argv = warm_child.become_worker(warm, argv)
     _hook_optimizer_steps()
     hb_dir = os.environ.get(ENV_HEARTBEAT_DIR)
     if hb_dir:
         local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
         os.environ[ENV_HEARTBEAT_FILE] = os.path.join(hb_dir, f"worker-{local_rank}")
         _install_diagnostics(hb_dir, local_rank)
-    if argv and argv[0] == "--":
-        argv = argv[1:]
     if not argv:
         sys.exit("elastic-rt worker: no training script given")
     try:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from elastic_rt.checkpoint import collectives as coll
 from elastic_rt.checkpoint import loader
+from elastic_rt.checkpoint.host_cache import HostCache
 from elastic_rt.checkpoint.options import CheckpointOptions, IfBusy, SaveStats
 from elastic_rt.checkpoint.saver import SaveContext, SaveJob, describe_error, run_save
 from elastic_rt.checkpoint.staging import BufferPool
@@ -66,6 +67,7 @@ class CheckpointManager:
         if self._groups.io is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
         self.rank, self.world_size = self._groups.rank, self._groups.world_size
+        self._host_cache = HostCache.from_env(rank=self.rank)  # the node's copy in shared memory, if any
         self._ctx = SaveContext(
             url=url,
             store=self._store,
@@ -195,6 +197,8 @@ class CheckpointManager:
         stats = run_save(job, self._ctx)
         if stats is None:
             return None
+        if self._host_cache is not None:
+            self._host_cache.keep(self._store, job.step)
         if self.rank == 0:  # deleting old checkpoints is off the training loop's path
             with self._retention_lock:
                 if self._gc_executor is None:
@@ -233,7 +237,10 @@ class CheckpointManager:
         self._check_open()
         self._wait_inflight()
         self._wait_retention()
-        return loader.load_latest(state, store=self._store, groups=self._groups, options=self.options)
+        if self._host_cache is None:
+            return loader.load_latest(state, store=self._store, groups=self._groups, options=self.options)
+        store = self._host_cache.wrap(self._store, self._groups, verify=self.options.verify_on_load)
+        return store.report(loader.load_latest(state, store=store, groups=self._groups, options=self.options))
 
     # --------------------------------------------------------------- inspection / lifecycle
 
@@ -268,6 +275,8 @@ class CheckpointManager:
             self._wait_retention()
             if self._gc_executor is not None:
                 self._gc_executor.shutdown(wait=True)
+            if self._host_cache is not None:
+                self._host_cache.close()
             self._ctx.pool.clear()
             self._groups.destroy()
 

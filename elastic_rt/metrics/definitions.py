@@ -62,6 +62,15 @@ class AgentMetrics:
         self.nodes = gauge("elastic_rt_nodes", "Nodes (agents) in the current round.")
         self.round = gauge("elastic_rt_rendezvous_round", "Number of the current rendezvous round.")
         self.rounds = counter("elastic_rt_rendezvous_rounds", "Rendezvous rounds this agent completed.")
+        self.standby = gauge(
+            "elastic_rt_standby",
+            "1 while this agent is in the rendezvous without a worker group (joining, or a hot spare waiting "
+            "for a place when --nnodes MAX is reached), 0 while its workers run. sum() counts the spares.",
+        )
+        self.warm_workers = gauge(
+            "elastic_rt_warm_workers_ready",
+            "Pre-started workers (torch imported) ready to take a local rank at the next start.",
+        )
         self.rendezvous_duration = histogram(
             "elastic_rt_rendezvous_duration_seconds",
             "Time from joining a rendezvous to the round being complete.",
@@ -125,8 +134,17 @@ class AgentMetrics:
         self._worker_ranks: set[int] = set()
 
     # -- rendezvous -------------------------------------------------------------------
+    def on_rendezvous_started(self) -> None:
+        """The agent entered the rendezvous: no worker group until the round completes."""
+        self.standby.labels(*self._base).set(1)
+
+    def track_warm_workers(self, ready: Callable[[], int]) -> None:
+        """Read the number of ready warm workers at scrape time."""
+        self.warm_workers.labels(*self._base).set_function(ready)
+
     def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None:
         """A round completed: `nodes` agents, `world_size` workers, after `duration_s`."""
+        self.standby.labels(*self._base).set(0)
         self.round.labels(*self._base).set(round)
         self.world_size.labels(*self._base).set(world_size)
         self.nodes.labels(*self._base).set(nodes)

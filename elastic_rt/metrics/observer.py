@@ -76,6 +76,12 @@ class MetricsObserver:
             self._exporter.stop()
 
     # ---- AgentObserver --------------------------------------------------------
+    def on_rendezvous_started(self) -> None:
+        self.metrics.on_rendezvous_started()
+
+    def track_warm_workers(self, ready: Callable[[], int]) -> None:
+        self.metrics.track_warm_workers(ready)
+
     def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None:
         self.metrics.on_rendezvous(round=round, world_size=world_size, nodes=nodes, duration_s=duration_s)
 
