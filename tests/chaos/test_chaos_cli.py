@@ -139,13 +139,24 @@ def test_pause_etcd_stops_only_the_member_serving_the_run(run_id, sleeper):
         run = _fake_run(run_id, agent, [], endpoints=[(m.host, m.client_port)])
         seen: list[str] = []
 
+        def status_within(pid: int, wanted: bool, timeout_s: float = 5.0) -> str:
+            """The process's status once it is (wanted=True) or is no longer (False) stopped, or at the deadline:
+            the kernel applies SIGSTOP/SIGCONT asynchronously, so /proc may lag the signal by a moment."""
+            deadline = time.monotonic() + timeout_s
+            while True:
+                status = psutil.Process(pid).status()
+                if (status == psutil.STATUS_STOPPED) == wanted or time.monotonic() > deadline:
+                    return status
+                time.sleep(0.01)
+
         def emit(line: str) -> None:
-            seen.append(psutil.Process(m.proc.pid).status() if json.loads(line)["action"] == "pause-etcd" else "")
+            seen.append(status_within(m.proc.pid, True) if json.loads(line)["action"] == "pause-etcd" else "")
 
         try:
             drill = Drill(run, emit=emit)
             assert drill.pause_etcd(duration_s=0.2) == [m.proc.pid]
-            assert seen[0] == psutil.STATUS_STOPPED and psutil.Process(m.proc.pid).status() != psutil.STATUS_STOPPED
+            assert seen[0] == psutil.STATUS_STOPPED
+            assert status_within(m.proc.pid, False) != psutil.STATUS_STOPPED
             for pid, why in ((o.proc.pid, "is an etcd process but does not serve"),
                              (sleeper.pid, "is not an etcd process")):
                 with pytest.raises(RefusedError, match=why):
