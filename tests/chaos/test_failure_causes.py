@@ -43,11 +43,11 @@ def test_exception_names_the_frame_without_record(nodes, tmp_path):  # noqa: F81
                    + r": ValueError: injected failure at step 3 at plain_ddp_optimizer_only\.py:\d+ in inject_failure$",
                    180)
     assert m
-    # its peer either saw the closed connection first (a collective error, not the root cause) or was
-    # still waiting when the agent stopped it (not a failure of its own)
+    # its peer either saw the closed connection first (a collective error, not the root cause), was still
+    # waiting when the agent stopped it (not a failure of its own), or was never judged: with warm workers the
+    # agent acts on the first failure at once and SIGKILLs the rest of the broken group. Never an exception.
     peer_error = n.matches(FAILED.format(rank=0, pid=r"\d+", cause="collective_error") + ": RuntimeError: .*Connection")
-    assert peer_error or n.matches(r"worker stopped: rank 0 \(local 0, pid \d+\) by the agent \(SIGTERM\) "
-                                   r"after rank\(s\) \[1\] failed"), n.output[-3000:]
+    assert not n.matches(FAILED.format(rank=0, pid=r"\d+", cause="exception")), n.output[-3000:]
     s = poll(lambda: (x := scrape(port)) and value(x, "elastic_rt_worker_failures_total", cause="exception") == 1
              and x, 60, "failure counted by cause")
     assert value(s, "elastic_rt_collective_errors_total", backend="gloo", kind="peer_closed") == len(peer_error)
