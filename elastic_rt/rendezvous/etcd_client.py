@@ -388,41 +388,6 @@ class EtcdClient:
                 raise
 
     # ---- watches ----------------------------------------------------------
-    def wait_for_change(self, key: str, *, after_revision: int, timeout_s: float, prefix: bool = False) -> bool:
-        """Block until `key` (or any key under it, with prefix) changes after `after_revision`.
-
-        Returns True on a change, False when timeout_s passed first. The caller
-        re-reads and re-checks its condition: no event can be missed between its
-        read (at after_revision) and this watch, which starts at the next revision.
-        """
-        if timeout_s <= 0:
-            return False
-        create = etcdrpc.WatchCreateRequest(
-            key=key.encode(),
-            range_end=prefix_end(key) if prefix else b"",
-            start_revision=after_revision + 1,
-        )
-
-        def watch(ep: _Endpoint, t: float) -> bool:
-            stream = ep.watch.Watch(iter([etcdrpc.WatchRequest(create_request=create)]), timeout=t, metadata=ep.metadata)
-            try:
-                for resp in stream:
-                    if resp.compact_revision:
-                        return True  # history compacted: re-read to be safe
-                    if resp.canceled:
-                        raise EtcdUnavailableError(f"etcd cancelled a watch: {resp.cancel_reason}")
-                    if resp.events:
-                        return True
-                return False
-            except grpc.RpcError as exc:
-                if _is_deadline(exc):
-                    return False
-                raise
-            finally:
-                stream.cancel()
-
-        return self._call(watch, timeout_s=timeout_s)
-
     def status_latency_s(self) -> tuple[str, float]:
         """Round trip of one Status call to the current endpoint: (version, seconds)."""
         t0 = time.monotonic()
@@ -468,7 +433,8 @@ class EtcdClient:
         return bool(resp.succeeded) and resp.responses[0].response_delete_range.deleted > 0
 
     def wait_for_any(self, keys: list[str], prefixes: list[str], *, after_revision: int, timeout_s: float) -> bool:
-        """Like wait_for_change, for several keys and prefixes on one watch stream."""
+        """Block until a key or a key under a prefix changes after `after_revision` (True), or timeout_s passes
+        (False); one watch stream for all of them. A compacted history also returns True: re-read."""
         if timeout_s <= 0:
             return False
         creates = [etcdrpc.WatchCreateRequest(key=k.encode(), start_revision=after_revision + 1) for k in keys]
