@@ -73,15 +73,17 @@ def test_node_with_rank0_killed_survivor_finishes_alone(etcd_endpoint, run_id, n
 
 
 def test_third_node_scales_job_up(etcd_endpoint, run_id, nodes):
-    a = _start(nodes, etcd_endpoint, run_id, "a", nnodes="2:3", steps=80)
-    b = _start(nodes, etcd_endpoint, run_id, "b", nnodes="2:3", steps=80)
+    # long enough that the third node (an agent start with torch imports, slow on a loaded machine) joins
+    # while the first group still trains: a group that already finished has nothing to scale up
+    a = _start(nodes, etcd_endpoint, run_id, "a", nnodes="2:3", steps=250)
+    b = _start(nodes, etcd_endpoint, run_id, "b", nnodes="2:3", steps=250)
     leader, _ = _rank0(a, b)
     leader.wait_for(r"step=3 .*world_size=4", 120)
-    c = _start(nodes, etcd_endpoint, run_id, "c", nnodes="2:3", steps=80)
+    c = _start(nodes, etcd_endpoint, run_id, "c", nnodes="2:3", steps=250)
     for n in (a, b, c):
         assert n.wait_exit(300) == 0, n.output[-3000:]
     done = [m for n in (a, b, c) for m in n.matches(r"done steps=(\d+) world_size=(\d+)")]
-    assert [(m.group(1), m.group(2)) for m in done] == [("80", "6")]
+    assert [(m.group(1), m.group(2)) for m in done] == [("250", "6")]
     assert any(n.matches(r"restarting the worker group: scale up") for n in (a, b))
 
 
