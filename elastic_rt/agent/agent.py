@@ -270,12 +270,9 @@ class ElasticRTAgent(LocalElasticAgent):
                 if change == "hang":
                     change = self._peer_restart_explains_hang() or change
                 if change == "hang":
-                    policies = getattr(self.policy, "policies", (self.policy,))  # a PolicyGroup or one
-                    verdict = next((v for p in policies if (v := getattr(p, "last_hang", None))), None)
-                    self.diagnostics.on_hang(self._prefix(), verdict)
+                    self.diagnostics.on_hang(self._prefix(), self.policy.hang_verdict())
                     self.observer.on_failures(dict(self.diagnostics.last_failures))
-                    for p in policies:
-                        getattr(p, "on_hang_restart", lambda: None)()
+                    self.policy.on_hang_restart()
                     if self._remaining_restarts <= 0:
                         log.error("%s workers hung and no restarts are left (--max-restarts %d; with the auto "
                                   "hang timeout, long pauses between steps may need --hang-timeout)",

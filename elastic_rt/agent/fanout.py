@@ -79,3 +79,10 @@ class PolicyGroup:
             if reason:
                 return reason
         return None
+
+    def hang_verdict(self) -> Any:
+        return next((v for p in self.policies if (v := p.hang_verdict()) is not None), None)
+
+    def on_hang_restart(self) -> None:
+        for policy in self.policies:
+            policy.on_hang_restart()

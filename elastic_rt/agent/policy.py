@@ -22,6 +22,14 @@ class RestartPolicy(Protocol):
         """None, or the reason to act: "hang" (restart the group) or "probe_failure" (leave the job)."""
         ...
 
+    def hang_verdict(self) -> HangVerdict | None:
+        """The verdict behind the last "hang" check() returned (None if this policy judges no hangs)."""
+        ...
+
+    def on_hang_restart(self) -> None:
+        """The agent restarts the group for a hang."""
+        ...
+
 
 class NeverRestart:
     """The policy of an agent with no hang timeout and probes that only report."""
@@ -30,6 +38,11 @@ class NeverRestart:
 
     def check(self) -> str | None:
         return None
+
+    def hang_verdict(self) -> HangVerdict | None:
+        return None
+
+    def on_hang_restart(self) -> None: ...
 
 
 class HealthPolicy:
@@ -51,6 +64,9 @@ class HealthPolicy:
 
     def describe_hang_timeout(self) -> str:
         return self._hang.timeout.describe() if self._hang is not None else "hang detection off"
+
+    def hang_verdict(self) -> HangVerdict | None:
+        return self.last_hang
 
     def on_hang_restart(self) -> None:
         """The agent restarts for a hang: with the auto timeout, the next floor is longer (no crash loop)."""

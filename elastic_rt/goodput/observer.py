@@ -253,3 +253,8 @@ class StragglerPolicy:
 
     def check(self) -> str | None:
         return "straggler" if self._observer.flagged and self._observer.action == "leave" else None
+
+    def hang_verdict(self) -> None:
+        return None  # stragglers are slow, not hung
+
+    def on_hang_restart(self) -> None: ...

@@ -1,4 +1,4 @@
-"""Per-worker step heartbeat: a 32-byte record the worker writes and the agent reads."""
+"""Per-worker step heartbeat: a 36-byte record the worker writes and the agent reads."""
 
 from __future__ import annotations
 
