@@ -126,7 +126,12 @@ def job(argv: list[str]) -> int:
                        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                        "torch_threads": torch.get_num_threads()}, f)
     dist.destroy_process_group()
-    return 0
+    # torch 2.13 sometimes aborts at interpreter exit ("terminate called without an active exception": a
+    # C++ thread left joinable), under torchrun and elastic-rt alike, after the results are written; the
+    # trial's figures are in, so leave without the interpreter's teardown rather than fail the trial
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---- the harness -------------------------------------------------------------------------------
@@ -296,12 +301,10 @@ def run_trial(args, config: str, variant: str, trial: int, sources: dict, scratc
         with open(result_path) as f:
             res = json.load(f)
     except (OSError, ValueError):
-        tails = []
-        for path in logs:
-            with open(path, errors="replace") as f:
-                tails.append(f.read()[-2000:])
-        row.update(outcome="failed" if outcome == "ok" else outcome, log_tails=tails)
+        row.update(outcome="failed" if outcome == "ok" else outcome, log_tails=_tails(logs))
         return row
+    if outcome == "ok" and any(p.returncode != 0 for p in procs):  # trained, then failed: not a clean trial
+        row.update(outcome="failed", log_tails=_tails(logs))
     window = res["t1"] - res["t0"]
     per_agent = cpu.agents(res["t0"], res["t1"])
     agent_s = None if None in per_agent else sum(per_agent) / len(per_agent)
@@ -320,6 +323,14 @@ def run_trial(args, config: str, variant: str, trial: int, sources: dict, scratc
     return row
 
 
+def _tails(logs: list[str]) -> list[str]:
+    tails = []
+    for path in logs:
+        with open(path, errors="replace") as f:
+            tails.append(f.read()[-2000:])
+    return tails
+
+
 def _median(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -333,7 +344,7 @@ def summarize(rows: list[dict], configs: list[str], variants: list[str]) -> list
         ref_cpu = _median([r.get("workers_cpu_ms_per_step") for r in ref])
         for config in configs:
             mine = [r for r in rows if r["variant"] == variant and r["config"] == config]
-            sps = [r["steps_per_s"] for r in mine if r.get("steps_per_s")]
+            sps = [r["steps_per_s"] for r in mine if r.get("steps_per_s") and r["outcome"] == "ok"]
             med, cpu = _median(sps), _median([r.get("workers_cpu_ms_per_step") for r in mine])
             out.append({
                 "variant": variant, "config": config, "launcher": CONFIGS[config][0], "nodes": CONFIGS[config][5],

@@ -92,17 +92,23 @@ class FailureDiagnostics:
         causes = []
         self.last_failures = {}
         nccl_dumps = fr.timeout_dumps(self.fr_dir, self._started_wall_s - 1.0) if self.flight_recorder else {}
-        own = [r for r, f in failures.items() if f.local_rank not in self._stopped_by_agent]
+        errors = {r: read_error_file(f.error_file) for r, f in failures.items()}
+        # a worker the agent stopped had failed on its own if it had already recorded an exception: it raised,
+        # and was still tearing down when a peer (broken by its death) was seen to fail first
+        stopped = {r for r, f in failures.items()
+                   if f.local_rank in self._stopped_by_agent and int(f.exitcode) < 0
+                   and not (errors[r] is not None and errors[r].message)}
+        own = [r for r in failures if r not in stopped]
         for rank, failure in sorted(failures.items()):
             exitcode = int(failure.exitcode)
-            if failure.local_rank in self._stopped_by_agent and exitcode < 0 and own:
+            if rank in stopped and own:
                 log.info("%s worker stopped: rank %d (local %d, pid %s) by the agent (%s) after rank(s) %s failed",
                          prefix, rank, failure.local_rank, failure.pid, signal_name(-exitcode), sorted(own))
                 continue
             oom = None
             if self._oom is not None and exitcode in (-int(signal.SIGKILL), 128 + int(signal.SIGKILL)):
                 oom = self._oom.for_pid(failure.pid)
-            cause = classify(exitcode=exitcode, error=read_error_file(failure.error_file), oom_evidence=oom,
+            cause = classify(exitcode=exitcode, error=errors[rank], oom_evidence=oom,
                              stderr_tail=stderr_tail(self._stderrs.get(failure.local_rank)),
                              watchdog_dumped=rank in nccl_dumps)
             extra = ""

@@ -137,9 +137,12 @@ class CheckpointManager:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rt-ckpt")
         job.future = self._executor.submit(self._run_job, job)
         self._inflight = job
-        if not overlap:
-            job.staged.wait()
-        job.add_blocked(time.monotonic() - entered)
+        try:
+            if not overlap:
+                job.staged.wait()
+            job.add_blocked(time.monotonic() - entered)
+        finally:
+            job.returned.set()  # the writer reports blocked_s only after this, so it counts the wait above
         return True
 
     def guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

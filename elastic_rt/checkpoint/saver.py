@@ -45,6 +45,7 @@ class SaveJob:
     async_save: bool
     started: float = field(default_factory=time.monotonic)
     staged: threading.Event = field(default_factory=threading.Event)
+    returned: threading.Event = field(default_factory=threading.Event)  # async: save() has returned
     staging_s: float = 0.0
     blocked_s: float = 0.0
     balance_ptrs: frozenset[int] = frozenset()
@@ -135,6 +136,8 @@ def _save_and_commit(job: SaveJob, ctx: SaveContext) -> SaveStats | None:
     if error is not None:
         raise CheckpointError(error)
     now = time.monotonic()
+    if job.async_save:  # blocked_s is final only once save() has added its own wait
+        job.returned.wait()
     return SaveStats(
         step=job.step,
         world_size=ctx.groups.world_size,

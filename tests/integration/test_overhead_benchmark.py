@@ -36,7 +36,8 @@ def test_quick_run_writes_both_launchers(tmp_path):
         assert s["agent_cpu_pct_median"] is not None and s["workers_cpu_ms_per_step_median"] > 0
         assert s["omp_num_threads"] == ["1"]  # both launchers default it for 2 workers per node
     assert {r["config"] for r in result["trials"]} == {"torchrun", "ert"}
-    assert all(r["outcome"] == "ok" and r["exit_codes"] == [0] for r in result["trials"])
+    for r in result["trials"]:
+        assert r["outcome"] == "ok" and r["exit_codes"] == [0], r
 
 
 def test_refuses_a_dirty_tree_without_allow_dirty(tmp_path):

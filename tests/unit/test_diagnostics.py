@@ -51,6 +51,29 @@ def test_siblings_that_torch_terminated_are_not_failures_of_their_own(tmp_path, 
     assert reg.get_sample_value("elastic_rt_worker_failures_total", {**BASE, "cause": "killed"}) == 0
 
 
+def test_a_stopped_sibling_that_had_recorded_an_exception_is_the_root_cause(tmp_path, caplog):
+    """Rank 5 raised and was still tearing down when rank 4, broken by its death, aborted first and the
+    agent SIGTERMed rank 5: its recorded exception makes it a failure of its own, named as such."""
+    diag, reg = make(tmp_path)
+    diag.on_workers_started([(0, 4, 1000), (1, 5, 1001)], {})
+    pcontext = SimpleNamespace(_running_local_ranks={1}, closed=[])
+    pcontext.close = lambda *a, **k: pcontext.closed.append(a)
+    diag.watch(pcontext)
+    pcontext.close()
+    error_file = str(tmp_path / "error.json")
+    try:
+        raise ValueError("injected failure")
+    except ValueError as exc:
+        record_error(exc, error_file)
+    failures = {4: SimpleNamespace(local_rank=0, pid=1000, exitcode=-6, error_file="<N/A>"),
+                5: SimpleNamespace(local_rank=1, pid=1001, exitcode=-15, error_file=error_file)}
+    with caplog.at_level(logging.INFO, logger="elastic_rt.agent.diagnostics"):
+        causes = diag.on_failures("[n]", failures)
+    assert [c.cause for c in causes] == ["signal", "exception"]
+    assert not any("worker stopped" in r.getMessage() for r in caplog.records)
+    assert reg.get_sample_value("elastic_rt_worker_failures_total", {**BASE, "cause": "exception"}) == 1
+
+
 def test_all_sigtermed_from_outside_are_killed(tmp_path):
     diag, reg = make(tmp_path)
     diag.on_workers_started([(0, 0, 1000)], {})
