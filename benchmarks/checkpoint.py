@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -41,7 +42,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from elastic_rt.checkpoint import CheckpointManager
-from elastic_rt.checkpoint.testing import run_world
+from provenance import provenance  # benchmarks/provenance.py (this script's directory is on sys.path)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # tests.support: the multi-process gloo world the tests use
+from tests.support.world import run_world  # noqa: E402
 
 TENSORS_PER_RANK = 8
 
@@ -250,7 +255,10 @@ def main() -> None:
     parser.add_argument("--keep-previous", action="store_true",
                         help="elastic-rt: keep the previous checkpoint while saving (retention deletes it "
                              "after the commit, as in training) instead of deleting it untimed before")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="run on a working tree with uncommitted changes (recorded in the results)")
     args = parser.parse_args()
+    prov = provenance(args.allow_dirty)
     root = args.dir or tempfile.mkdtemp(prefix="elastic-rt-bench-")
     os.makedirs(root, exist_ok=True)
     try:
@@ -268,12 +276,15 @@ def main() -> None:
     raw, sync, dcp_sync = (by_name.get(n) for n in ("raw write + fsync", "elastic-rt sync", "dcp.save"))
     print(f"\n{total_bytes / (1 << 30):.2f} GiB of state on {args.ranks} ranks, medians of {args.reps} saves "
           f"(after one warm-up), fsync on, simulated forward/backward {args.compute_s} s\n")
+    for r in rows:
+        r["total_over_raw"] = r["total_s"] / raw["total_s"] if raw else None
+        r["blocked_over_total"] = r["blocked_s"] / r["total_s"]
     print(f"| {'method':24} | blocked s | total s | GiB/s | blocked / own total | total / raw |")
     print(f"|{'-' * 26}|----------:|--------:|------:|--------------------:|------------:|")
     for r in rows:
-        vs_raw = f"{r['total_s'] / raw['total_s']:11.2f}" if raw else f"{'-':>11}"
+        vs_raw = f"{r['total_over_raw']:11.2f}" if raw else f"{'-':>11}"
         print(f"| {r['method']:24} | {r['blocked_s']:9.3f} | {r['total_s']:7.3f} | {r['throughput_gib_s']:5.2f} "
-              f"| {r['blocked_s'] / r['total_s']:19.1%} | {vs_raw} |")
+              f"| {r['blocked_over_total']:19.1%} | {vs_raw} |")
     for name in ("elastic-rt async", "elastic-rt async+guard", "dcp.async_save", "dcp.async_save+stager"):
         if name in by_name and sync and dcp_sync:
             print(f"{name}: blocked {by_name[name]['blocked_s'] / sync['total_s']:.1%} of an elastic-rt sync "
@@ -282,7 +293,8 @@ def main() -> None:
         print(f"elastic-rt sync vs raw write: {sync['total_s'] / raw['total_s']:.2f}x (target <= 1.2x)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": args.ranks, "bytes": total_bytes, "rows": rows}, f, indent=1)
+            json.dump({"provenance": prov, "settings": {k: v for k, v in vars(args).items() if k != "json"},
+                       "ranks": args.ranks, "bytes": total_bytes, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 
 import psutil
 
+from provenance import provenance  # benchmarks/provenance.py (this script's directory is on sys.path)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join("launch", "train_example.py")
 TAG_ENV = "ELASTIC_RT_BENCH_TAG"  # inherited by every process a launcher starts: finds orphans too
@@ -547,6 +549,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scratch-dir", default=None, help="parent of the scratch directory (default $TMPDIR)")
     p.add_argument("--keep-logs", action="store_true", help="keep every launcher's output in the scratch directory")
     p.add_argument("-v", "--verbose", action="store_true", help="echo commands and launcher output to stderr")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="run on a working tree with uncommitted changes (recorded in the results)")
     args = p.parse_args(argv)
     if args.trials < 1:
         p.error("--trials must be >= 1")
@@ -568,15 +572,11 @@ def _sigterm(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def git_state() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-    return f"{head}{'+dirty' if dirty else ''}" if head else "?"
+def describe_code(prov: dict) -> str:
+    """One line for the header: the commit (short), +dirty, and a change during the run."""
+    text = prov["commit"][:12] + ("+dirty" if prov["dirty"] else "")
+    end = prov.get("commit_at_end")
+    return f"{text} -> {end[:12]} (changed during the run)" if end else text
 
 
 def report(path: str) -> int:
@@ -586,8 +586,9 @@ def report(path: str) -> int:
     scenarios = [Scenario(r["scenario"], r["fault"], r["launcher"], r["rendezvous"], r["kill"],
                           [TrialResult(**x) for x in r["results"]]) for r in saved["rows"]]
     host = saved.get("host", {})
+    code = describe_code(saved["provenance"]) if "provenance" in saved else host.get("git", "?")
     print(f"recovery benchmark (saved {path}): {args.trials} trial(s), --step-sleep {args.step_sleep:g}, "
-          f"torch {host.get('torch', '?')}, {host.get('cpus', '?')} CPU(s), code {host.get('git', '?')}\n")
+          f"torch {host.get('torch', '?')}, {host.get('cpus', '?')} CPU(s), code {code}\n")
     print_table(summarize(scenarios, args), args)
     return 0
 
@@ -597,13 +598,14 @@ def main(argv=None) -> int:
     if args.report:
         return report(args.report)
     scenarios = select(args.scenarios)
+    prov = provenance(args.allow_dirty)  # before anything runs: a dirty tree is refused here
     for s in scenarios:
         if s.fault == "worker":
             s.kill = f"local rank {args.kill_local_rank}"
     signal.signal(signal.SIGTERM, _sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored
     bench = Bench(args)
-    t0, code_before = time.monotonic(), git_state()
+    t0 = time.monotonic()
     interrupted = False
     try:
         for s in scenarios:
@@ -623,13 +625,17 @@ def main(argv=None) -> int:
         bench.close()
     done = [s for s in scenarios if s.results]
     summary = summarize(done, args)
-    code = code_before if git_state() == code_before else f"{code_before} -> {git_state()} (changed during the run)"
+    at_end = provenance(True)
+    if at_end["commit"] != prov["commit"] or at_end["changes"] != prov["changes"]:
+        prov["commit_at_end"] = at_end["commit"] + ("+dirty" if at_end["dirty"] else "")
+    code = describe_code(prov)
     print(f"\nrecovery benchmark: {args.trials} trial(s), --step-sleep {args.step_sleep:g}, "
           f"torch {_torch_version()}, {os.cpu_count()} CPU(s), code {code}, load {os.getloadavg()[0]:.1f}, "
           f"wall {time.monotonic() - t0:.0f} s\n")
     print_table(summary, args)
     if args.json:
         payload = {
+            "provenance": prov,
             "settings": {k: v for k, v in vars(args).items() if k not in ("json", "report")},
             "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": _torch_version(),
                      "loadavg": os.getloadavg(), "git": code},

@@ -7,9 +7,11 @@ import logging
 import sys
 
 from elastic_rt import __version__
-from elastic_rt.agent.config import DEFAULT_METRICS_PORT
+from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT, DEFAULT_WARM_IMPORTS
+from elastic_rt.agent.stacks import DEFAULT_STACK_SIGNAL
 from elastic_rt.config import KNOWN_BACKENDS
 from elastic_rt.errors import ElasticRTError
+from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,10 +51,22 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-grace", type=float, default=1.0,
                    help="seconds workers get after SIGTERM when the group restarts (default 1)")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help=f"Prometheus /metrics and /healthz port (default {DEFAULT_METRICS_PORT}; 0 = off)")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics server binds (default all)")
-    p.add_argument("--hang-timeout", type=float, default=0.0,
-                   help="restart the group when workers report no step for this many seconds (0 = off)")
+                   help=f"port of Prometheus /metrics and the /livez, /readyz health endpoints "
+                        f"(default {DEFAULT_METRICS_PORT}; 0 = off)")
+    p.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST,
+                   help=f"address the metrics and health server binds (default {DEFAULT_METRICS_HOST}: every "
+                        "IPv4 interface, which Prometheus and kubelet probes in Kubernetes need since they reach "
+                        "the pod IP; 127.0.0.1 keeps it on the node; :: for IPv6 and IPv4)")
+    p.add_argument("--hang-timeout", default="auto",
+                   help="restart the group when a worker makes no optimizer step (or report_step) for this many "
+                        "seconds; auto (default): max(300 s, 20 x median step, 2 x longest pause), once a first "
+                        "step was seen; 0 = off (docs/failures.md)")
+    p.add_argument("--stack-signal", default=DEFAULT_STACK_SIGNAL,
+                   help=f"signal on which workers dump their Python stacks for the agent (default {DEFAULT_STACK_SIGNAL}; "
+                        "off = no stack dumps)")
+    p.add_argument("--flight-recorder", default="auto", choices=("auto", "on", "off"),
+                   help="torch's collective flight recorder in workers, dumped on hangs and timeouts: "
+                        "auto (default: on with CUDA), on, off")
     p.add_argument("--ntp-server", action="append", default=[], help="NTP server to measure offset against "
                    "(repeatable)")
     p.add_argument("--checkpoint-url", default=None,
@@ -66,10 +80,33 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-interval", type=float, default=0.0,
                    help="also probe every this many seconds while the round lasts (default 0 = after rendezvous only)")
     p.add_argument("--probe-failure-action", default="report", choices=("report", "leave"),
-                   help="report: mark /healthz unhealthy and count it; leave: also stop this node's workers and "
-                        "leave the job so the others re-form without it (default report)")
+                   help="report: fail the /readyz check `probe` and count it; leave: also stop this node's "
+                        "workers and leave the job so the others re-form without it (default report)")
+    p.add_argument("--straggler-threshold", type=float, default=1.5,
+                   help="flag a worker whose median step time is this many times the job's median (default 1.5; "
+                        "0 = off)")
+    p.add_argument("--straggler-windows", type=int, default=3,
+                   help="windows in a row over the threshold before a worker is flagged (default 3)")
+    p.add_argument("--straggler-window", type=float, default=10.0,
+                   help="seconds per step-timing window; also how often nodes exchange step times (default 10)")
+    p.add_argument("--straggler-action", default="report", choices=("report", "leave"),
+                   help="report: log, count and export elastic_rt_straggler; leave: also stop this node's workers "
+                        "and leave the job so the others re-form without it (default report)")
+    p.add_argument("--signals-to-handle", "--signals_to_handle", default=DEFAULT_SIGNALS_TO_HANDLE,
+                   help="signals the agent handles (stopping the workers) and hands to them as "
+                        f"TORCHELASTIC_SIGNALS_TO_HANDLE, as torchrun does (default {DEFAULT_SIGNALS_TO_HANDLE})")
     p.add_argument("--sysfs-root", default="/sys",
                    help="where sysfs is mounted (RDMA ports are read under it; default /sys)")
+    p.add_argument("--warm-workers", default="on", choices=("on", "off"),
+                   help="keep a pre-started worker per local rank (torch imported, waiting for its rank) so "
+                        "that a restart skips the interpreter start and imports (default on)")
+    p.add_argument("--warm-imports", default=",".join(DEFAULT_WARM_IMPORTS),
+                   help="modules a warm worker imports ahead (comma-separated; library modules only: they run "
+                        "before the worker knows its rank)")
+    p.add_argument("--host-cache", default="on", choices=("on", "off"),
+                   help="keep the last checkpoint's files of this node's workers in shared memory "
+                        "(/dev/shm/elastic-rt-RUN-NODE/, removed at exit) so that a restart here loads "
+                        "from memory; storage stays the truth (default on)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
     p.add_argument("script", nargs="?", default="", help="training script")
@@ -83,11 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     launch = sub.add_parser("launch", help="run a training script on this node")
     add_launch_arguments(launch)
+    from elastic_rt.chaos import cli as chaos_cli
     from elastic_rt.checkpoint import cli as ckpt_cli
     from elastic_rt.doctor import command as doctor
+    from elastic_rt.report import command as report_cmd
 
     ckpt_cli.add_subparser(sub)
     doctor.add_subparser(sub)
+    chaos_cli.add_subparser(sub)
+    report_cmd.add_subparser(sub)
     return parser
 
 

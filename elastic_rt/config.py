@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import uuid
+from typing import Mapping
 
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous.keys import validate_run_id
+from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE, ENV_OMP_NUM_THREADS, ENV_SIGNALS_TO_HANDLE
 
 KNOWN_BACKENDS = ("etcd-v3", "etcd-v3-torch", "c10d", "static")
 
@@ -49,12 +53,36 @@ def parse_nproc(text: str) -> int:
             return torch.cuda.device_count()
         if text == "gpu":
             raise ConfigError("--nproc-per-node gpu: no CUDA device is visible")
-        import os
-
         return os.cpu_count() or 1 if text == "cpu" else 1
     if not text.isdigit() or int(text) < 1:
         raise ConfigError(f"--nproc-per-node {text!r}: expected a positive integer, 'cpu', 'gpu' or 'auto'")
     return int(text)
+
+
+def parse_signals(text: str) -> str:
+    """'SIGTERM, SIGUSR1' -> 'SIGTERM,SIGUSR1'; every name must be a signal of this platform."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    bad = [n for n in names if not isinstance(getattr(signal, n, None), signal.Signals)]
+    if bad or not names:
+        raise ConfigError(f"--signals-to-handle {text!r}: {', '.join(bad) or 'empty'} is not a signal name "
+                          f"(e.g. {DEFAULT_SIGNALS_TO_HANDLE})")
+    return ",".join(names)
+
+
+def worker_env_defaults(*, nproc_per_node: int, signals_to_handle: str,
+                        environ: Mapping[str, str]) -> tuple[tuple[tuple[str, str], ...], bool]:
+    """torchrun's launch-time decisions about the workers' environment (torch/distributed/run.py
+    and launcher/api.py), made once: the variables to export into the agent's environment, which
+    every worker inherits, and whether OMP_NUM_THREADS was defaulted (torchrun then warns once).
+
+    OMP_NUM_THREADS=1 when several workers share the node and the user did not set it (a value
+    the user set, even an empty one, is kept); TORCHELASTIC_SIGNALS_TO_HANDLE always.
+    """
+    env = {ENV_SIGNALS_TO_HANDLE: signals_to_handle}
+    defaulted = ENV_OMP_NUM_THREADS not in environ and nproc_per_node > 1
+    if defaulted:
+        env[ENV_OMP_NUM_THREADS] = "1"
+    return tuple(sorted(env.items())), defaulted
 
 
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> float:
@@ -63,8 +91,42 @@ def _positive(name: str, value: float, *, zero_ok: bool = False) -> float:
     return value
 
 
-def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
-    """Validate parsed `launch` arguments into an AgentConfig (raises ConfigError)."""
+def parse_hang_timeout(text: str) -> float | None:
+    """'auto' -> None (the automatic rule); '0' -> 0.0 (off); '90' -> 90.0."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--hang-timeout {text!r}: expected auto, 0 (off) or a number of seconds") from None
+    return _positive("--hang-timeout", value, zero_ok=True)
+
+
+# Signals the stack dump may not use: faulthandler's own, uncatchable ones, and the agent's and torch's.
+_RESERVED_SIGNALS = {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS,
+                     signal.SIGILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD}
+
+
+def parse_stack_signal(text: str) -> int | None:
+    """'SIGRTMIN+6', 'SIGUSR2', '40' -> a signal number; 'off' -> None."""
+    from elastic_rt.agent.stacks import parse_signal
+
+    try:
+        num = parse_signal(text)
+    except (AttributeError, ValueError):
+        raise ConfigError(f"--stack-signal {text!r}: expected a signal name (SIGRTMIN+6, SIGUSR2), "
+                          "a number or off") from None
+    if num is None:
+        return None
+    if num in _RESERVED_SIGNALS or not 0 < num <= int(signal.SIGRTMAX):
+        raise ConfigError(f"--stack-signal {text!r}: that signal is reserved or invalid; "
+                          "use a real-time signal such as SIGRTMIN+6")
+    return num
+
+
+def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> AgentConfig:
+    """Validate parsed `launch` arguments into an AgentConfig (raises ConfigError); `environ`
+    (default os.environ) is the environment the workers would inherit."""
     conf = parse_rdzv_conf(args.rdzv_conf)
     if args.standalone:
         min_nodes = max_nodes = 1
@@ -105,12 +167,24 @@ def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ConfigError(f"--probe-bytes {args.probe_bytes}: must be >= 0 (0 = no probe)")
     if args.probe_backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"--probe-backend {args.probe_backend!r}: choose auto, gloo or nccl")
+    if args.straggler_threshold != 0 and args.straggler_threshold <= 1:
+        raise ConfigError(f"--straggler-threshold {args.straggler_threshold:g}: must be > 1 (times the median), or 0 = off")
+    if args.straggler_windows < 1:
+        raise ConfigError(f"--straggler-windows {args.straggler_windows}: must be >= 1")
+    warm_imports = tuple(m.strip() for m in (args.warm_imports or "").split(",") if m.strip())
+    bad = [m for m in warm_imports if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", m)]
+    if bad:
+        raise ConfigError(f"--warm-imports {bad[0]!r}: expected dotted module names, e.g. torch,numpy")
     if not args.script:
         raise ConfigError("no training script given: elastic-rt launch [options] SCRIPT [ARGS...]")
+    nproc_per_node = parse_nproc(str(args.nproc_per_node))
+    worker_env, omp_defaulted = worker_env_defaults(
+        nproc_per_node=nproc_per_node, signals_to_handle=parse_signals(args.signals_to_handle),
+        environ=os.environ if environ is None else environ)
     return AgentConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        nproc_per_node=parse_nproc(str(args.nproc_per_node)),
+        nproc_per_node=nproc_per_node,
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         rdzv_id=run_id,
@@ -127,7 +201,9 @@ def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
         restart_grace_s=_positive("--restart-grace", args.restart_grace, zero_ok=True),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
-        hang_timeout_s=_positive("--hang-timeout", args.hang_timeout, zero_ok=True),
+        hang_timeout_s=parse_hang_timeout(str(args.hang_timeout)),
+        stack_signal=parse_stack_signal(str(args.stack_signal)),
+        flight_recorder=args.flight_recorder,
         ntp_servers=tuple(args.ntp_server or ()),
         checkpoint_url=args.checkpoint_url,
         sysfs_root=args.sysfs_root,
@@ -136,6 +212,15 @@ def launch_config_from_args(args: argparse.Namespace) -> AgentConfig:
         probe_backend=args.probe_backend,
         probe_interval_s=_positive("--probe-interval", args.probe_interval, zero_ok=True),
         probe_failure_action=args.probe_failure_action,
+        worker_env=worker_env,
+        omp_threads_defaulted=omp_defaulted,
+        straggler_threshold=args.straggler_threshold,
+        straggler_windows=args.straggler_windows,
+        straggler_window_s=_positive("--straggler-window", args.straggler_window),
+        straggler_action=args.straggler_action,
+        warm_workers=args.warm_workers == "on",
+        host_cache=args.host_cache == "on",
+        warm_imports=warm_imports,
         run_as_module=bool(args.module),
         no_python=bool(args.no_python),
         script=args.script,

@@ -19,6 +19,12 @@ class EtcdUnavailableError(ElasticRTError):
     """No etcd endpoint answered."""
 
 
+class EtcdAccessError(ElasticRTError):
+    """etcd answered but refused this client (TLS, authentication, permission): retrying cannot help."""
+
+    exit_code = 2
+
+
 class RendezvousDataError(ElasticRTError):
     """Data found under the rendezvous prefix is not what elastic-rt wrote."""
 

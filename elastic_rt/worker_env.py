@@ -15,6 +15,24 @@ ENV_NODE_ID = "ELASTIC_RT_NODE_ID"
 ENV_ROUND = "ELASTIC_RT_ROUND"  # rendezvous round the worker was started in
 ENV_PARENT_PID = "ELASTIC_RT_AGENT_PID"  # the agent's pid, for the death signal check
 ENV_CHECKPOINT_URL = "ELASTIC_RT_CHECKPOINT_URL"
+ENV_STACK_SIGNAL = "ELASTIC_RT_STACK_SIGNAL"  # faulthandler dumps stacks on this signal (0: off)
+ENV_FLIGHT_RECORDER = "ELASTIC_RT_FLIGHT_RECORDER"  # 1: serve flight recorder dump requests
+ENV_NO_PROGRESS_HOOK = "ELASTIC_RT_NO_PROGRESS_HOOK"  # 1: optimizer steps do not count as progress
+
+# torchrun's launch-time part of the worker contract (torch/distributed/run.py, launcher/api.py),
+# decided once per launch by elastic_rt.config.worker_env_defaults. The per-worker part (RANK,
+# LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT, ...)
+# comes from torch's LocalElasticAgent, which elastic-rt's agent extends.
+ENV_OMP_NUM_THREADS = "OMP_NUM_THREADS"  # "1" when several workers share a node and the user set none
+ENV_SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # the signals the agent handles and forwards
+DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle default
+# torchrun's warning, word for word, logged once per launch when OMP_NUM_THREADS is defaulted
+OMP_DEFAULT_WARNING = (
+    "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid your "
+    "system being overloaded, please further tune the variable for optimal performance in your "
+    "application as needed."
+)
+ENV_HOST_CACHE_DIR = "ELASTIC_RT_HOST_CACHE_DIR"  # the node's checkpoint copy in shared memory
 
 
 @dataclass(frozen=True, kw_only=True)

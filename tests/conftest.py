@@ -1,4 +1,4 @@
-"""Shared fixtures: a real etcd server on free loopback ports."""
+"""Shared fixtures: a real etcd server on free loopback ports; tools that CI installs (tests/support/tools.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,18 @@ import pytest
 
 from elastic_rt.chaos.etcd_server import EtcdCluster
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+from tests.support.tools import MARKER, require_tool
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{MARKER}(name, available, how): skip when the tool is missing; fail instead under CI=true"
+    )
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers(MARKER):
+        require_tool(mark.kwargs["name"], mark.kwargs["available"], mark.kwargs["how"])
 
 
 @pytest.fixture(scope="session")

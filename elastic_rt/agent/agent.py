@@ -12,8 +12,11 @@ from typing import Any, Callable, Protocol, Sequence
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
+from elastic_rt.agent.warm import WarmPool
+from elastic_rt.agent.warm_start import warm_start
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
 
@@ -23,6 +26,7 @@ log = logging.getLogger(__name__)
 class AgentObserver(Protocol):
     """What the agent reports as it goes (metrics, logs). It decides nothing."""
 
+    def on_rendezvous_started(self) -> None: ...
     def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None: ...
     def on_restart(self, reason: str) -> None: ...
     def on_recovered(self, duration_s: float) -> None: ...
@@ -30,9 +34,11 @@ class AgentObserver(Protocol):
     def on_workers_finished(self, state: str) -> None: ...
     def on_tick(self) -> None: ...
     def on_etcd(self, up: bool) -> None: ...
+    def on_failures(self, causes: dict[int, str]) -> None: ...  # global rank -> "cause=...: detail"
 
 
 class NullObserver:
+    def on_rendezvous_started(self) -> None: ...
     def on_rendezvous(self, **_: Any) -> None: ...
     def on_restart(self, reason: str) -> None: ...
     def on_recovered(self, duration_s: float) -> None: ...
@@ -40,6 +46,7 @@ class NullObserver:
     def on_workers_finished(self, state: str) -> None: ...
     def on_tick(self) -> None: ...
     def on_etcd(self, up: bool) -> None: ...
+    def on_failures(self, causes: dict[int, str]) -> None: ...
 
 
 RoundListener = Callable[..., None]  # called with round, store, group_rank, group_world_size, master_addr
@@ -64,6 +71,8 @@ class ElasticRTAgent(LocalElasticAgent):
         policy: RestartPolicy | None = None,
         round_listeners: Sequence[RoundListener] = (),
         log_line_prefix_template: str | None = None,
+        diagnostics: FailureDiagnostics | None = None,
+        warm_pool: WarmPool | None = None,
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout_s,
@@ -77,11 +86,16 @@ class ElasticRTAgent(LocalElasticAgent):
         self.observer: AgentObserver = observer or NullObserver()
         self.policy: RestartPolicy = policy or NeverRestart()
         self._round_listeners = tuple(round_listeners)
+        self.diagnostics = diagnostics or FailureDiagnostics(
+            log_dir=os.path.dirname(reports.directory.rstrip(os.sep)), reports_dir=reports.directory)
         self.restarts: dict[str, int] = {}
         self._broken_group = False
         add_listener = getattr(spec.rdzv_handler, "add_etcd_listener", None)
         if add_listener is not None and hasattr(self.observer, "on_etcd"):
             add_listener(self.observer.on_etcd)
+        self._warm_pool = warm_pool
+        if warm_pool is not None:
+            warm_pool.log_prefix = self._prefix
 
     # ---- helpers -----------------------------------------------------------
     def _handler(self):
@@ -103,6 +117,7 @@ class ElasticRTAgent(LocalElasticAgent):
     # ---- worker lifecycle --------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         t0 = time.monotonic()
+        getattr(self.observer, "on_rendezvous_started", lambda: None)()
         super()._rendezvous(worker_group)
         m = self._membership()
         self.observer.on_rendezvous(
@@ -127,16 +142,26 @@ class ElasticRTAgent(LocalElasticAgent):
             ENV_NODE_ID: self._node_id,
             ENV_ROUND: str(m.round if m else 0),
         })
-        pids = super()._start_workers(worker_group)
+        with warm_start(self._warm_pool, ready=self._workers_stepped):
+            pids = super()._start_workers(worker_group)
+        self.diagnostics.on_workers_started(
+            [(w.local_rank, w.global_rank, pids[w.local_rank]) for w in worker_group.workers if w.local_rank in pids],
+            getattr(self._pcontext, "stderrs", {}) or {})
+        self.diagnostics.watch(self._pcontext)
         self.observer.on_workers_started(dict(pids))
         self.policy.on_workers_started(pids.keys())
         return pids
+
+    def _workers_stepped(self) -> bool:
+        return all(hb is not None for hb in self._reports.heartbeats().values())
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         """Stop every worker and its descendants: `death_sig`, the grace period, then SIGKILL."""
         if self._pcontext is not None:
             pids = list(self._pcontext.pids().values())
-            killed = stop_tree(pids, sig=death_sig, grace_s=float(timeout))
+            killed = stop_tree(pids, sig=death_sig, grace_s=float(timeout),
+                               before_kill=lambda alive: self.diagnostics.on_grace_expired(
+                                   self._prefix(), alive, float(timeout)))
             if killed:
                 log.info("%s SIGKILLed %d process(es) left after %gs grace", self._prefix(), len(killed), timeout)
         super()._shutdown(signal.SIGKILL, timeout=5)
@@ -235,27 +260,48 @@ class ElasticRTAgent(LocalElasticAgent):
             elif state == WorkerState.HEALTHY:
                 self.observer.on_tick()
                 change = self._membership_change() or self.policy.check()
-                if change == "probe_failure":
-                    log.error("%s collective probe failed: leaving the job so that the others re-form "
-                              "without this node (--probe-failure-action leave)", self._prefix())
+                if change in ("probe_failure", "straggler"):
+                    log.error("%s %s: leaving the job so that the others re-form without this node (--%s-action leave)",
+                              self._prefix(), "collective probe failed" if change == "probe_failure"
+                              else "a local worker is a straggler", change.replace("_", "-"))
                     self._stop_workers(self._worker_group)
                     self._worker_group.state = WorkerState.FAILED
                     return RunResult(state=WorkerState.FAILED)
+                if change == "hang":
+                    change = self._peer_restart_explains_hang() or change
+                if change == "hang":
+                    policies = getattr(self.policy, "policies", (self.policy,))  # a PolicyGroup or one
+                    verdict = next((v for p in policies if (v := getattr(p, "last_hang", None))), None)
+                    self.diagnostics.on_hang(self._prefix(), verdict)
+                    self.observer.on_failures(dict(self.diagnostics.last_failures))
+                    for p in policies:
+                        getattr(p, "on_hang_restart", lambda: None)()
+                    if self._remaining_restarts <= 0:
+                        log.error("%s workers hung and no restarts are left (--max-restarts %d; with the auto "
+                                  "hang timeout, long pauses between steps may need --hang-timeout)",
+                                  self._prefix(), spec.max_restarts)
+                        self._stop_workers(self._worker_group)
+                        self._worker_group.state = WorkerState.FAILED
+                        return RunResult(state=WorkerState.FAILED)
+                    self._remaining_restarts -= 1
                 if change:
-                    if change == "hang":
-                        if self._remaining_restarts <= 0:
-                            log.error("%s workers hung and no restarts are left", self._prefix())
-                            self._stop_workers(self._worker_group)
-                            self._worker_group.state = WorkerState.FAILED
-                            return RunResult(state=WorkerState.FAILED)
-                        self._remaining_restarts -= 1
                     self._restart(change, now)
             else:
                 raise RuntimeError(f"{self._prefix()} worker group in unexpected state {state.name}")
 
+    def _peer_restart_explains_hang(self) -> str | None:
+        """Local workers that all merely wait (none stopped or in uninterruptible sleep) are most
+        likely stuck in a collective with a peer that is the culprit: give that node's restart a
+        moment to arrive, so that the hang counts against the node that caused it."""
+        if self._worker_group.group_world_size <= 1 or self.diagnostics.local_suspects():
+            return None
+        change = self._wait_for_peer_loss()
+        if change:
+            log.info("%s local workers stalled while another node restarted: following it (%s), not counted "
+                     "as a hang here", self._prefix(), change.replace("_", " "))
+        return change
+
     def _log_failures(self, result: RunResult) -> None:
-        for rank, failure in sorted(result.failures.items()):
-            msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-            first = (msg or "").strip().splitlines()[-1:] or [""]
-            log.warning("%s worker rank %d (pid %s) exited with code %s %s", self._prefix(), rank,
-                        failure.pid, failure.exitcode, first[0][:200])
+        """One line per failed worker: rank, pid, cause and the user-code frame that raised."""
+        self.diagnostics.on_failures(self._prefix(), result.failures)
+        self.observer.on_failures(dict(self.diagnostics.last_failures))

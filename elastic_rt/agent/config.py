@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 # and clear of what usually runs on a GPU node: node_exporter 9100, DCGM exporter
 # 9400, OpenTelemetry's Prometheus exporter 9464.
 DEFAULT_METRICS_PORT = 9402
+# Every IPv4 interface: Prometheus and the kubelet's probes reach a pod at its pod IP, and a
+# bare-metal scraper at the node's address. 127.0.0.1 keeps the endpoints on the node; "::"
+# serves IPv6 and IPv4.
+DEFAULT_METRICS_HOST = "0.0.0.0"
+# What a warm worker imports before it knows its rank: torch's own modules (DDP imports torch._dynamo
+# on first use: seconds) and elastic-rt's checkpointing; nothing of the user's.
+DEFAULT_WARM_IMPORTS = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "elastic_rt.checkpoint")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,8 +40,10 @@ class AgentConfig:
     grace_period_s: float = 30.0
     restart_grace_s: float = 1.0
     metrics_port: int = DEFAULT_METRICS_PORT
-    metrics_host: str = "0.0.0.0"
-    hang_timeout_s: float = 0.0
+    metrics_host: str = DEFAULT_METRICS_HOST
+    hang_timeout_s: float | None = None  # None: auto (docs/failures.md); 0: off
+    stack_signal: int | None = None  # workers dump their Python stacks on it; None: off
+    flight_recorder: str = "auto"  # torch's collective flight recorder in workers: auto (CUDA), on, off
     ntp_servers: tuple[str, ...] = ()
     checkpoint_url: str | None = None
     sysfs_root: str = "/sys"
@@ -43,6 +52,16 @@ class AgentConfig:
     probe_backend: str = "auto"
     probe_interval_s: float = 0.0
     probe_failure_action: str = "report"
+    # exported into the agent's environment at launch, so every worker inherits them (torchrun's contract)
+    worker_env: tuple[tuple[str, str], ...] = ()
+    omp_threads_defaulted: bool = False  # OMP_NUM_THREADS=1 was chosen for the user: warn once
+    straggler_threshold: float = 1.5
+    straggler_windows: int = 3
+    straggler_window_s: float = 10.0
+    straggler_action: str = "report"
+    warm_workers: bool = True
+    host_cache: bool = True
+    warm_imports: tuple[str, ...] = DEFAULT_WARM_IMPORTS
     run_as_module: bool = False
     no_python: bool = False
     script: str = ""

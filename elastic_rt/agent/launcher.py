@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -21,14 +23,22 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from torch.distributed.elastic.utils import macros
 
 from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
+from elastic_rt.agent.diagnostics import FailureDiagnostics
+from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
+from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
+from elastic_rt.agent.warm import WarmPool
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
+from elastic_rt.metrics.health import liveness_threshold_s
+from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
+from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.inbox import WorkerReports
-from elastic_rt.worker_env import ENV_CHECKPOINT_URL
+from elastic_rt.worker_env import ENV_CHECKPOINT_URL, ENV_HOST_CACHE_DIR, OMP_DEFAULT_WARNING
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +69,16 @@ def worker_command(cfg: AgentConfig) -> tuple[str, tuple[str, ...]]:
     runner = ("-u", "-m", "elastic_rt.agent.worker_main", "--")
     target = ("-m", cfg.script) if cfg.run_as_module else (cfg.script,)
     return sys.executable, runner + target + cfg.script_args
+
+
+def apply_worker_env(cfg: AgentConfig) -> None:
+    """Export the launch-time worker variables (torchrun's, then elastic-rt's) into this process's
+    environment, which torch's agent copies into every worker it starts, restarts included."""
+    if cfg.omp_threads_defaulted:
+        log.warning(OMP_DEFAULT_WARNING)
+    os.environ.update(cfg.worker_env)
+    if cfg.checkpoint_url:
+        os.environ[ENV_CHECKPOINT_URL] = cfg.checkpoint_url
 
 
 def build_handler(cfg: AgentConfig):
@@ -93,8 +113,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         raise ConfigError(f"training script {cfg.script!r} not found")
     install_signal_handlers()
     preflight(cfg, cfg.sysfs_root)
-    if cfg.checkpoint_url:
-        os.environ[ENV_CHECKPOINT_URL] = cfg.checkpoint_url  # inherited by every worker
+    apply_worker_env(cfg)
     handler = build_handler(cfg)
     node_id = getattr(getattr(handler, "settings", None), "node_id", None) or cfg.node_id or f"node-{os.getpid()}"
     entrypoint, args = worker_command(cfg)
@@ -114,24 +133,39 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     )
     reports = WorkerReports(os.path.join(log_dir, "heartbeat"))
     stop = threading.Event()
-    round_checks = None
+    round_checks = goodput = failure_metrics = None
     if observer is None:
         from elastic_rt.collectors.schedule import NtpPoller, RoundChecks
+        from elastic_rt.metrics.definitions import FailureMetrics
         from elastic_rt.metrics.observer import MetricsObserver
 
         metrics_observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports,
-                                           sysfs_root=cfg.sysfs_root)
+                                           sysfs_root=cfg.sysfs_root,
+                                           liveness_threshold_s=liveness_threshold_s(cfg.monitor_interval_s))
         round_checks = RoundChecks(node=node_id, metrics=metrics_observer.metrics, stop=stop,
                                    probe_bytes=cfg.probe_bytes, probe_timeout_s=cfg.probe_timeout_s,
                                    probe_backend=cfg.probe_backend, probe_interval_s=cfg.probe_interval_s)
-        metrics_observer.serve(cfg.metrics_host, cfg.metrics_port, healthy=_probe_health(round_checks))
+        add_readiness_checks(metrics_observer.readiness, cfg, round_checks)
+        metrics_observer.serve(cfg.metrics_host, cfg.metrics_port)
         NtpPoller(servers=cfg.ntp_servers, clock_metrics=metrics_observer.metrics.clock, stop=stop).start()
-        observer = metrics_observer
+        goodput = GoodputObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports, log_dir=log_dir,
+                                  settings=straggler_settings(cfg), registry=metrics_observer.registry,
+                                  started_at=process_start_monotonic())
+        observer = ObserverGroup(metrics_observer, goodput)
+        failure_metrics = FailureMetrics(registry=metrics_observer.registry, run_id=cfg.rdzv_id, node=node_id)
+    diagnostics = build_diagnostics(cfg, log_dir, reports.directory, failure_metrics)
     policy = HealthPolicy(
         heartbeats=reports.heartbeats, hang_timeout_s=cfg.hang_timeout_s,
         probe_failure=round_checks.probe_failure if round_checks else (lambda: None),
         probe_failure_action=cfg.probe_failure_action,
     )
+    log.info("[%s] %s; stack dumps %s; flight recorder %s; logs in %s", node_id, policy.describe_hang_timeout(),
+             f"on signal {cfg.stack_signal}" if cfg.stack_signal else "off",
+             "on" if diagnostics.flight_recorder else "off", log_dir)
+    if goodput is not None:
+        policy = PolicyGroup(policy, StragglerPolicy(goodput))
+    host_cache = make_host_cache(cfg, node_id)  # before the warm workers: they inherit its variable
+    warm_pool = make_warm_pool(cfg, node_id, entrypoint, args)
     agent = ElasticRTAgent(
         spec,
         logs_specs,
@@ -143,23 +177,81 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         peer_loss_wait_s=getattr(getattr(handler, "settings", None), "lease_ttl_s", 3.0) + 1.0,
         observer=observer,
         policy=policy,
-        round_listeners=(round_checks.on_round,) if round_checks else (),
+        round_listeners=(round_checks.on_round, goodput.exchange.on_round) if round_checks else (),
+        diagnostics=diagnostics,
+        warm_pool=warm_pool,
     )
     leave = getattr(handler, "leave", None)
     try:
+        if warm_pool is not None:
+            warm_pool.start()
+            if hasattr(observer, "track_warm_workers"):
+                observer.track_warm_workers(lambda: len(warm_pool.idle_pids(ready_only=True)))
         return _run(agent, cfg, node_id, log_dir, handler, leave)
     finally:
+        if warm_pool is not None:
+            warm_pool.close()
+        if host_cache is not None:
+            shutil.rmtree(host_cache, ignore_errors=True)
         stop.set()
+        diagnostics.close()
         getattr(observer, "close", lambda: None)()
         getattr(handler, "close", lambda: None)()
 
 
-def _probe_health(round_checks):
-    def healthy() -> tuple[bool, str]:
-        failure = round_checks.probe_failure()
-        return (False, f"collective probe: {failure}") if failure else (True, "ok")
+def build_diagnostics(cfg: AgentConfig, log_dir: str, reports_dir: str, metrics) -> FailureDiagnostics:
+    """Failure causes, stacks and flight recorder dumps; sets the variables every worker inherits."""
+    import torch
 
-    return healthy
+    recorder = torch.cuda.is_available() if cfg.flight_recorder == "auto" else cfg.flight_recorder == "on"
+    diagnostics = FailureDiagnostics(log_dir=log_dir, reports_dir=reports_dir, metrics=metrics, oom=OomEvidence(),
+                                     stack_signal=cfg.stack_signal, flight_recorder=recorder)
+    os.environ.update(diagnostics.worker_env(os.environ, torch_version=torch.__version__))
+    return diagnostics
+
+
+def make_host_cache(cfg: AgentConfig, node_id: str, shm_root: str = "/dev/shm") -> str | None:
+    """This node's (empty) directory for checkpoint copies in shared memory, handed to the workers
+    (elastic_rt/checkpoint/host_cache.py); None without shared memory or with --host-cache off."""
+    if not cfg.host_cache or not os.path.isdir(shm_root):
+        return None
+    path = os.path.join(shm_root, re.sub(r"[^\w.-]", "_", f"elastic-rt-{cfg.rdzv_id}-{node_id}"))
+    try:
+        shutil.rmtree(path, ignore_errors=True)  # left by an agent that was SIGKILLed
+        os.makedirs(path, mode=0o700)
+    except OSError as exc:
+        log.warning("[%s] no checkpoint copies in host memory: %s", node_id, exc)
+        return None
+    os.environ[ENV_HOST_CACHE_DIR] = path
+    return path
+
+
+def make_warm_pool(cfg: AgentConfig, node_id: str, entrypoint: str, args: tuple[str, ...]) -> WarmPool | None:
+    """The warm-worker pool for this node, or None (--warm-workers off, --no-python: one log line)."""
+    if not cfg.warm_workers:
+        return None
+    if cfg.no_python:
+        log.info("[%s] warm workers off: --no-python runs an executable the agent cannot start ahead", node_id)
+        return None
+    return WarmPool(entrypoint=entrypoint, nproc=cfg.nproc_per_node, imports=cfg.warm_imports,
+                    args_for_rank=lambda rank: macros.substitute(list(args), str(rank)))
+
+
+def straggler_settings(cfg: AgentConfig) -> StragglerSettings:
+    return StragglerSettings(threshold=cfg.straggler_threshold, windows=cfg.straggler_windows,
+                             window_s=cfg.straggler_window_s, action=cfg.straggler_action)
+
+
+def add_readiness_checks(readiness, cfg: AgentConfig, round_checks) -> None:
+    """/readyz: this node's fitness for the job, each check on its own data source. (`etcd` is the
+    observer's own, fed by on_etcd; /livez holds the monitor-loop check.)"""
+    from elastic_rt.collectors.rdma import RdmaCollector
+    from elastic_rt.collectors.timex import read_timex
+    from elastic_rt.metrics.readiness import clock_check, probe_check, rdma_check
+
+    readiness.add("probe", probe_check(round_checks, enabled=cfg.probe_bytes > 0))
+    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=cfg.sysfs_root).read_ports))
+    readiness.add("clock", clock_check(lambda: round_checks.last_skew, read_timex))
 
 
 def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Mapping, Protocol
 
-from elastic_rt.agent.hang import HangDetector
+from elastic_rt.agent.hang import HangDetector, HangTimeout, HangVerdict
 from elastic_rt.reporting.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -33,16 +33,29 @@ class NeverRestart:
 
 
 class HealthPolicy:
-    """Hang: no step progress for hang_timeout_s (0 = never). Probe: with action "leave", a failed
-    collective probe of the current round makes this node leave so the others re-form without it."""
+    """Hang: no step progress for hang_timeout_s (None = auto, see hang.HangTimeout; 0 = never).
+    Probe: with action "leave", a failed collective probe of the current round makes this node
+    leave so the others re-form without it."""
 
     def __init__(self, *, heartbeats: Callable[[], Mapping[int, Heartbeat | None]],
-                 probe_failure: Callable[[], str | None] = lambda: None, hang_timeout_s: float = 0.0,
-                 probe_failure_action: str = "report") -> None:
+                 probe_failure: Callable[[], str | None] = lambda: None, hang_timeout_s: float | None = 0.0,
+                 probe_failure_action: str = "report", clock: Callable[[], float] | None = None) -> None:
         self._heartbeats = heartbeats
         self._probe_failure = probe_failure
         self._leave_on_probe_failure = probe_failure_action == "leave"
-        self._hang = HangDetector(hang_timeout_s=hang_timeout_s) if hang_timeout_s > 0 else None
+        self._hang: HangDetector | None = None
+        if hang_timeout_s is None or hang_timeout_s > 0:
+            timeout = HangTimeout(fixed_s=hang_timeout_s)
+            self._hang = HangDetector(timeout=timeout, **({"clock": clock} if clock else {}))
+        self.last_hang: HangVerdict | None = None
+
+    def describe_hang_timeout(self) -> str:
+        return self._hang.timeout.describe() if self._hang is not None else "hang detection off"
+
+    def on_hang_restart(self) -> None:
+        """The agent restarts for a hang: with the auto timeout, the next floor is longer (no crash loop)."""
+        if self._hang is not None:
+            self._hang.timeout.on_hang_restart()
 
     def on_workers_started(self, local_ranks: Iterable[int]) -> None:
         if self._hang is not None:
@@ -56,6 +69,6 @@ class HealthPolicy:
         self._hang.observe_all(self._heartbeats())
         verdict = self._hang.check()
         if verdict.hung:
-            log.warning("workers hung: %s", verdict.reason)
+            self.last_hang = verdict
             return "hang"
         return None

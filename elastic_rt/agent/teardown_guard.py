@@ -30,11 +30,11 @@ torch.distributed is imported.
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import os
-import sys
 import weakref
-from typing import Any, Callable
+from typing import Any
+
+from elastic_rt.agent.after_import import when_imported
 
 ENV_DISABLE = "ELASTIC_RT_NO_TEARDOWN_GUARD"
 _C10D_PACKAGE = "torch.distributed"
@@ -98,46 +98,11 @@ def _track_ddp(ddp_module: Any) -> None:
     cls.__init__ = __init__
 
 
-_ACTIONS: dict[str, Callable[[Any], None]] = {_C10D_PACKAGE: _wrap_destroy, _DDP_MODULE: _track_ddp}
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Run the module's action once it has finished importing."""
-
-    def find_spec(self, fullname, path, target=None):
-        action = _ACTIONS.get(fullname)
-        if action is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_and_act(module):
-            exec_module(module)
-            action(module)
-
-        loader.exec_module = exec_and_act
-        return spec
-
-
 def install(environ=os.environ) -> bool:
     """Install the guard (now for modules already imported, else when they are); False if disabled.
     DDP modules created before install() are not tracked: install before the script imports torch."""
     if environ.get(ENV_DISABLE, "") not in ("", "0"):
         return False
-    for name, action in _ACTIONS.items():
-        loaded = sys.modules.get(name)
-        if loaded is not None:
-            action(loaded)
-    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    when_imported(_C10D_PACKAGE, _wrap_destroy)
+    when_imported(_DDP_MODULE, _track_ddp)
     return True

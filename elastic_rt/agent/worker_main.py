@@ -1,17 +1,34 @@
-"""Entry point of every worker: die with the agent (PR_SET_PDEATHSIG), then run the user's script."""
+"""Entry point of every worker: die with the agent (PR_SET_PDEATHSIG), hook progress, stacks and errors, then run the script.
+
+A warm worker first imports ahead and waits for its environment (agent/warm_child.py). Nothing
+else here imports torch: the hooks into torch run when the script imports it (or at once, if a
+warm worker imported it ahead: elastic_rt.agent.after_import).
+"""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import runpy
 import signal
 import sys
+import time
+import traceback
 
-from elastic_rt.agent import teardown_guard
-from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_FILE, ENV_PARENT_PID
+from elastic_rt.agent import teardown_guard, warm_child
+from elastic_rt.agent.after_import import when_imported
+from elastic_rt.worker_env import (
+    ENV_FLIGHT_RECORDER,
+    ENV_HEARTBEAT_DIR,
+    ENV_HEARTBEAT_FILE,
+    ENV_NO_PROGRESS_HOOK,
+    ENV_PARENT_PID,
+    ENV_STACK_SIGNAL,
+)
 
 _PR_SET_PDEATHSIG = 1
+ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # set by torch's agent for every worker
 
 
 def _die_with_parent() -> None:
@@ -27,24 +44,79 @@ def _die_with_parent() -> None:
         os._exit(137)
 
 
+def _hook_optimizer_steps() -> None:
+    """Every optimizer.step() is progress for the hang detector (torch's global post hook, ~1 us)."""
+    if os.environ.get(ENV_NO_PROGRESS_HOOK, "") not in ("", "0"):
+        return
+    from elastic_rt.reporting.heartbeat import install_optimizer_progress
+
+    when_imported("torch.optim.optimizer", install_optimizer_progress)
+
+
+def _install_diagnostics(hb_dir: str, local_rank: int) -> None:
+    sig = os.environ.get(ENV_STACK_SIGNAL, "0")
+    if sig.isdigit() and int(sig) > 0:
+        from elastic_rt.agent.stacks import install_in_worker, raw_path
+
+        install_in_worker(int(sig), raw_path(hb_dir, local_rank))
+    if os.environ.get(ENV_FLIGHT_RECORDER) == "1":
+        from elastic_rt.agent import flight_recorder
+
+        path = flight_recorder.fifo_path(hb_dir, local_rank)
+        when_imported("torch.distributed", lambda _mod: flight_recorder.start_dump_listener(path))
+
+
+def record_error(exc: BaseException, path: str | None) -> None:
+    """Write `exc` to the torchelastic error file, in torch's format (ErrorHandler.record_exception),
+    unless the script's own @record already did; atomically, since the agent may read it at once."""
+    if not path or os.path.exists(path):
+        return
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the failure is still classified from the exit code
+
+
 def main(argv: list[str]) -> None:
     _die_with_parent()
     teardown_guard.install()
-    hb_dir = os.environ.get(ENV_HEARTBEAT_DIR)
-    if hb_dir:
-        os.environ[ENV_HEARTBEAT_FILE] = os.path.join(hb_dir, f"worker-{os.environ.get('LOCAL_RANK', '0')}")
+    warm, argv = warm_child.split_argv(argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
+    if warm is not None:  # a pre-started worker: import ahead, then wait for the agent's start message
+        argv = warm_child.become_worker(warm, argv)
+    _hook_optimizer_steps()
+    hb_dir = os.environ.get(ENV_HEARTBEAT_DIR)
+    if hb_dir:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        os.environ[ENV_HEARTBEAT_FILE] = os.path.join(hb_dir, f"worker-{local_rank}")
+        _install_diagnostics(hb_dir, local_rank)
     if not argv:
         sys.exit("elastic-rt worker: no training script given")
-    if argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        script = argv[0]
-        sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        runpy.run_path(script, run_name="__main__")
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        record_error(exc, os.environ.get(ENV_ERROR_FILE))
+        raise
+    finally:
+        if hb_dir:  # exiting, not stuck: interpreter teardown of a torch process can take seconds
+            from elastic_rt.reporting.heartbeat import report_finished
+
+            report_finished()
 
 
 if __name__ == "__main__":

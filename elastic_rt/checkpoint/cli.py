@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from elastic_rt.checkpoint.store import CheckpointEntry, CheckpointStore
+from elastic_rt.checkpoint.storage import CheckpointEntry, CheckpointStore
 from elastic_rt.errors import ElasticRTError
 
 

@@ -13,8 +13,8 @@ from elastic_rt.checkpoint.collectives import CheckpointGroups
 from elastic_rt.checkpoint.manifest import Manifest
 from elastic_rt.checkpoint.options import CheckpointOptions
 from elastic_rt.checkpoint.saver import describe_error
-from elastic_rt.checkpoint.state import decode_per_rank, split_state
-from elastic_rt.checkpoint.store import CheckpointStore, rank_filename
+from elastic_rt.checkpoint.user_state import decode_per_rank, split_state
+from elastic_rt.checkpoint.storage import CheckpointStore, rank_filename
 from elastic_rt.checkpoint.writer import FsspecCheckpointReader
 from elastic_rt.errors import CheckpointError, ElasticRTError
 

@@ -15,12 +15,13 @@ import torch.distributed as dist
 
 from elastic_rt.checkpoint import collectives as coll
 from elastic_rt.checkpoint import loader
-from elastic_rt.checkpoint.options import CheckpointOptions, IfBusy, SaveStats, pause_file_from_env
+from elastic_rt.checkpoint.host_cache import HostCache
+from elastic_rt.checkpoint.options import CheckpointOptions, IfBusy, SaveStats
 from elastic_rt.checkpoint.saver import SaveContext, SaveJob, describe_error, run_save
 from elastic_rt.checkpoint.staging import BufferPool
-from elastic_rt.checkpoint.state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
-from elastic_rt.checkpoint.store import CheckpointEntry, CheckpointStore
-from elastic_rt.checkpoint.writer import FilePauseHook, PauseHook
+from elastic_rt.checkpoint.user_state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
+from elastic_rt.checkpoint.storage import CheckpointEntry, CheckpointStore
+from elastic_rt.checkpoint.writer import ChecksumWriter
 from elastic_rt.errors import CheckpointError, ElasticRTError
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,6 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         on_saved: Callable[[SaveStats], None] | None = None,
-        test_pause_file: str | None = None,
-        test_pause_hook: PauseHook | None = None,
     ) -> None:
         self.options = CheckpointOptions(
             keep_last=keep_last,
@@ -59,19 +58,16 @@ class CheckpointManager:
             sync_files=sync_files,
             thread_count=thread_count,
             storage_options=storage_options or {},
-            test_pause_file=test_pause_file or pause_file_from_env(),
         )
         self.url = url
         self._store = CheckpointStore(url, self.options.storage_options)
         self._sync_files = self._store.is_local if sync_files is None else sync_files
-        if test_pause_hook is None and self.options.test_pause_file:
-            test_pause_hook = FilePauseHook(self.options.test_pause_file)
-        self._pause_hook = test_pause_hook
         self._on_saved = on_saved
         self._groups = coll.CheckpointGroups.create(process_group, self.options.collective_timeout_s)
         if self._groups.io is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
         self.rank, self.world_size = self._groups.rank, self._groups.world_size
+        self._host_cache = HostCache.from_env(rank=self.rank)  # the node's copy in shared memory, if any
         self._ctx = SaveContext(
             url=url,
             store=self._store,
@@ -79,7 +75,7 @@ class CheckpointManager:
             options=self.options,
             sync_files=self._sync_files,
             pool=BufferPool(),
-            pause_hook=self._pause_hook,
+            make_writer=self._make_writer,
             before_prepare=self._wait_retention,
         )
         self._executor: ThreadPoolExecutor | None = None
@@ -93,6 +89,12 @@ class CheckpointManager:
         self._closed = False
 
     # ------------------------------------------------------------------ saving
+
+    def _make_writer(
+        self, fs: Any, path: str, *, rank: int, step: int, sync_files: bool, thread_count: int
+    ) -> ChecksumWriter:
+        """The DCP storage writer of one rank's save (a subclass may wrap it)."""
+        return ChecksumWriter(fs, path, rank=rank, step=step, sync_files=sync_files, thread_count=thread_count)
 
     def save(self, step: int, state: MutableMapping[str, Any]) -> bool:
         """Checkpoint `state` as step `step`. Sync: returns once committed. Async: returns once
@@ -195,6 +197,8 @@ class CheckpointManager:
         stats = run_save(job, self._ctx)
         if stats is None:
             return None
+        if self._host_cache is not None:
+            self._host_cache.keep(self._store, job.step)
         if self.rank == 0:  # deleting old checkpoints is off the training loop's path
             with self._retention_lock:
                 if self._gc_executor is None:
@@ -233,7 +237,10 @@ class CheckpointManager:
         self._check_open()
         self._wait_inflight()
         self._wait_retention()
-        return loader.load_latest(state, store=self._store, groups=self._groups, options=self.options)
+        if self._host_cache is None:
+            return loader.load_latest(state, store=self._store, groups=self._groups, options=self.options)
+        store = self._host_cache.wrap(self._store, self._groups, verify=self.options.verify_on_load)
+        return store.report(loader.load_latest(state, store=store, groups=self._groups, options=self.options))
 
     # --------------------------------------------------------------- inspection / lifecycle
 
@@ -268,6 +275,8 @@ class CheckpointManager:
             self._wait_retention()
             if self._gc_executor is not None:
                 self._gc_executor.shutdown(wait=True)
+            if self._host_cache is not None:
+                self._host_cache.close()
             self._ctx.pool.clear()
             self._groups.destroy()
 

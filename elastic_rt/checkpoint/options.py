@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
 from elastic_rt.errors import ConfigError
 
-# Test hook (see docs/checkpoint.md, "Test hooks"): when this variable names a path P
-# and P exists at the moment a rank has written its shard, the rank creates
-# "P.rank<r>.paused" and waits until P is removed, so a test can SIGKILL it mid-save.
-ENV_TEST_PAUSE_FILE = "ELASTIC_RT_CKPT_TEST_PAUSE_FILE"
-
 IfBusy = Literal["wait", "skip"]
-
-
-def pause_file_from_env(env: Mapping[str, str] | None = None) -> str | None:
-    """The one place that reads ELASTIC_RT_CKPT_TEST_PAUSE_FILE."""
-    env = os.environ if env is None else env
-    return env.get(ENV_TEST_PAUSE_FILE) or None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +25,6 @@ class CheckpointOptions:
     sync_files: fsync every file before commit; None means "on local file systems".
     thread_count: writer threads (one file per thread) per rank.
     storage_options: passed to fsspec (credentials, endpoints, ...).
-    test_pause_file: see ENV_TEST_PAUSE_FILE.
     """
 
     keep_last: int = 3
@@ -49,7 +36,6 @@ class CheckpointOptions:
     sync_files: bool | None = None
     thread_count: int = 1
     storage_options: Mapping[str, Any] = field(default_factory=dict)
-    test_pause_file: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1:

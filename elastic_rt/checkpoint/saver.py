@@ -18,9 +18,9 @@ from elastic_rt.checkpoint.collectives import CheckpointGroups
 from elastic_rt.checkpoint.manifest import FileEntry, Manifest, ManifestError
 from elastic_rt.checkpoint.options import CheckpointOptions, SaveStats
 from elastic_rt.checkpoint.staging import BufferPool, StagingSavePlanner
-from elastic_rt.checkpoint.state import encode_per_rank
-from elastic_rt.checkpoint.store import CheckpointStore, rank_filename
-from elastic_rt.checkpoint.writer import PHASE_STAGING, ChecksumWriter, PauseHook
+from elastic_rt.checkpoint.user_state import encode_per_rank
+from elastic_rt.checkpoint.storage import CheckpointStore, rank_filename
+from elastic_rt.checkpoint.writer import ChecksumWriter
 from elastic_rt.errors import CheckpointError, ElasticRTError
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class SaveContext:
     options: CheckpointOptions
     sync_files: bool
     pool: BufferPool
-    pause_hook: PauseHook | None = None
+    make_writer: Callable[..., ChecksumWriter] = ChecksumWriter  # (fs, path, *, rank, step, sync_files, thread_count)
     before_prepare: Callable[[], None] = lambda: None  # rank 0, before touching the step directory
 
 
@@ -101,21 +101,18 @@ def _save_and_commit(job: SaveJob, ctx: SaveContext) -> SaveStats | None:
     if decision != "go":
         raise CheckpointError(str(decision))
     store.makedirs(step_dir)
-    writer = ChecksumWriter(
+    writer = ctx.make_writer(
         store.fs,
         step_dir,
         rank=rank,
         step=job.step,
         sync_files=ctx.sync_files,
         thread_count=ctx.options.thread_count,
-        pause_hook=ctx.pause_hook,
     )
-    hook = ctx.pause_hook
     planner = StagingSavePlanner(
         pool=ctx.pool if job.async_save else None,
         on_staged=job.mark_staged,
         balance_ptrs=job.balance_ptrs,
-        before_stage=(lambda: hook(rank=rank, step=job.step, phase=PHASE_STAGING)) if hook else None,
     )
     try:
         dcp.save(
@@ -158,9 +155,11 @@ def _prepare_step_dir(step: int, step_dir: str, ctx: SaveContext) -> str:
             try:
                 ctx.store.read_manifest(step_dir)
                 return "exists"
-            except ManifestError:
+            except ManifestError as exc:
+                log.info("checkpoint step %d under %s: clearing leftovers of an interrupted save (%s)",
+                         step, ctx.url, exc)
                 ctx.store.delete(step_dir)
-        ctx.store.makedirs(step_dir)
+        ctx.store.make_step_dir(step_dir, sync=ctx.sync_files)
     except OSError as exc:
         return f"cannot prepare {step_dir} on {ctx.url} ({exc})"
     return "go"

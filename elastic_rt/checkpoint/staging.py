@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from elastic_rt.checkpoint.state import storage_ptr
+from elastic_rt.checkpoint.user_state import storage_ptr
 
 BufferKey = tuple[str, tuple[int, ...] | None]
 
@@ -87,8 +87,7 @@ class StagingSavePlanner(DefaultSavePlanner):
     exactly the items this rank writes into the pool and serves writes from those copies.
     Without a pool it writes from the live tensors (a synchronous save).
     balance_ptrs: storages of tensors identical on every rank (parameters and optimizer
-    state of guarded optimizers). on_staged(staging_s) is called when the copy is done;
-    before_stage() (a test hook) just before it starts."""
+    state of guarded optimizers). on_staged(staging_s) is called when the copy is done."""
 
     def __init__(
         self,
@@ -96,13 +95,11 @@ class StagingSavePlanner(DefaultSavePlanner):
         pool: BufferPool | None,
         on_staged: Callable[[float], None],
         balance_ptrs: frozenset[int] = frozenset(),
-        before_stage: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(dedup_save_to_lowest_rank=True)
         self._pool = pool
         self._on_staged = on_staged
         self._balance_ptrs = balance_ptrs
-        self._before_stage = before_stage
         self._staged: dict[MetadataIndex, torch.Tensor] = {}
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
@@ -115,8 +112,6 @@ class StagingSavePlanner(DefaultSavePlanner):
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
-        if self._pool is not None and self._before_stage is not None:
-            self._before_stage()
         started = time.perf_counter()
         if self._pool is not None:
             self._stage(plan.items)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 from typing import Callable
 
 SYNC_FILE_RANGE_WRITE = 2
+
+log = logging.getLogger(__name__)
 
 StartWriteback = Callable[[int, int, int], bool]  # (fd, offset, nbytes) -> started
 
@@ -24,7 +27,8 @@ def _load() -> StartWriteback | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         fn = libc.sync_file_range
-    except (OSError, AttributeError):  # not Linux/glibc: the fsync does all of it, as before
+    except (OSError, AttributeError) as exc:  # not Linux/glibc: the fsync does all of it, as before
+        log.debug("checkpoint writes: no sync_file_range here (%s); the final fsync does all the writing", exc)
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import posixpath
 import threading
-import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Generator, Protocol
+from typing import Any, Generator
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
@@ -20,7 +20,8 @@ from torch.futures import Future
 
 from elastic_rt.checkpoint.manifest import FileEntry
 from elastic_rt.checkpoint.writeback import StartWriteback, start_writeback
-from elastic_rt.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 # Buffers at least this large get their crc32 computed in a helper thread while the
 # write proceeds (zlib releases the GIL), so checksumming overlaps with I/O.
@@ -28,41 +29,6 @@ OVERLAP_CRC_MIN_BYTES = 1 << 20
 # ... and are written in chunks of this size, each handed to the disk (start_writeback) as
 # soon as it is in the page cache, so the disk works while the next chunk is copied.
 WRITE_CHUNK_BYTES = 16 << 20
-
-
-PHASE_STAGING = "staging"  # async saves: the plan is known, the copy to host memory not started
-PHASE_WRITTEN = "written"  # this rank's shard files are on storage, the commit is not
-
-
-class PauseHook(Protocol):
-    """Test hook called by each rank's writer at the phases above."""
-
-    def __call__(self, *, rank: int, step: int, phase: str) -> None: ...
-
-
-class FilePauseHook:
-    """If PATH exists: create PATH.rank<r>.paused and wait until PATH is removed (tests)."""
-
-    def __init__(self, path: str, *, poll_s: float = 0.01, max_wait_s: float = 600.0) -> None:
-        self.path = path
-        self.poll_s = poll_s
-        self.max_wait_s = max_wait_s
-
-    def marker(self, rank: int) -> str:
-        return f"{self.path}.rank{rank}.paused"
-
-    def __call__(self, *, rank: int, step: int, phase: str) -> None:
-        if phase != PHASE_WRITTEN or not os.path.exists(self.path):
-            return
-        with open(self.marker(rank), "w") as f:
-            f.write(f"{step}\n")
-        deadline = time.monotonic() + self.max_wait_s
-        while os.path.exists(self.path):
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"test pause file {self.path} was not removed within {self.max_wait_s:.0f} s"
-                )
-            time.sleep(self.poll_s)
 
 
 _zip_crc_lock = threading.Lock()
@@ -179,8 +145,8 @@ class ChecksumFileSystem(FileSystemBase):
             except BaseException:
                 try:
                     self.fs.rm(path)
-                except OSError:
-                    pass
+                except OSError as exc:  # the save fails anyway; the step directory is not committed
+                    log.debug("checkpoint writer: could not remove the partial file %s (%s)", path, exc)
                 raise
         with self._lock:
             self.written[path] = (stream.size, stream.crc)
@@ -221,8 +187,7 @@ class ChecksumFileSystem(FileSystemBase):
 
 
 class ChecksumWriter(FileSystemWriter):
-    """DCP FileSystemWriter on fsspec that reports (name, size, crc32) of each file it wrote,
-    and calls the pause hook after this rank's shard is on storage."""
+    """DCP FileSystemWriter on fsspec that reports (name, size, crc32) of each file it wrote."""
 
     def __init__(
         self,
@@ -233,7 +198,6 @@ class ChecksumWriter(FileSystemWriter):
         step: int,
         sync_files: bool,
         thread_count: int = 1,
-        pause_hook: PauseHook | None = None,
     ) -> None:
         super().__init__(
             path, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count, overwrite=True
@@ -242,16 +206,12 @@ class ChecksumWriter(FileSystemWriter):
         # whether (without fsync, pages may stay in memory, and early writeback would cost time).
         self.fs = ChecksumFileSystem(fs, early_writeback=sync_files)
         self.path = path
-        self._rank = rank
-        self._step = step
-        self._pause_hook = pause_hook
+        self.rank = rank
+        self.step = step
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         with zip_crc32_disabled():
-            future = super().write_data(plan, planner)
-        if self._pause_hook is not None:
-            self._pause_hook(rank=self._rank, step=self._step, phase=PHASE_WRITTEN)
-        return future
+            return super().write_data(plan, planner)
 
     def close(self) -> None:
         self.fs.close()
@@ -259,7 +219,7 @@ class ChecksumWriter(FileSystemWriter):
     def file_entries(self) -> list[FileEntry]:
         """Files this rank wrote (the coordinator also wrote .metadata)."""
         return [
-            FileEntry(path=posixpath.basename(path), size=size, crc32=crc, rank=self._rank)
+            FileEntry(path=posixpath.basename(path), size=size, crc32=crc, rank=self.rank)
             for path, (size, crc) in sorted(self.fs.written.items())
         ]
 

@@ -78,22 +78,22 @@ def estimate_skew(samples: Iterable[SkewSample | tuple[float, float, float]]) ->
 
 
 def measure_skew(
-    read_remote: Callable[[], float],
+    read_remote: Callable[[int], float],
     *,
     samples: int = 8,
     clock: Callable[[], float] = time.time,
 ) -> SkewEstimate:
-    """Probe a peer clock `samples` times; read_remote() returns the peer's wall time.
+    """Probe a peer clock `samples` times; read_remote(k) returns the peer's wall time for probe k.
 
-    Wire read_remote to whatever reaches the peer (e.g. a rendezvous store key that
-    rank 0 answers). Both clocks must be wall clocks (Unix seconds).
+    Wire read_remote to whatever reaches the peer (collectors/skew.py: rendezvous store keys
+    that rank 0 answers). Both clocks must be wall clocks (Unix seconds).
     """
     if samples < 1:
         raise ConfigError(f"skew probe needs at least 1 sample, got {samples}")
     probes = []
-    for _ in range(samples):
+    for k in range(samples):
         t1 = clock()
-        remote = read_remote()
+        remote = read_remote(k)
         t2 = clock()
         probes.append(SkewSample(t_send_local=t1, t_remote=remote, t_recv_local=t2))
     return estimate_skew(probes)

@@ -2,13 +2,15 @@
 
 The agent runs it in a child process (`python -m elastic_rt.collectors.probe`), one per node,
 meeting on a TCPStore hosted by rank 0's child: a hung or crashed collective can then be
-killed without touching the agent, and a CUDA context never stays in the agent.
+killed without touching the agent, and a CUDA context never stays in the agent. The child
+lowers its own priority (os.nice) as it starts: no preexec_fn runs in the multi-threaded agent.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +22,10 @@ import torch
 import torch.distributed as dist
 
 from elastic_rt.errors import HealthCheckError
+
+PROBE_NICENESS = 10  # the probe competes with the node's training workers: let them go first
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +65,7 @@ def run_allreduce_probe(store: dist.Store, rank: int, world_size: int, *, nbytes
     backend = pick_backend(backend)
     timeout = timedelta(seconds=timeout_s)
     numel = max(1, nbytes // 4)
+    pg = None
     try:
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
@@ -90,11 +97,11 @@ def run_allreduce_probe(store: dist.Store, rank: int, world_size: int, *, nbytes
             f"{str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}"
         ) from exc
     finally:
-        if "pg" in locals() and hasattr(pg, "shutdown"):
+        if pg is not None:
             try:
                 pg.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as exc:  # noqa: BLE001 - the result (or error) is already decided
+                log.debug("collective probe: process group shutdown failed: %s", exc)
     times.sort()
     return ProbeResult(backend=backend, world_size=world_size, nbytes=numel * 4, latency_s=times[len(times) // 2])
 
@@ -106,8 +113,7 @@ def spawn_probe(*, master_addr: str, master_port: int, rank: int, world_size: in
            "--master-port", str(master_port), "--rank", str(rank), "--world-size", str(world_size),
            "--bytes", str(nbytes), "--timeout", str(timeout_s), "--backend", backend]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 60,
-                              preexec_fn=lambda: os.nice(10), start_new_session=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 60, start_new_session=True)
     except subprocess.TimeoutExpired as exc:
         raise HealthCheckError(f"collective probe did not finish within {timeout_s + 60:g} s") from exc
     lines = proc.stdout.strip().splitlines()
@@ -126,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bytes", type=int, default=4 << 20)
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--nice", type=int, default=PROBE_NICENESS, help="added to this process's niceness first")
     a = p.parse_args(argv)
+    try:
+        os.nice(a.nice)
+    except OSError as exc:  # e.g. a negative value without CAP_SYS_NICE: probe at the given priority
+        print(f"collective probe: cannot change priority by {a.nice} ({exc})", file=sys.stderr)
     try:
         store = dist.TCPStore(a.master_addr, a.master_port, a.world_size, a.rank == 0,
                               timeout=timedelta(seconds=a.timeout), wait_for_workers=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from elastic_rt.data.partition import Partition, epoch_order
 from elastic_rt.data.sampler import ElasticDistributedSampler
-from elastic_rt.data.state import (
+from elastic_rt.data.sampler_state import (
     SamplerConfigError,
     SamplerState,
     SamplerStateError,

@@ -9,11 +9,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from elastic_rt.data.partition import Partition, epoch_order
-from elastic_rt.data.state import SamplerConfigError, SamplerState
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+from elastic_rt.data.sampler_state import SamplerConfigError, SamplerState, is_int
 
 
 def _world_from_process_group(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -55,13 +51,13 @@ class ElasticDistributedSampler(Sampler[int]):
                 f"dataset must have a length (implement __len__), got {type(dataset).__name__}"
             )
         num_replicas, rank = _world_from_process_group(num_replicas, rank)
-        if not _is_int(num_replicas) or num_replicas < 1:
+        if not is_int(num_replicas) or num_replicas < 1:
             raise SamplerConfigError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
-        if not _is_int(rank) or not 0 <= rank < num_replicas:
+        if not is_int(rank) or not 0 <= rank < num_replicas:
             raise SamplerConfigError(
                 f"Invalid rank {rank!r}, rank should be in the interval [0, {num_replicas - 1}]"
             )
-        if not _is_int(seed):
+        if not is_int(seed):
             raise SamplerConfigError(f"seed must be an int, got {seed!r}")
         self.dataset = dataset
         self._dataset_length = len(dataset)
@@ -148,7 +144,7 @@ class ElasticDistributedSampler(Sampler[int]):
         last index of the pass. Before any ``iter()``, refers to the pass ``iter()``
         would yield now.
         """
-        if not _is_int(position):
+        if not is_int(position):
             raise SamplerConfigError(f"position must be an int, got {position!r}")
         partition = self._iterated if self._iterated is not None else self.partition
         return partition.is_padding(position)
@@ -159,7 +155,7 @@ class ElasticDistributedSampler(Sampler[int]):
         Setting the epoch the sampler already holds (as after ``load_state_dict``) keeps
         the progress, so a resumed loop may call ``set_epoch(epoch)`` as usual.
         """
-        if not _is_int(epoch):
+        if not is_int(epoch):
             raise SamplerConfigError(f"epoch must be an int, got {epoch!r}")
         if epoch != self._epoch:
             self._epoch = epoch
@@ -173,7 +169,7 @@ class ElasticDistributedSampler(Sampler[int]):
         whole world's step). A short last batch may be passed either as its real size or
         as the full batch size: progress stops at the end of the epoch's real data.
         """
-        if not _is_int(global_batch_size) or global_batch_size < 0:
+        if not is_int(global_batch_size) or global_batch_size < 0:
             raise SamplerConfigError(
                 f"advance() takes the global batch size as an int >= 0, got {global_batch_size!r}"
             )

@@ -77,18 +77,9 @@ class DoctorSources:
 
 def etcd_config(endpoint: str, conf: Mapping[str, str], *, timeout_s: float):
     """EtcdConfig from --rdzv-endpoint and --rdzv-conf (TLS and credentials keys as `launch` reads them)."""
-    from elastic_rt.rendezvous.etcd_client import EtcdConfig
-    from elastic_rt.rendezvous.registration import parse_endpoints
+    from elastic_rt.rendezvous.registration import etcd_config_from_conf
 
-    return EtcdConfig(
-        endpoints=parse_endpoints(endpoint),
-        request_timeout_s=timeout_s,
-        ca_cert=conf.get("ca_cert"),
-        cert=conf.get("cert") or conf.get("ssl_cert"),
-        key=conf.get("key") or conf.get("ssl_cert_key"),
-        user=conf.get("user") or conf.get("username"),
-        password=conf.get("password"),
-    )
+    return etcd_config_from_conf(endpoint, conf, timeout_s=timeout_s)
 
 
 def _seconds(flag: str, value: float) -> float:

@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from elastic_rt.agent.failures import CAUSES as FAILURE_CAUSES, COLLECTIVE_PATTERNS
 from elastic_rt.collectors.clock import ClockMetrics
 from elastic_rt.reporting.heartbeat import Heartbeat
 from elastic_rt.collectors.rdma import RdmaCollector
@@ -61,6 +62,15 @@ class AgentMetrics:
         self.nodes = gauge("elastic_rt_nodes", "Nodes (agents) in the current round.")
         self.round = gauge("elastic_rt_rendezvous_round", "Number of the current rendezvous round.")
         self.rounds = counter("elastic_rt_rendezvous_rounds", "Rendezvous rounds this agent completed.")
+        self.standby = gauge(
+            "elastic_rt_standby",
+            "1 while this agent is in the rendezvous without a worker group (joining, or a hot spare waiting "
+            "for a place when --nnodes MAX is reached), 0 while its workers run. sum() counts the spares.",
+        )
+        self.warm_workers = gauge(
+            "elastic_rt_warm_workers_ready",
+            "Pre-started workers (torch imported) ready to take a local rank at the next start.",
+        )
         self.rendezvous_duration = histogram(
             "elastic_rt_rendezvous_duration_seconds",
             "Time from joining a rendezvous to the round being complete.",
@@ -124,8 +134,17 @@ class AgentMetrics:
         self._worker_ranks: set[int] = set()
 
     # -- rendezvous -------------------------------------------------------------------
+    def on_rendezvous_started(self) -> None:
+        """The agent entered the rendezvous: no worker group until the round completes."""
+        self.standby.labels(*self._base).set(1)
+
+    def track_warm_workers(self, ready: Callable[[], int]) -> None:
+        """Read the number of ready warm workers at scrape time."""
+        self.warm_workers.labels(*self._base).set_function(ready)
+
     def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None:
         """A round completed: `nodes` agents, `world_size` workers, after `duration_s`."""
+        self.standby.labels(*self._base).set(0)
         self.round.labels(*self._base).set(round)
         self.world_size.labels(*self._base).set(world_size)
         self.nodes.labels(*self._base).set(nodes)
@@ -179,6 +198,192 @@ class AgentMetrics:
         self.probe_failures.labels(*self._base).inc()
 
 
+# ---- health checks (/livez, /readyz) as metrics ---------------------------------------------------
+HEALTH_CHECK_METRIC = "elastic_rt_health_check"
+LAST_TICK_AGE_METRIC = "elastic_rt_agent_last_tick_age_seconds"
+
+
+class HealthCollector:
+    """The /livez and /readyz checks as gauges, evaluated at scrape time like the endpoints.
+
+    results() yields (kind, check, ok) with kind "liveness" or "readiness"; last_tick_age_s()
+    gives the seconds since the agent's monitor loop last ticked (None before the first tick).
+    """
+
+    def __init__(self, *, run_id: str, node: str, results: Callable[[], Iterable[tuple[str, str, bool]]],
+                 last_tick_age_s: Callable[[], float | None]) -> None:
+        self._base = [run_id, node]
+        self._results = results
+        self._last_tick_age_s = last_tick_age_s
+
+    def _families(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        checks = GaugeMetricFamily(
+            HEALTH_CHECK_METRIC, "1 while the named /livez or /readyz check passes, else 0.",
+            labels=["run_id", "node", "kind", "check"])
+        age = GaugeMetricFamily(
+            LAST_TICK_AGE_METRIC, "Seconds since the agent's monitor loop last ticked (it ticks while workers run).",
+            labels=["run_id", "node"])
+        return checks, age
+
+    def collect(self):
+        checks, age = self._families()
+        for kind, name, ok in self._results():
+            checks.add_metric(self._base + [kind, name], 1.0 if ok else 0.0)
+        yield checks
+        value = self._last_tick_age_s()
+        if value is not None:
+            age.add_metric(self._base, value)
+        yield age
+
+    def describe(self):
+        yield from self._families()  # registering must not run the checks
+# ---- goodput, step timing and stragglers (issue 13; recorded by elastic_rt.goodput) ----------------
+# (imports kept with this block so that it merges as one piece)
+import bisect  # noqa: E402
+import threading  # noqa: E402
+
+from prometheus_client.core import HistogramMetricFamily  # noqa: E402
+from prometheus_client.registry import Collector  # noqa: E402
+
+GOODPUT_CATEGORIES = ("productive", "startup", "restart", "checkpoint", "restore", "lost", "other")
+STEP_TIME_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class StepTimeHistogram(Collector):
+    """elastic_rt_step_duration_seconds per local rank, where one observation may stand for many steps
+    (a tick that saw 100 steps of 1 ms adds 100 to the count): _count is steps, _sum their time."""
+
+    def __init__(self, *, run_id: str, node: str, buckets: tuple = STEP_TIME_BUCKETS_S) -> None:
+        self._base = [run_id, node]
+        self._bounds = tuple(float(b) for b in buckets) + (float("inf"),)
+        self._ranks: dict[int, tuple[list[int], list[float]]] = {}  # rank -> (bucket counts, [sum])
+        self._lock = threading.Lock()
+
+    def observe(self, local_rank: int, duration_s: float, steps: int = 1) -> None:
+        with self._lock:
+            counts, total = self._ranks.setdefault(local_rank, ([0] * len(self._bounds), [0.0]))
+            counts[bisect.bisect_left(self._bounds, duration_s)] += steps
+            total[0] += duration_s * steps
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily("elastic_rt_step_duration_seconds",
+                                     "Time per training step of each local worker, from its step heartbeats.",
+                                     labels=["run_id", "node", "local_rank"])
+
+    def collect(self):
+        fam = self._family()
+        with self._lock:
+            snapshot = {r: (list(c), t[0]) for r, (c, t) in self._ranks.items()}
+        for rank, (counts, total) in sorted(snapshot.items()):
+            cumulative, acc = [], 0
+            for bound, n in zip(self._bounds, counts):
+                acc += n
+                cumulative.append(("+Inf" if bound == float("inf") else repr(bound), acc))
+            fam.add_metric(self._base + [str(rank)], cumulative, total)
+        yield fam
+
+    def describe(self):
+        yield self._family()
+
+
+class GoodputMetrics:
+    """Goodput by category, step time per rank and straggler flags of one agent."""
+
+    def __init__(self, *, registry: CollectorRegistry, run_id: str, node: str) -> None:
+        self._base = (run_id, node)
+        base = ["run_id", "node"]
+        self.seconds = Counter("elastic_rt_goodput_seconds",
+                               "Wall time of this agent since the job started, by category (settled time).",
+                               base + ["category"], registry=registry)
+        self.uncommitted = Gauge("elastic_rt_goodput_uncommitted_seconds",
+                                 "Training time since the last commit: productive if kept, lost on a failure.",
+                                 base, registry=registry)
+        self.ratio = Gauge("elastic_rt_goodput_ratio",
+                           "(productive + uncommitted) / wall time since the job started.", base, registry=registry)
+        self.lost_steps = Counter("elastic_rt_goodput_lost_steps", "Steps re-done after failures.", base,
+                                  registry=registry)
+        self.step_time = Gauge("elastic_rt_step_time_seconds", "Median step time of the worker in the last window.",
+                               base + ["local_rank"], registry=registry)
+        self.step_time_ratio = Gauge("elastic_rt_step_time_ratio",
+                                     "The worker's median step time / the job's median (all nodes).",
+                                     base + ["local_rank"], registry=registry)
+        self.straggler = Gauge("elastic_rt_straggler",
+                               "1 while the worker is flagged as a straggler, else 0.", base + ["local_rank"],
+                               registry=registry)
+        self.step_histogram = StepTimeHistogram(run_id=run_id, node=node)
+        registry.register(self.step_histogram)
+        for category in GOODPUT_CATEGORIES:
+            self.seconds.labels(*self._base, category)
+        self.lost_steps.labels(*self._base)
+        self._exported = dict.fromkeys(GOODPUT_CATEGORIES, 0.0)
+        self._ranks: set[int] = set()
+
+    def on_totals(self, totals: Mapping[str, float], *, uncommitted_s: float, ratio: float) -> None:
+        """The ledger's totals (they only grow): counters advance by the difference."""
+        for category in GOODPUT_CATEGORIES:
+            delta = totals.get(category, 0.0) - self._exported[category]
+            if delta > 0:
+                self.seconds.labels(*self._base, category).inc(delta)
+                self._exported[category] += delta
+        self.uncommitted.labels(*self._base).set(uncommitted_s)
+        self.ratio.labels(*self._base).set(ratio)
+
+    def on_lost_steps(self, steps: int) -> None:
+        self.lost_steps.labels(*self._base).inc(max(0, steps))
+
+    def on_step_times(self, medians: Mapping[int, float], *, job_median_s: float | None = None) -> None:
+        for rank, value in medians.items():
+            self.step_time.labels(*self._base, str(rank)).set(value)
+            if job_median_s:
+                self.step_time_ratio.labels(*self._base, str(rank)).set(value / job_median_s)
+            self._ranks.add(rank)
+
+    def on_stragglers(self, flagged: set[int], local_ranks: set[int]) -> None:
+        """Set the flag of every local rank (1: flagged)."""
+        for rank in local_ranks | self._ranks:
+            self.straggler.labels(*self._base, str(rank)).set(1.0 if rank in flagged else 0.0)
+
+
+# ---- Why workers failed (issue 17): causes, hangs, collective backend errors ------------------------
+COLLECTIVE_ERROR_KINDS = tuple(dict.fromkeys((backend, kind) for _, backend, kind in COLLECTIVE_PATTERNS))
+
+
+class FailureMetrics:
+    """Worker failures by cause, hangs by the rank that stopped first, collective backend errors."""
+
+    def __init__(self, *, registry: CollectorRegistry, run_id: str, node: str) -> None:
+        self._base = (run_id, node)
+        base = ["run_id", "node"]
+        self.failures = Counter(
+            "elastic_rt_worker_failures", "Worker failures by cause (see docs/failures.md).", base + ["cause"],
+            registry=registry)
+        self.hangs = Counter(
+            "elastic_rt_hangs",
+            "Hang restarts, by the local rank that stopped progressing first and its process state "
+            "(psutil: stopped, disk-sleep, sleeping, running).",
+            base + ["local_rank", "process_state"], registry=registry)
+        self.collective_errors = Counter(
+            "elastic_rt_collective_errors",
+            "Collective backend errors seen in failed workers (NCCL watchdog timeouts, communicator aborts, "
+            "gloo timeouts and closed peers).",
+            base + ["backend", "kind"], registry=registry)
+        for cause in FAILURE_CAUSES:  # export zeros so rate() and alerts see every series
+            self.failures.labels(*self._base, cause)
+        for backend, kind in COLLECTIVE_ERROR_KINDS:
+            self.collective_errors.labels(*self._base, backend, kind)
+
+    def on_failure(self, cause: str, collective: tuple[str, str] | None = None) -> None:
+        if cause not in FAILURE_CAUSES:
+            raise ValueError(f"unknown failure cause {cause!r}; expected one of {FAILURE_CAUSES}")
+        self.failures.labels(*self._base, cause).inc()
+        if collective is not None:
+            self.collective_errors.labels(*self._base, *collective).inc()
+
+    def on_hang(self, local_rank: int, process_state: str) -> None:
+        self.failures.labels(*self._base, "hang").inc()
+        self.hangs.labels(*self._base, str(local_rank), process_state).inc()
 # ---- etcd reachability (fed by the rendezvous through observer.on_etcd) -------------------------
 class EtcdMetrics:
     """elastic_rt_etcd_up and elastic_rt_etcd_unreachable_seconds_total; the seconds grow at scrape

@@ -71,12 +71,12 @@ class WorkerCollector(Collector):
             ),
             GaugeMetricFamily(
                 "elastic_rt_worker_last_step",
-                "Last training step the worker reported with elastic_rt.report_step().",
+                "Last training step the worker reported with elastic_rt.report_step(), else its optimizer steps.",
                 labels=labels,
             ),
             GaugeMetricFamily(
                 "elastic_rt_worker_last_step_age_seconds",
-                "Seconds since the worker last reported a step.",
+                "Seconds since the worker's last step (optimizer step or report_step).",
                 labels=labels,
             ),
         )

@@ -9,16 +9,21 @@ from, and every gRPC error is translated here into EtcdUnavailableError.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-import grpc
-from pyetcd import etcdrpc
+# gRPC's C core logs every failed TLS handshake at INFO on stderr; the error we raise says it in one
+# line. Must be set before grpc is imported (an explicit GRPC_VERBOSITY still wins).
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from elastic_rt.errors import ConfigError, EtcdUnavailableError
+import grpc  # noqa: E402
+from pyetcd import etcdrpc  # noqa: E402
+
+from elastic_rt.errors import ConfigError, EtcdAccessError, EtcdUnavailableError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +39,39 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 @dataclass(frozen=True, kw_only=True)
 class EtcdConfig:
-    """How to reach etcd: endpoints tried in order, TLS and credentials."""
+    """How to reach etcd: endpoints tried in order, TLS and credentials.
+
+    TLS is used when `tls` is set (https:// endpoints) or any TLS file is given;
+    without ca_cert the server is verified against gRPC's default root certificates.
+    """
 
     endpoints: tuple[tuple[str, int], ...]
     request_timeout_s: float = 5.0
+    tls: bool = False
     ca_cert: str | None = None
     cert: str | None = None
     key: str | None = None
     user: str | None = None
     password: str | None = None
 
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("etcd client certificate: give both cert= and key= in --rdzv-conf (or neither)")
+
+    @property
+    def secure(self) -> bool:
+        return bool(self.tls or self.ca_cert or self.cert)
+
     def describe(self) -> str:
-        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return ",".join(_label(h, p) for h, p in self.endpoints)
+
+    def __repr__(self) -> str:  # never print the password
+        return (f"EtcdConfig(endpoints={self.describe()}, secure={self.secure}, user={self.user!r}, "
+                f"password={'***' if self.password else None})")
+
+
+def _label(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -91,15 +117,9 @@ def prefix_end(prefix: str) -> bytes:
 
 
 class _Endpoint:
-    def __init__(self, host: str, port: int, config: EtcdConfig) -> None:
-        self.label = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        if config.ca_cert or config.cert:
-            try:
-                creds = grpc.ssl_channel_credentials(
-                    _read(config.ca_cert), _read(config.key), _read(config.cert)
-                )
-            except OSError as exc:
-                raise ConfigError(f"cannot read etcd TLS file: {exc}; see --rdzv-conf") from exc
+    def __init__(self, host: str, port: int, config: EtcdConfig, creds: grpc.ChannelCredentials | None) -> None:
+        self.label = _label(host, port)
+        if creds is not None:
             self.channel = grpc.secure_channel(self.label, creds, options=_CHANNEL_OPTIONS)
         else:
             self.channel = grpc.insecure_channel(self.label, options=_CHANNEL_OPTIONS)
@@ -108,7 +128,8 @@ class _Endpoint:
         self.watch = etcdrpc.WatchStub(self.channel)
         self.auth = etcdrpc.AuthStub(self.channel)
         self.maintenance = etcdrpc.MaintenanceStub(self.channel)
-        self.metadata: tuple | None = None
+        self.metadata: tuple | None = None  # the auth token; None: not authenticated yet
+        self.auth_lock = threading.Lock()
 
 
 def _read(path: str | None) -> bytes | None:
@@ -118,6 +139,49 @@ def _read(path: str | None) -> bytes | None:
         return f.read()
 
 
+def _credentials(config: EtcdConfig) -> grpc.ChannelCredentials | None:
+    if not config.secure:
+        return None
+    try:
+        return grpc.ssl_channel_credentials(_read(config.ca_cert), _read(config.key), _read(config.cert))
+    except OSError as exc:
+        raise ConfigError(f"cannot read etcd TLS file {exc.filename}: {exc.strerror}; see --rdzv-conf") from exc
+
+
+def _access_error(ep: "_Endpoint", config: EtcdConfig, code, details: str) -> EtcdAccessError | None:
+    """The error to raise at once when etcd refuses this client (TLS, auth, permission); None otherwise."""
+    low = details.lower()
+    if "handshake failed" in low:
+        if "certificate_verify_failed" in low:
+            why = (f"its certificate is not signed by ca_cert={config.ca_cert}" if config.ca_cert else
+                   "its certificate is not trusted by the default roots; give ca_cert= in --rdzv-conf")
+        elif "bad_certificate" in low or "certificate_required" in low:
+            why = ("it rejected our client certificate" if config.cert else
+                   "it requires a client certificate; give cert= and key= in --rdzv-conf")
+        elif "wrong_version_number" in low or "packet_length_too_long" in low:
+            why = "it does not speak TLS; use an http:// endpoint without ca_cert/cert/key"
+        else:
+            why = details.rsplit(": ", 2)[-2] if details.count(": ") >= 2 else details
+        return EtcdAccessError(f"TLS handshake with etcd at {ep.label} failed: {why}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT and "authentication failed" in low:
+        return EtcdAccessError(f"etcd at {ep.label}: authentication failed for user {config.user!r} "
+                               "(wrong user or password; see password_file= or ELASTIC_RT_ETCD_PASSWORD)")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        who = f"user {config.user!r}" if config.user else "this client (no user= given; is auth enabled?)"
+        return EtcdAccessError(
+            f"etcd at {ep.label}: permission denied for {who}; its role needs readwrite on the run's "
+            "prefix (etcdctl role grant-permission ROLE --prefix=true readwrite /elastic-rt/RUN_ID/)"
+        )
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) and "user name" in low:
+        return EtcdAccessError(f"etcd at {ep.label} requires authentication ({details}); "
+                               "give user= and password_file= in --rdzv-conf")
+    return None
+
+
+def _expired_token(code, details: str) -> bool:
+    return code == grpc.StatusCode.UNAUTHENTICATED and "invalid auth token" in details
+
+
 class EtcdClient:
     """Thread-safe etcd v3 client: KV, transactions, leases, one-shot watches."""
 
@@ -125,7 +189,8 @@ class EtcdClient:
         if not config.endpoints:
             raise ConfigError("no etcd endpoint given; see --rdzv-endpoint")
         self.config = config
-        self._endpoints = [_Endpoint(h, p, config) for h, p in config.endpoints]
+        creds = _credentials(config)
+        self._endpoints = [_Endpoint(h, p, config, creds) for h, p in config.endpoints]
         self._current = 0
         self._lock = threading.Lock()
 
@@ -156,10 +221,12 @@ class EtcdClient:
             idx = (start + i) % len(self._endpoints)
             ep = self._endpoints[idx]
             try:
-                self._authenticate(ep, timeout)
-                result = fn(ep, timeout)
+                result = self._authenticated(ep, fn, timeout)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
+                access = _access_error(ep, self.config, code, (exc.details() if hasattr(exc, "details") else "") or "")
+                if access is not None:
+                    raise access from None
                 if code in _RETRYABLE:
                     why = "no answer within %g s" % timeout if code == grpc.StatusCode.DEADLINE_EXCEEDED \
                         else "unavailable"
@@ -183,14 +250,38 @@ class EtcdClient:
             f"({'; '.join(errors)}); is it running? see --rdzv-endpoint"
         )
 
-    def _authenticate(self, ep: _Endpoint, timeout: float) -> None:
-        if self.config.user is None or ep.metadata is not None:
+    def _authenticated(self, ep: _Endpoint, fn: Callable[[_Endpoint, float], object], timeout: float):
+        """fn with a valid token; an expired token is replaced once and the call retried."""
+        self._authenticate(ep, timeout)
+        try:
+            return fn(ep, timeout)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if self.config.user is None or not _expired_token(code, exc.details() or ""):
+                raise
+        log.info("etcd at %s: auth token of user %s expired; authenticating again", ep.label, self.config.user)
+        self._authenticate(ep, timeout, stale=ep.metadata)
+        return fn(ep, timeout)
+
+    def _authenticate(self, ep: _Endpoint, timeout: float, stale: tuple | None = None) -> None:
+        if self.config.user is None:
             return
-        resp = ep.auth.Authenticate(
-            etcdrpc.AuthenticateRequest(name=self.config.user, password=self.config.password or ""),
-            timeout=timeout,
-        )
-        ep.metadata = (("token", resp.token),)
+        with ep.auth_lock:
+            if ep.metadata is not None and ep.metadata is not stale:
+                return  # authenticated (again) by another thread meanwhile
+            try:
+                resp = ep.auth.Authenticate(
+                    etcdrpc.AuthenticateRequest(name=self.config.user, password=self.config.password or ""),
+                    timeout=timeout,
+                )
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in (exc.details() or ""):
+                    log.warning("etcd at %s: authentication is not enabled; user %s is not used",
+                                ep.label, self.config.user)
+                    ep.metadata = ()
+                    return
+                raise
+            ep.metadata = (("token", resp.token),)
 
     # ---- KV ---------------------------------------------------------------
     def get(self, key: str) -> tuple[KeyValue | None, int]:
@@ -305,31 +396,68 @@ class EtcdClient:
                 raise
 
     # ---- watches ----------------------------------------------------------
-    def wait_for_change(self, key: str, *, after_revision: int, timeout_s: float, prefix: bool = False) -> bool:
-        """Block until `key` (or any key under it, with prefix) changes after `after_revision`.
+    def status_latency_s(self) -> tuple[str, float]:
+        """Round trip of one Status call to the current endpoint: (version, seconds)."""
+        t0 = time.monotonic()
+        resp = self._call(
+            lambda ep, t: ep.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=ep.metadata)
+        )
+        return resp.version, time.monotonic() - t0
 
-        Returns True on a change, False when timeout_s passed first. The caller
-        re-reads and re-checks its condition: no event can be missed between its
-        read (at after_revision) and this watch, which starts at the next revision.
-        """
+    # ---- used by the c10d Store (EtcdStore) ---------------------------------
+    def list_prefix(self, prefix: str, *, keys_only: bool = False, limit: int = 0,
+                    oldest_first: bool = False) -> tuple[list[KeyValue], int]:
+        """Keys under `prefix` (by key, or oldest created first) and the revision they were read at."""
+        req = etcdrpc.RangeRequest(
+            key=prefix.encode(), range_end=prefix_end(prefix), keys_only=keys_only, limit=limit,
+            sort_order=etcdrpc.RangeRequest.ASCEND if oldest_first else etcdrpc.RangeRequest.NONE,
+            sort_target=etcdrpc.RangeRequest.CREATE if oldest_first else etcdrpc.RangeRequest.KEY,
+        )
+        resp = self._call(lambda ep, t: ep.kv.Range(req, timeout=t, metadata=ep.metadata))
+        return [_kv(kv) for kv in resp.kvs], resp.header.revision
+
+    def count_many(self, keys: list[str], prefixes: list[str]) -> tuple[list[int], int]:
+        """How many keys exist at each key, then under each prefix, in one round trip at one revision."""
+        ranges = [etcdrpc.RangeRequest(key=k.encode(), count_only=True) for k in keys]
+        ranges += [etcdrpc.RangeRequest(key=p.encode(), range_end=prefix_end(p), count_only=True) for p in prefixes]
+        req = etcdrpc.TxnRequest(compare=[], success=[etcdrpc.RequestOp(request_range=r) for r in ranges], failure=[])
+        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
+        return [int(r.response_range.count) for r in resp.responses], resp.header.revision
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> int:
+        """Put every (key, value) in one transaction (keys must be distinct)."""
+        ops = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k.encode(), value=v)) for k, v in items]
+        req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
+        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
+        return resp.header.revision
+
+    def delete_if_unchanged(self, key: str, mod_revision: int) -> bool:
+        """Delete `key` only if its mod_revision is still `mod_revision`; True if this call deleted it."""
+        cmp = etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD,
+                              key=key.encode(), mod_revision=mod_revision)
+        delete = etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode()))
+        req = etcdrpc.TxnRequest(compare=[cmp], success=[delete], failure=[])
+        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
+        return bool(resp.succeeded) and resp.responses[0].response_delete_range.deleted > 0
+
+    def wait_for_any(self, keys: list[str], prefixes: list[str], *, after_revision: int, timeout_s: float) -> bool:
+        """Block until a key or a key under a prefix changes after `after_revision` (True), or timeout_s passes
+        (False); one watch stream for all of them. A compacted history also returns True: re-read."""
         if timeout_s <= 0:
             return False
-        create = etcdrpc.WatchCreateRequest(
-            key=key.encode(),
-            range_end=prefix_end(key) if prefix else b"",
-            start_revision=after_revision + 1,
-        )
+        creates = [etcdrpc.WatchCreateRequest(key=k.encode(), start_revision=after_revision + 1) for k in keys]
+        creates += [etcdrpc.WatchCreateRequest(key=p.encode(), range_end=prefix_end(p), start_revision=after_revision + 1)
+                    for p in prefixes]
+        requests = [etcdrpc.WatchRequest(create_request=c) for c in creates]
 
         def watch(ep: _Endpoint, t: float) -> bool:
-            stream = ep.watch.Watch(iter([etcdrpc.WatchRequest(create_request=create)]), timeout=t, metadata=ep.metadata)
+            stream = ep.watch.Watch(iter(requests), timeout=t, metadata=ep.metadata)
             try:
                 for resp in stream:
-                    if resp.compact_revision:
-                        return True  # history compacted: re-read to be safe
+                    if resp.compact_revision or resp.events:
+                        return True  # a change, or history compacted: the caller re-reads either way
                     if resp.canceled:
                         raise EtcdUnavailableError(f"etcd cancelled a watch: {resp.cancel_reason}")
-                    if resp.events:
-                        return True
                 return False
             except grpc.RpcError as exc:
                 if _is_deadline(exc):
@@ -339,15 +467,6 @@ class EtcdClient:
                 stream.cancel()
 
         return self._call(watch, timeout_s=timeout_s)
-
-    def status_latency_s(self) -> tuple[str, float]:
-        """Round trip of one Status call to the current endpoint: (version, seconds)."""
-        t0 = time.monotonic()
-        resp = self._call(
-            lambda ep, t: ep.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=ep.metadata)
-        )
-        return resp.version, time.monotonic() - t0
-
     def open_watch(self, ranges: list[tuple[str, bytes]], start_revisions: list[int]) -> "WatchStream":
         """One Watch stream on the current endpoint, a watcher per (start, end) range from its revision."""
         with self._lock:

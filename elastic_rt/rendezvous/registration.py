@@ -7,9 +7,11 @@ for users who want torch's exact protocol).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
+from typing import Mapping
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
@@ -22,6 +24,7 @@ from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.store import EtcdStore
 
 DEFAULT_PORT = 2379
+log = logging.getLogger(__name__)
 
 
 def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
@@ -57,16 +60,61 @@ def _float(params: RendezvousParameters, key: str, default: float) -> float:
     return result
 
 
-def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
+ENV_ETCD_PASSWORD = "ELASTIC_RT_ETCD_PASSWORD"
+
+
+def endpoint_scheme(text: str) -> str | None:
+    """'https', 'http' or None (no scheme) for --rdzv-endpoint; every endpoint must agree."""
+    schemes = {m.group(1) for raw in (text or "").split(",") if (m := re.match(r"\s*([a-z]+)://", raw))}
+    plain = any(raw.strip() and "://" not in raw for raw in (text or "").split(","))
+    if len(schemes) > 1 or (schemes and plain):
+        raise ConfigError(f"--rdzv-endpoint {text!r}: mix of schemes; use https:// (TLS) or http:// for all")
+    scheme = schemes.pop() if schemes else None
+    if scheme not in (None, "http", "https"):
+        raise ConfigError(f"--rdzv-endpoint {text!r}: unknown scheme {scheme}://; use http:// or https://")
+    return scheme
+
+
+def _password(conf: Mapping[str, str], env: Mapping[str, str]) -> str | None:
+    """password_file=PATH, else password= (visible in `ps`), else $ELASTIC_RT_ETCD_PASSWORD."""
+    path = conf.get("password_file")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().rstrip("\r\n")
+        except OSError as exc:
+            raise ConfigError(f"--rdzv-conf password_file={path}: cannot read it ({exc.strerror})") from exc
+    if conf.get("password"):
+        log.warning("--rdzv-conf password= shows in `ps`; prefer password_file=PATH or $%s", ENV_ETCD_PASSWORD)
+        return conf["password"]
+    return env.get(ENV_ETCD_PASSWORD) or None
+
+
+def etcd_config_from_conf(endpoint: str, conf: Mapping[str, str], *, timeout_s: float,
+                          env: Mapping[str, str] | None = None) -> EtcdConfig:
+    """EtcdConfig from --rdzv-endpoint and --rdzv-conf keys (TLS files, user, password sources)."""
+    scheme = endpoint_scheme(endpoint)
+    ca_cert = conf.get("ca_cert") or conf.get("cacert")
+    cert = conf.get("cert") or conf.get("ssl_cert")
+    key = conf.get("key") or conf.get("ssl_cert_key")
+    if scheme == "http" and (ca_cert or cert or key):
+        raise ConfigError("--rdzv-endpoint uses http:// but --rdzv-conf gives ca_cert/cert/key: "
+                          "use https:// endpoints for TLS, or drop the TLS files")
     return EtcdConfig(
-        endpoints=parse_endpoints(params.endpoint),
-        request_timeout_s=_float(params, "read_timeout", 5.0),
-        ca_cert=params.get("ca_cert"),
-        cert=params.get("cert") or params.get("ssl_cert"),
-        key=params.get("key") or params.get("ssl_cert_key"),
-        user=params.get("user") or params.get("username"),
-        password=params.get("password"),
+        endpoints=parse_endpoints(endpoint),
+        request_timeout_s=timeout_s,
+        tls=scheme == "https",
+        ca_cert=ca_cert,
+        cert=cert,
+        key=key,
+        user=conf.get("user") or conf.get("username"),
+        password=_password(conf, os.environ if env is None else env),
     )
+
+
+def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
+    conf = {k: str(v) for k, v in params.config.items() if v is not None}
+    return etcd_config_from_conf(params.endpoint, conf, timeout_s=_float(params, "read_timeout", 5.0))
 
 
 def default_node_id() -> str:
@@ -91,16 +139,38 @@ def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
     )
 
 
+def read_secret_file(path: str) -> bytes:
+    """The job secret that signs etcd-v3-torch's state: the file's bytes, surrounding whitespace removed."""
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"--rdzv-conf secret_file={path}: cannot read it ({exc.strerror or exc})") from exc
+    if not secret:
+        raise ConfigError(f"--rdzv-conf secret_file={path}: the file is empty; put the job's secret in it "
+                          "(e.g. openssl rand -hex 32)")
+    return secret
+
+
 def create_etcd_v3_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     settings = settings_from_params(params)  # validates timeouts and the node id first
+    if params.get("secret_file"):
+        log.warning("--rdzv-conf secret_file applies to --rdzv-backend etcd-v3-torch only; "
+                    "etcd-v3 keeps its state as JSON and never unpickles it")
     return EtcdRendezvousHandler(EtcdClient(etcd_config_from_params(params)), settings)
 
 
 def create_etcd_v3_torch_handler(params: RendezvousParameters):
-    """torch's DynamicRendezvousHandler on the etcd v3 backend (its heartbeat and last-call timing)."""
+    """torch's DynamicRendezvousHandler on the etcd v3 backend (its heartbeat and last-call timing).
+
+    With `--rdzv-conf secret_file=PATH` the state torch pickles is signed (HMAC-SHA256) and
+    unsigned or wrongly signed state is refused before torch unpickles it (docs/rendezvous.md).
+    """
     keys = RunKeys(params.run_id)
+    path = params.get("secret_file")
+    secret = read_secret_file(path) if path else None
     client = EtcdClient(etcd_config_from_params(params))
-    backend = EtcdV3RendezvousBackend(client, params.run_id, name=params.backend)
+    backend = EtcdV3RendezvousBackend(client, params.run_id, name=params.backend, secret=secret)
     return create_handler(EtcdStore(client, keys.store), backend, params)
 
 

@@ -8,22 +8,26 @@ import os
 import struct
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from elastic_rt.worker_env import WorkerEnvironment
 
 log = logging.getLogger(__name__)
 
 # Record layout (little-endian, 36 bytes at offset 0 of the file):
-#   magic    4s   b"ERHB"
+#   magic    4s   b"ERHB"; b"ERHD" once the script has returned or raised (finished)
 #   pid      u32  the writer's pid
-#   seq      u64  number of report_step calls by this writer (1 for the first)
-#   step     i64  the step passed to report_step
+#   seq      u64  number of progress events (report_step calls and optimizer steps) by
+#                 this writer (1 for the first)
+#   step     i64  the last step passed to report_step; without any, the number of
+#                 optimizer steps
 #   mono_ns  i64  the writer's CLOCK_MONOTONIC in nanoseconds (system-wide on Linux)
 #   crc      u32  zlib.crc32 of the 32 bytes above; a torn read fails it
 _MAGIC = b"ERHB"
+_MAGIC_FINISHED = b"ERHD"
 _BODY = struct.Struct("<4sIQqq")  # magic, pid, seq, step, mono_ns  (32 bytes)
 _CRC = struct.Struct("<I")
 RECORD_SIZE = _BODY.size + _CRC.size  # 36 bytes
@@ -39,6 +43,7 @@ class Heartbeat:
     step: int
     timestamp_s: float  # CLOCK_MONOTONIC of the writer, seconds
     age_s: float  # reader's clock minus timestamp_s, clamped at 0
+    finished: bool = False  # the script returned or raised: the process is exiting, not stuck
 
 
 def encode_record(*, pid: int, seq: int, step: int, mono_ns: int) -> bytes:
@@ -56,7 +61,7 @@ def decode_record(data: bytes) -> tuple[int, int, int, int] | None:
     if zlib.crc32(body) != crc:
         return None
     magic, pid, seq, step, mono_ns = _BODY.unpack(body)
-    if magic != _MAGIC or seq == 0:
+    if magic not in (_MAGIC, _MAGIC_FINISHED) or seq == 0:
         return None
     return pid, seq, step, mono_ns
 
@@ -74,6 +79,8 @@ class HeartbeatWriter:
         self._clock_ns = clock_ns
         self._pid = os.getpid()
         self._seq = 0
+        self._step = 0
+        self._explicit = False  # report_step was called: its steps win over the optimizer count
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             if os.fstat(fd).st_size < RECORD_SIZE:
@@ -87,8 +94,25 @@ class HeartbeatWriter:
         return self._path
 
     def report(self, step: int) -> None:
+        """An explicit step (report_step): progress, and from now on the step number shown."""
+        self._explicit = True
+        self._step = step
+        self._write()
+
+    def tick(self, advance: bool = True) -> None:
+        """Progress without a step number (an optimizer step): counts the steps itself
+        (when `advance`) unless report_step gave explicit ones."""
+        if advance and not self._explicit:
+            self._step += 1
+        self._write()
+
+    def finish(self) -> None:
+        """The script is done (returned or raised); interpreter teardown can take seconds."""
+        self._write(_MAGIC_FINISHED)
+
+    def _write(self, magic: bytes = _MAGIC) -> None:
         self._seq += 1
-        body = _BODY.pack(_MAGIC, self._pid, self._seq, step, self._clock_ns())
+        body = _BODY.pack(magic, self._pid, self._seq, self._step, self._clock_ns())
         self._map[0:RECORD_SIZE] = body + _CRC.pack(zlib.crc32(body))
 
     def close(self) -> None:
@@ -101,6 +125,12 @@ class _NullWriter:
     path = None
 
     def report(self, step: int) -> None:
+        return None
+
+    def tick(self, advance: bool = True) -> None:
+        return None
+
+    def finish(self) -> None:
         return None
 
     def close(self) -> None:
@@ -122,12 +152,7 @@ def _open_writer(env: WorkerEnvironment) -> HeartbeatWriter | _NullWriter:
         return _NullWriter()
 
 
-def report_step(step: int) -> None:
-    """Tell the agent this worker finished `step`. Cheap enough for every step.
-
-    The file comes from ELASTIC_RT_HEARTBEAT_FILE (set by the agent); without it
-    this is a no-op, so a training script also runs without elastic-rt.
-    """
+def _get_writer() -> HeartbeatWriter | _NullWriter:
     global _writer
     writer = _writer
     if writer is None:
@@ -135,15 +160,52 @@ def report_step(step: int) -> None:
             if _writer is None:
                 _writer = _open_writer(WorkerEnvironment.from_env())
             writer = _writer
-    writer.report(step)
+    return writer
+
+
+def report_step(step: int) -> None:
+    """Tell the agent this worker finished `step`. Cheap enough for every step.
+
+    The file comes from ELASTIC_RT_HEARTBEAT_FILE (set by the agent); without it
+    this is a no-op, so a training script also runs without elastic-rt.
+    Under elastic-rt every optimizer step already counts as progress (see
+    install_optimizer_progress); call this for loops without a torch optimizer, or to
+    show your own step numbers (they then win over the optimizer step count).
+    """
+    _get_writer().report(step)
+
+
+def report_finished() -> None:
+    """Worker entry point: the script returned or raised; do not judge the exit as a hang."""
+    _get_writer().finish()
+
+
+_counted_optimizer: "weakref.ref[Any] | None" = None
+
+
+def optimizer_step_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    """torch's global optimizer step post hook: every optimizer.step() is progress. The step
+    number follows the first optimizer that steps (a GAN's second optimizer does not double it)."""
+    global _counted_optimizer
+    counted = _counted_optimizer() if _counted_optimizer is not None else None
+    if counted is None:
+        _counted_optimizer = weakref.ref(optimizer)
+        counted = optimizer
+    _get_writer().tick(counted is optimizer)
+
+
+def install_optimizer_progress(optimizer_module: Any) -> Any:
+    """Register optimizer_step_hook with torch.optim.optimizer (given as the module); returns the handle."""
+    return optimizer_module.register_optimizer_step_post_hook(optimizer_step_hook)
 
 
 def _reset_after_fork() -> None:
     # A forked child (a DataLoader worker, a fork-started trainer) must not reuse the
     # parent's mapping and sequence; it re-opens the file if it ever reports a step.
-    global _writer, _writer_lock
+    global _writer, _writer_lock, _counted_optimizer
     _writer = None
     _writer_lock = threading.Lock()
+    _counted_optimizer = None
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -151,11 +213,12 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 
 def _reset_writer_for_tests() -> None:
     """Forget the process-wide writer so the next report_step re-reads the environment."""
-    global _writer
+    global _writer, _counted_optimizer
     with _writer_lock:
         if _writer is not None:
             _writer.close()
         _writer = None
+        _counted_optimizer = None
 
 
 def prepare_heartbeat_file(path: str) -> None:
@@ -197,7 +260,8 @@ def read_heartbeat(path: str, *, clock: Callable[[], float] = time.monotonic) ->
         if decoded is not None:
             pid, seq, step, mono_ns = decoded
             ts = mono_ns / 1e9
-            return Heartbeat(pid=pid, seq=seq, step=step, timestamp_s=ts, age_s=max(0.0, clock() - ts))
+            return Heartbeat(pid=pid, seq=seq, step=step, timestamp_s=ts, age_s=max(0.0, clock() - ts),
+                             finished=data[:4] == _MAGIC_FINISHED)
     return None
 
 

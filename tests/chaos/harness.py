@@ -79,10 +79,40 @@ class Node:
             raise TimeoutError(f"{self.name} still running after {timeout_s} s:\n{self.output[-4000:]}") from exc
 
     def worker_pids(self) -> list[int]:
+        """The agent's workers (not its idle warm workers, which have no RANK yet)."""
+        return [p for p, started in self._worker_main_children() if started]
+
+    def warm_pids(self) -> list[int]:
+        """The agent's idle warm workers (started ahead, waiting for their rank)."""
+        return [p for p, started in self._worker_main_children() if not started]
+
+    def _worker_main_children(self) -> list[tuple[int, bool]]:
+        out = []
         try:
-            return [c.pid for c in psutil.Process(self.proc.pid).children() if "worker_main" in " ".join(c.cmdline())]
+            children = psutil.Process(self.proc.pid).children()
         except psutil.NoSuchProcess:
             return []
+        for c in children:
+            try:
+                if "worker_main" in " ".join(c.cmdline()):
+                    out.append((c.pid, "RANK" in c.environ()))
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return out
+
+    def worker_pid(self, local_rank: int, timeout_s: float = 60) -> int:
+        """The pid of this node's worker with LOCAL_RANK=local_rank, polling until it runs."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for pid in self.worker_pids():
+                try:
+                    if psutil.Process(pid).environ().get("LOCAL_RANK") == str(local_rank):
+                        return pid
+                except psutil.Error:
+                    continue
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.name}: no worker with LOCAL_RANK={local_rank}:\n{self.output[-2000:]}")
+            time.sleep(0.1)
 
     def kill_node(self) -> None:
         """SIGKILL the agent and everything in its session, like a machine that loses power."""

@@ -55,7 +55,7 @@ def test_worker_killed_group_restarts_and_finishes(etcd_endpoint, run_id, nodes)
     assert sum(len(n.matches(r"\]:start step=\d+ world_size=4")) for n in (a, b)) == 2
     done = a.matches(r"done steps=(\d+) world_size=(\d+)") + b.matches(r"done steps=(\d+) world_size=(\d+)")
     assert [(m.group(1), m.group(2)) for m in done][-1:] == [("30", "4")]
-    assert other.matches(r"worker rank \d+ \(pid %d\) exited" % victim)
+    assert other.matches(r"worker failed: rank \d+ \(local \d+, pid %d\) cause=killed: SIGKILL" % victim)
 
 
 def test_node_with_rank0_killed_survivor_finishes_alone(etcd_endpoint, run_id, nodes):

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic_rt.checkpoint import ENV_TEST_PAUSE_FILE, CheckpointManager
+from elastic_rt.checkpoint import CheckpointManager
 from elastic_rt.checkpoint.cli import main as ckpt_cli
-from elastic_rt.checkpoint.testing import World, run_world
 from elastic_rt.errors import CheckpointError
+from tests.support.checkpoint import FilePauseHook, PausingCheckpointManager
+from tests.support.world import World, run_world
 
 
 def wait_for(path: str, timeout_s: float = 120.0) -> None:
@@ -27,10 +28,9 @@ def wait_for(path: str, timeout_s: float = 120.0) -> None:
 
 
 def worker(rank: int, world_size: int, url: str, pause_file: str, signal_dir: str) -> str:
-    os.environ[ENV_TEST_PAUSE_FILE] = pause_file  # as the agent would set it for the worker
     torch.manual_seed(0)
     model = DDP(nn.Linear(64, 64))
-    mgr = CheckpointManager(url, collective_timeout_s=60.0)
+    mgr = PausingCheckpointManager(url, collective_timeout_s=60.0, pause_hook=FilePauseHook(pause_file))
     state = {"model": model.state_dict(), "extra": {"step": 1}}
     mgr.save(1, state)
     if rank == 0:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from k8s_support import LAUNCH, REPO
+from tests.support.tools import needs_tool, require_tool
 
 from elastic_rt.errors import ConfigError
 
@@ -113,7 +114,7 @@ def test_bash_syntax_and_help(script):
     assert bad.returncode == 2 and "error" in bad.stderr
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
+@needs_tool("shellcheck", shutil.which("shellcheck") is not None, "apt-get install shellcheck")
 def test_shellcheck():
     proc = run(["shellcheck", "--severity=style", *map(str, SCRIPTS)], check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -142,8 +143,8 @@ def hosts_run(tmp_path: Path, via: str, ssh: str | None, hosts: list[tuple[str, 
 
 @pytest.mark.parametrize("via", ["local", "ssh", "pdsh"])
 def test_hosts_passes_every_argument_through(tmp_path, fake_ssh, via):
-    if via == "pdsh" and shutil.which("pdsh") is None:
-        pytest.skip("pdsh not installed (apt-get install pdsh)")
+    if via == "pdsh":
+        require_tool("pdsh", shutil.which("pdsh") is not None, "apt-get install pdsh")
     ssh, ssh_log = fake_ssh
     hosts = [("127.0.0.2", "127.0.0.2"), ("127.0.0.3", "127.0.0.3")] if via == "pdsh" else \
         [("node-a", "127.0.0.2"), ("node-b", "127.0.0.3")]

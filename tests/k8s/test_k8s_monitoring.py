@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from k8s_support import K8S, REPO, load_docs
+from tests.support.tools import needs_tool
 
 RULES = K8S / "monitoring" / "prometheusrule.yaml"
 DASHBOARD = K8S / "monitoring" / "dashboards" / "elastic-rt.json"
@@ -24,10 +25,8 @@ ALERTS_TEST = Path(__file__).parent / "data" / "alerts_test.yaml"
 FIXTURE_SYSFS = REPO / "tests" / "fixtures" / "sysfs"
 METRIC = re.compile(r"\belastic_rt_[a-z0-9_]+")
 
-NEED_PROMTOOL = pytest.mark.skipif(
-    shutil.which("promtool") is None,
-    reason="promtool not installed (apt-get install --no-install-recommends prometheus)",
-)
+NEED_PROMTOOL = needs_tool("promtool", shutil.which("promtool") is not None,
+                           "apt-get install --no-install-recommends prometheus")
 
 # What the issue asks the alerts to cover, by the metric each one reads.
 REQUIRED_ALERTS = {
@@ -36,6 +35,9 @@ REQUIRED_ALERTS = {
     "ElasticRTClockSkew": "elastic_rt_clock_skew_seconds",
     "ElasticRTRDMAPortDown": "elastic_rt_rdma_state_id",
     "ElasticRTCheckpointStale": "elastic_rt_checkpoint_last_commit_timestamp_seconds",
+    # issue 16: a failing readiness check alerts; a wedged agent (liveness) too, for bare metal
+    "ElasticRTNodeNotReady": "elastic_rt_health_check",
+    "ElasticRTAgentWedged": "elastic_rt_health_check",
 }
 
 
@@ -81,11 +83,13 @@ def test_alert_structure():
                 f"{a['alert']}: runbook anchor #{anchor} has no section in docs/deploy.md"
 
 
-def exported_names() -> set[str]:
+def exported_names(tmp: Path) -> set[str]:
     """Sample names a real AgentMetrics exposes once every kind of event happened."""
     from elastic_rt.collectors.clock import SkewEstimate
     from elastic_rt.reporting.heartbeat import Heartbeat
     from elastic_rt.metrics.definitions import AgentMetrics
+    from elastic_rt.metrics.observer import MetricsObserver
+    from elastic_rt.reporting.inbox import WorkerReports
     from elastic_rt.collectors.sntp import NtpResult
     from elastic_rt.collectors.timex import TimexStatus
 
@@ -108,8 +112,20 @@ def exported_names() -> set[str]:
     m.clock.on_skew(SkewEstimate(offset_s=0.01, round_trip_s=0.002, error_bound_s=0.001, samples=3))
     m.clock.on_ntp(NtpResult(server="ntp", offset_s=0.001, round_trip_s=0.01, stratum=2, leap=0))
     m.clock.on_ntp_failure("ntp")
+    # the health checks (/livez, /readyz), which the agent's observer registers beside AgentMetrics
+    obs = MetricsObserver(run_id="job", node="a", reports=WorkerReports(str(tmp)), sysfs_root=None)
+    obs.on_workers_started({0: os.getpid()})
+    obs.on_tick()
+    from elastic_rt.metrics.definitions import GoodputMetrics  # goodput and stragglers (issue 13)
+
+    g = GoodputMetrics(registry=reg, run_id="job", node="a")
+    g.on_totals({"productive": 1.0}, uncommitted_s=0.5, ratio=0.9)
+    g.on_step_times({0: 0.1}, job_median_s=0.1)
+    g.on_stragglers({0}, {0})
+    g.step_histogram.observe(0, 0.1, 10)
     names = set()
-    for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+    for fam in [*text_string_to_metric_families(generate_latest(reg).decode()),
+                *text_string_to_metric_families(generate_latest(obs.registry).decode())]:
         names.add(fam.name)
         names |= {s.name for s in fam.samples}
     return names
@@ -131,8 +147,8 @@ def referenced_names() -> dict[str, set[str]]:
     return out
 
 
-def test_metric_names_are_exported_and_documented():
-    exported = exported_names()
+def test_metric_names_are_exported_and_documented(tmp_path):
+    exported = exported_names(tmp_path)
     doc = (REPO / "docs" / "metrics.md").read_text()
     refs = referenced_names()
     assert refs

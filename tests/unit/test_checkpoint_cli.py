@@ -13,7 +13,7 @@ import torch
 
 from elastic_rt.checkpoint import CheckpointManager
 from elastic_rt.checkpoint.cli import add_subparser, run
-from elastic_rt.checkpoint.store import CheckpointStore
+from elastic_rt.checkpoint.storage import CheckpointStore
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from elastic_rt.checkpoint.manifest import FORMAT_VERSION, FileEntry, Manifest, ManifestError
-from elastic_rt.checkpoint.options import CheckpointOptions, pause_file_from_env
+from elastic_rt.checkpoint.options import CheckpointOptions
 from elastic_rt.errors import CheckpointError, ConfigError
 
 
@@ -111,9 +111,3 @@ def test_options_are_frozen_and_keyword_only():
         options.storage_options["anon"] = False  # type: ignore[index]
     with pytest.raises(TypeError):
         CheckpointOptions(2)  # type: ignore[misc]
-
-
-def test_pause_file_is_read_from_the_given_environment():
-    assert pause_file_from_env({"ELASTIC_RT_CKPT_TEST_PAUSE_FILE": "/tmp/p"}) == "/tmp/p"
-    assert pause_file_from_env({"ELASTIC_RT_CKPT_TEST_PAUSE_FILE": ""}) is None
-    assert pause_file_from_env({}) is None

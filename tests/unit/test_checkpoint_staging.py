@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_
 
 from elastic_rt.checkpoint import CheckpointManager
 from elastic_rt.checkpoint.staging import BufferPool, dedup_replicated
-from elastic_rt.checkpoint.state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
-from elastic_rt.checkpoint.store import CheckpointStore
+from elastic_rt.checkpoint.user_state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
+from elastic_rt.checkpoint.storage import CheckpointStore
 from elastic_rt.errors import CheckpointError
 
 

@@ -158,17 +158,20 @@ def test_skew_estimator_drops_backward_samples_and_needs_one():
 def test_measure_skew_with_shifted_clocks():
     """Local clock ticks 10 ms per read; the remote is the same clock shifted by -0.75 s."""
     ticks = iter(range(1000))
+    asked: list[int] = []
 
     def local() -> float:
         return 5000.0 + next(ticks) * 0.010
 
-    def remote() -> float:
+    def remote(k: int) -> float:
         # Read between our two reads: take a local tick and shift it.
+        asked.append(k)
         return local() - 0.75
 
     est = measure_skew(remote, samples=5, clock=local)
     assert est.offset_s == pytest.approx(-0.75, abs=1e-9)
     assert est.round_trip_s == pytest.approx(0.020)
+    assert asked == [0, 1, 2, 3, 4]
     with pytest.raises(ConfigError):
         measure_skew(remote, samples=0, clock=local)
 

@@ -72,3 +72,28 @@ def test_run_keys_layout_sorts_rounds_numerically():
     k = RunKeys("job")
     assert k.join(2, "n1") == "/elastic-rt/job/joins/0000000002/n1"
     assert k.round_prefix(9) < k.round_prefix(10)
+
+
+def _env_cfg(environ, *argv):
+    return launch_config_from_args(build_parser().parse_args(["launch", *argv, "t.py"]), environ=environ)
+
+
+@pytest.mark.parametrize("nproc,environ,omp,warn", [
+    ("2", {}, "1", True),                        # torchrun's rule: several workers, nothing set
+    ("1", {}, None, False),                      # one worker per node: left alone
+    ("2", {"OMP_NUM_THREADS": "4"}, None, False),  # the user's value stays (inherited, not overridden)
+    ("2", {"OMP_NUM_THREADS": ""}, None, False),   # set, even empty: torchrun keeps it too
+])
+def test_worker_env_omp_num_threads(nproc, environ, omp, warn):
+    c = _env_cfg(environ, "--standalone", "--nproc-per-node", nproc)
+    assert dict(c.worker_env).get("OMP_NUM_THREADS") == omp
+    assert c.omp_threads_defaulted is warn
+    assert dict(c.worker_env)["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def test_signals_to_handle_validated():
+    c = _env_cfg({}, "--standalone", "--signals-to-handle", " SIGTERM , SIGUSR1")
+    assert dict(c.worker_env)["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1"
+    for bad in ("SIGNOPE", "", "SIGTERM,15"):
+        with pytest.raises(ConfigError, match="--signals-to-handle"):
+            _env_cfg({}, "--standalone", "--signals-to-handle", bad)

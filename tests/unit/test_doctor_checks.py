@@ -375,3 +375,16 @@ def test_options_carry_etcd_tls_and_credentials():
     assert opts.etcd.endpoints == (("a", 1), ("b", 2379))
     assert (opts.etcd.ca_cert, opts.etcd.user, opts.etcd.password) == ("/ca.pem", "u", "p")
     assert opts.etcd.request_timeout_s == 1.5 and opts.timeout_s == 1.5
+
+
+def test_doctor_reads_rdzv_conf_as_launch_does():
+    """One builder (rendezvous.registration): endpoints, TLS and credential keys and their
+    aliases; doctor's --timeout replaces read_timeout."""
+    conf = {"ssl_cert": "c.pem", "ssl_cert_key": "k.pem", "ca_cert": "ca.pem", "username": "u",
+            "password": "p", "read_timeout": "9"}
+    cfg = doctor.etcd_config("h1:2379,[::1]:2380,h3", conf, timeout_s=2.0)
+    assert cfg.endpoints == (("h1", 2379), ("::1", 2380), ("h3", 2379))
+    assert (cfg.cert, cfg.key, cfg.ca_cert, cfg.user, cfg.password) == ("c.pem", "k.pem", "ca.pem", "u", "p")
+    assert cfg.request_timeout_s == 2.0
+    with pytest.raises(ConfigError, match="rdzv-endpoint"):
+        doctor.etcd_config("h1:99999", {}, timeout_s=2.0)

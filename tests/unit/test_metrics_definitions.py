@@ -170,3 +170,13 @@ def test_every_metric_is_documented():
     names = {metric.name for metric in reg.collect()}
     missing = sorted(n for n in names if f"`{n}" not in doc)
     assert not missing, f"undocumented in docs/metrics.md: {missing}"
+
+
+def test_failure_metrics_are_documented():
+    from elastic_rt.metrics.definitions import FailureMetrics
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    reg = CollectorRegistry()
+    FailureMetrics(registry=reg, run_id="r", node="n")
+    names = {metric.name for metric in reg.collect()}
+    assert names and not sorted(n for n in names if f"`{n}" not in doc)

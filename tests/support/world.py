@@ -1,4 +1,4 @@
-"""Test support: a world of N spawned CPU processes in a gloo group (FileStore rendezvous)."""
+"""A world of N spawned CPU processes in a gloo group (FileStore rendezvous), for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 import queue
 import signal
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -17,8 +16,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from elastic_rt.errors import CheckpointError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,21 +124,3 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     """Run fn on every rank of a fresh gloo world; the ranks' return values in rank order."""
     with World(fn, world_size, *args) as world:
         return world.run(timeout_s=timeout_s)
-
-
-class EventPauseHook:
-    """In-process pause hook (CheckpointManager(test_pause_hook=...)): at `phase` ("staging" or
-    "written"), set `reached` and block the writer until `release` is set."""
-
-    def __init__(self, phase: str = "written", *, timeout_s: float = 60.0) -> None:
-        self.phase = phase
-        self.timeout_s = timeout_s
-        self.reached = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, *, rank: int, step: int, phase: str) -> None:
-        if phase != self.phase:
-            return
-        self.reached.set()
-        if not self.release.wait(self.timeout_s):
-            raise CheckpointError(f"test pause at {phase!r} not released within {self.timeout_s} s")

@@ -134,6 +134,17 @@ class CheckpointStore:
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
 
+    def make_step_dir(self, step_path: str, *, sync: bool) -> None:
+        """Create a step directory under the root; with `sync` (local disks), fsync the
+        directories that gained an entry (the root, and the root's parent for a new root),
+        so the step directory's name survives a power loss along with its files."""
+        new_root = self.is_local and not os.path.isdir(self.root)
+        self.fs.makedirs(step_path, exist_ok=True)
+        if sync and self.is_local:
+            self.fsync_dir(posixpath.dirname(step_path.rstrip("/")))
+            if new_root:
+                self.fsync_dir(posixpath.dirname(self.root) or "/")
+
     def fsync_dir(self, path: str) -> None:
         """Make new directory entries durable (local file systems only)."""
         if not self.is_local:

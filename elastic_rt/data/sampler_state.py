@@ -26,7 +26,8 @@ class SamplerStateMismatchError(SamplerStateError):
     """A well-formed sampler state was saved for another dataset length, seed or mode."""
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int that is not a bool (True would pass isinstance(value, int))."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -74,7 +75,7 @@ class SamplerState:
                 "pass the dict returned by ElasticDistributedSampler.state_dict()"
             )
         for key in _INT_KEYS:
-            if not _is_int(data[key]):
+            if not is_int(data[key]):
                 raise SamplerStateError(
                     f"sampler state {key!r} must be an int, got {type(data[key]).__name__} "
                     f"{data[key]!r}"

@@ -1,0 +1,43 @@
+"""Which code a benchmark ran: the git commit, and a refusal to run on uncommitted changes.
+
+    from provenance import provenance          # benchmarks/ is on sys.path when run as a script
+    results["provenance"] = provenance(args.allow_dirty)
+
+provenance(allow_dirty) returns {"commit", "dirty", "allow_dirty", "changes"} for the results
+file; on a working tree with uncommitted changes it raises SystemExit with one line unless
+allow_dirty is true (the run is then recorded as dirty, with the changed paths). Files under
+benchmarks/results/ do not count: a run writes its own output there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = "benchmarks/results/"
+
+
+def _git(repo: str, *args: str) -> str:
+    proc = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise OSError(proc.stderr.strip() or f"git {' '.join(args)} failed")
+    return proc.stdout
+
+
+def provenance(allow_dirty: bool, *, repo: str = REPO) -> dict:
+    """The commit the checkout `repo` is at and whether its tree differs from it (see module doc)."""
+    try:
+        commit = _git(repo, "rev-parse", "HEAD").strip()
+        status = _git(repo, "status", "--porcelain", "--untracked-files=all")
+    except (OSError, subprocess.SubprocessError) as exc:
+        if not allow_dirty:
+            raise SystemExit(f"benchmark: cannot read the git commit of {repo} ({exc}); "
+                             "run from a git checkout, or pass --allow-dirty (recorded in the results)") from exc
+        return {"commit": "unknown", "dirty": True, "allow_dirty": True, "changes": []}
+    changes = [line[3:] for line in status.splitlines() if not line[3:].startswith(RESULTS_DIR)]
+    if changes and not allow_dirty:
+        shown = ", ".join(changes[:5]) + (f" and {len(changes) - 5} more" if len(changes) > 5 else "")
+        raise SystemExit(f"benchmark: the working tree has uncommitted changes ({shown}); commit them, "
+                         "or pass --allow-dirty (recorded in the results)")
+    return {"commit": commit, "dirty": bool(changes), "allow_dirty": allow_dirty, "changes": changes}

@@ -1,0 +1,81 @@
+"""Several observers or restart policies where the agent takes one: events go to each in turn."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
+
+
+class ObserverGroup:
+    """An AgentObserver that forwards every event to each observer, in order.
+
+    An observer that raises is logged and skipped: recording must never stop the agent.
+    close() is forwarded to the observers that have one.
+    """
+
+    def __init__(self, *observers: Any) -> None:
+        self.observers = tuple(o for o in observers if o is not None)
+
+    def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
+        for observer in self.observers:
+            fn = getattr(observer, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - an observer's bug must not take the agent down
+                log.exception("observer %s.%s failed", type(observer).__name__, method)
+
+    def on_rendezvous_started(self) -> None:
+        self._each("on_rendezvous_started")
+
+    def on_rendezvous(self, **kwargs: Any) -> None:
+        self._each("on_rendezvous", **kwargs)
+
+    def track_warm_workers(self, ready: Any) -> None:
+        self._each("track_warm_workers", ready)
+
+    def on_restart(self, reason: str) -> None:
+        self._each("on_restart", reason)
+
+    def on_recovered(self, duration_s: float) -> None:
+        self._each("on_recovered", duration_s)
+
+    def on_workers_started(self, pids: dict[int, int]) -> None:
+        self._each("on_workers_started", pids)
+
+    def on_workers_finished(self, state: str) -> None:
+        self._each("on_workers_finished", state)
+
+    def on_tick(self) -> None:
+        self._each("on_tick")
+
+    def on_etcd(self, up: bool) -> None:
+        self._each("on_etcd", up)
+
+    def on_failures(self, causes: dict[int, str]) -> None:
+        self._each("on_failures", causes)
+
+    def close(self) -> None:
+        self._each("close")
+
+
+class PolicyGroup:
+    """A RestartPolicy made of several: the first reason any of them gives wins."""
+
+    def __init__(self, *policies: Any) -> None:
+        self.policies = tuple(p for p in policies if p is not None)
+
+    def on_workers_started(self, local_ranks: Iterable[int]) -> None:
+        ranks = tuple(local_ranks)
+        for policy in self.policies:
+            policy.on_workers_started(ranks)
+
+    def check(self) -> str | None:
+        for policy in self.policies:
+            reason = policy.check()
+            if reason:
+                return reason
+        return None

@@ -1,0 +1,320 @@
+"""Checkpoint files kept in host shared memory so a worker restarted on the same node loads without storage.
+
+The agent owns one directory per node (`/dev/shm/elastic-rt-<run>-<node>/`, handed to
+workers as ELASTIC_RT_HOST_CACHE_DIR, removed when the agent exits). After a save is
+committed, each rank copies the files it wrote there in the background, under names
+that carry the manifest's size and crc32: `step_<N>/<file>@<crc32>-<size>`; only the
+newest step is kept. Storage stays the truth: the step is the one the loader agrees on
+from storage, and a memory copy is used only when its name matches that step's manifest
+entry and its bytes match the crc32. A copy that does not (corrupt, or stale: another
+timeline's bytes for the same step) is skipped with one warning, and the file is read
+from storage, its crc32 checked as it is read.
+
+The crc32 of a copy is checked when it is made (against the manifest, as it is copied) and a
+stamp beside it records the file's inode change time then. At load, a copy whose stamp still
+holds was not written since (any write, truncation or replacement moves ctime, which no process
+can set back) and is used without reading it twice; any other copy has its crc32 computed again.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import mmap
+import os
+import posixpath
+import re
+import shutil
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterable, Mapping
+
+from elastic_rt.checkpoint import collectives as coll
+from elastic_rt.checkpoint.manifest import FileEntry, Manifest
+from elastic_rt.checkpoint.storage import STEP_DIR_RE, CheckpointStore, step_dirname
+from elastic_rt.errors import CheckpointError
+from elastic_rt.worker_env import ENV_HOST_CACHE_DIR
+
+log = logging.getLogger(__name__)
+
+COPY_CHUNK_BYTES = 16 << 20
+_TMP_RE = re.compile(r"(\.tmp\d+|\.ok)$")
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in at once
+
+
+def _identity(st: os.stat_result) -> str:
+    return f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_ctime_ns}"
+
+
+def _write_stamp(path: str) -> None:
+    """Record the copy's inode change time right after its crc32 was checked: any later write to it
+    (or truncation, or replacement) changes the inode's ctime, which no process can set back."""
+    with open(path + ".ok", "w") as f:
+        f.write(_identity(os.stat(path)))
+
+
+def _stamp_holds(path: str, st: os.stat_result) -> bool:
+    """True when the copy is unchanged since its crc32 was checked; else its crc32 is computed again."""
+    try:
+        with open(path + ".ok") as f:
+            return f.read() == _identity(st)
+    except OSError:
+        return False
+
+
+def cached_name(entry: FileEntry) -> str:
+    return f"{entry.path}@{entry.crc32:08x}-{entry.size}"
+
+
+class HostCache:
+    """One worker's view of its node's cache directory."""
+
+    def __init__(self, directory: str, *, rank: int) -> None:
+        self.directory, self.rank = directory, rank
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._full_logged = False
+
+    @classmethod
+    def from_env(cls, *, rank: int, environ: Mapping[str, str] = os.environ) -> "HostCache | None":
+        directory = environ.get(ENV_HOST_CACHE_DIR, "")
+        return cls(directory, rank=rank) if directory and os.path.isdir(directory) else None
+
+    def path(self, step: int, entry: FileEntry) -> str:
+        return os.path.join(self.directory, step_dirname(step), cached_name(entry))
+
+    # ---- after a commit: copy this rank's files ---------------------------------------------------
+    def keep(self, store: CheckpointStore, step: int) -> None:
+        """Copy the files this rank wrote for committed `step` into the cache, in the background.
+        Local storage only: the copy reads the files back (from the page cache, just written); from
+        an object store that would download them again after every save."""
+        if not store.is_local:
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rt-host-cache")
+        self._pending = self._executor.submit(self._keep, store, step)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def _keep(self, store: CheckpointStore, step: int) -> None:
+        try:
+            manifest = store.read_manifest(store.step_dir(step))
+            mine = [f for f in manifest.files if f.rank == self.rank]
+            free = shutil.disk_usage(self.directory).free
+            if sum(f.size for f in mine) > free:
+                if not self._full_logged:
+                    log.warning("rank %d: %s has %d MiB free, step %d needs more: not kept in host memory",
+                                self.rank, self.directory, free >> 20, step)
+                    self._full_logged = True
+                return
+            os.makedirs(os.path.join(self.directory, step_dirname(step)), exist_ok=True)
+            for entry in mine:
+                self._copy(store, step, entry)
+            self._drop_other_steps(step)
+        except (OSError, CheckpointError) as exc:  # the cache is an optimisation: storage has it all
+            log.warning("rank %d: checkpoint step %d not kept in host memory (%s)", self.rank, step, exc)
+
+    def _copy(self, store: CheckpointStore, step: int, entry: FileEntry) -> None:
+        final = self.path(step, entry)
+        if os.path.exists(final):
+            return
+        tmp = f"{final}.tmp{os.getpid()}"
+        crc = 0
+        try:
+            with store.fs.open(posixpath.join(store.step_dir(step), entry.path), "rb") as src, open(tmp, "wb") as dst:
+                while chunk := src.read(COPY_CHUNK_BYTES):
+                    crc = zlib.crc32(chunk, crc)
+                    dst.write(chunk)
+            if crc != entry.crc32:
+                raise CheckpointError(f"{entry.path} on storage does not match its manifest")
+            os.replace(tmp, final)
+            _write_stamp(final)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _drop_other_steps(self, keep: int) -> None:
+        for name in os.listdir(self.directory):
+            m = STEP_DIR_RE.match(name)
+            if m and int(m.group(1)) != keep:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    # ---- loading ------------------------------------------------------------------------------------
+    def wrap(self, store: CheckpointStore, groups: coll.CheckpointGroups, *, verify: bool) -> "CachedStore":
+        return CachedStore(store, self, groups, verify=verify)
+
+    def lookup(self, step: int, entry: FileEntry) -> tuple[str | None, str]:
+        """(path of the memory copy, "") or (None, "" if there is none | why it is stale)."""
+        path = self.path(step, entry)
+        if os.path.exists(path):
+            return path, ""
+        step_dir = os.path.join(self.directory, step_dirname(step))
+        try:
+            others = [n for n in os.listdir(step_dir) if n.startswith(entry.path + "@") and not _TMP_RE.search(n)]
+        except OSError:
+            return None, ""
+        return None, (f"{entry.path}: host memory holds another save of step {step}" if others else "")
+
+
+class _ViewStream(io.RawIOBase):
+    """A seekable read-only stream over a buffer, without copying it."""
+
+    def __init__(self, buffer: Any, closer=None) -> None:
+        self._view = memoryview(buffer).cast("B")
+        self._pos = 0
+        self._closer = closer
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
+        data = bytes(self._view[self._pos:end])
+        self._pos = max(self._pos, end)
+        return data
+
+    def readinto(self, b) -> int:
+        n = min(len(b), len(self._view) - self._pos)
+        b[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def close(self) -> None:
+        if not self.closed:
+            self._view.release()
+            if self._closer is not None:
+                self._closer()
+        super().close()
+
+
+class CachedStore:
+    """A CheckpointStore for the loader whose reads come from host memory where a good copy is there."""
+
+    def __init__(self, store: CheckpointStore, cache: HostCache, groups: coll.CheckpointGroups, *,
+                 verify: bool) -> None:
+        self._store, self._cache, self._groups, self._verify = store, cache, groups, verify
+        self._manifests: dict[str, Manifest] = {}
+        self._unverified: dict[str, set[str]] = {}  # step dir -> storage files nobody verified
+        self._warned: set[str] = set()
+        self.fs = _RoutingFs(store.fs, self)
+        self.from_memory: list[str] = []
+        self.from_storage: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def _entries(self, step_dir: str) -> dict[str, FileEntry]:
+        if step_dir not in self._manifests:
+            self._manifests[step_dir] = self._store.read_manifest(step_dir)
+        return {f.path: f for f in self._manifests[step_dir].files}
+
+    def verify_files(self, step_path: str, files: Iterable[FileEntry]) -> list[str]:
+        """Collective (every rank calls it once per candidate, as the loader does): storage files are
+        verified as before; files with a memory copy on this node are checked by whoever reads them."""
+        step = self._manifest_step(step_path)
+        files = list(files)
+        deferred = [f.path for f in files if self._cache.lookup(step, f)[0] is not None]
+        problems = self._store.verify_files(step_path, [f for f in files if f.path not in deferred])
+        everyone = coll.all_gather(deferred, self._groups.ctl)
+        self._unverified[step_path] = {p for per_rank in everyone for p in per_rank}
+        return problems
+
+    def read_file(self, step_path: str, name: str) -> bytes:
+        with self.fs.open(posixpath.join(step_path, name), "rb") as f:
+            return f.read()
+
+    def _manifest_step(self, step_path: str) -> int:
+        return self._manifests[step_path].step if step_path in self._manifests else \
+            int(STEP_DIR_RE.match(posixpath.basename(step_path)).group(1))  # type: ignore[union-attr]
+
+    def open_for_read(self, path: str) -> io.RawIOBase | None:
+        """A verified stream for `path` (memory copy, or storage checked as read), or None: plain storage."""
+        step_path, name = posixpath.split(path)
+        if not STEP_DIR_RE.match(posixpath.basename(step_path)):
+            return None
+        entry = self._entries(step_path).get(name)
+        if entry is None:
+            return None
+        copy, stale = self._cache.lookup(self._manifest_step(step_path), entry)
+        if copy is not None:
+            stream = self._open_copy(copy, entry)
+            if stream is not None:
+                self.from_memory.append(name)
+                return stream
+            stale = f"{name}: the host memory copy does not match the manifest's crc32"
+        if stale:
+            self._warn(stale)
+        self.from_storage.append(name)
+        if not self._verify or (name not in self._unverified.get(step_path, ()) and not stale):
+            return None
+        with self._store.fs.open(path, "rb") as f:
+            data = f.read()
+        if len(data) != entry.size or zlib.crc32(data) != entry.crc32:
+            raise CheckpointError(f"{path} does not match its manifest (size or crc32); the checkpoint "
+                                  "on storage is damaged: move the step directory aside to load the previous one")
+        return _ViewStream(data)
+
+    def _open_copy(self, path: str, entry: FileEntry) -> io.RawIOBase | None:
+        try:
+            with open(path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                if stat.st_size != entry.size:
+                    return None
+                mapped = mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ) if stat.st_size else None
+        except OSError:
+            return None
+        if mapped is None:
+            return _ViewStream(b"") if entry.crc32 == 0 else None
+        if self._verify and not _stamp_holds(path, stat) and zlib.crc32(mapped) != entry.crc32:
+            mapped.close()
+            return None
+        return _ViewStream(mapped, closer=mapped.close)
+
+    def report(self, step: int | None) -> int | None:
+        """Log where the loaded step's files came from; returns `step`."""
+        if step is not None and self.from_memory:
+            log.info("rank %d: checkpoint step %d loaded: %d file(s) from host memory, %d from storage",
+                     self._cache.rank, step, len(self.from_memory), len(self.from_storage))
+        return step
+
+    def _warn(self, what: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("rank %d: %s; reading it from storage", self._cache.rank, what)
+
+
+class _RoutingFs:
+    """The storage's fsspec file system, except that reads of checkpoint files go through CachedStore."""
+
+    def __init__(self, fs: Any, store: CachedStore) -> None:
+        self._fs, self._store = fs, store
+
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if "r" in mode:
+            stream = self._store.open_for_read(path)
+            if stream is not None:
+                return stream
+        return self._fs.open(path, mode, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)

@@ -1,0 +1,84 @@
+"""Per-rank step timing from the step heartbeats sampled every monitor tick: Δtime/Δstep between two
+reports, and its median per window (robust to the odd long step: a checkpoint save, an evaluation)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+from elastic_rt.reporting.heartbeat import Heartbeat
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """`steps` steps of one local rank that took `duration_s` each on average (one tick's worth)."""
+
+    local_rank: int
+    duration_s: float
+    steps: int
+
+
+def weighted_median(values: Iterable[tuple[float, int]]) -> float:
+    """Median of (value, weight) pairs: the smallest value with at least half the weight at or below it."""
+    pairs = sorted((v, w) for v, w in values if w > 0)
+    if not pairs:
+        raise ValueError("weighted_median of nothing")
+    half = sum(w for _, w in pairs) / 2.0
+    acc = 0
+    for v, w in pairs:
+        acc += w
+        if acc >= half:
+            return v
+    return pairs[-1][0]
+
+
+class StepTimer:
+    """Step time per local rank, from the workers' own report times (CLOCK_MONOTONIC of the writer).
+
+    Works for any step length: with 1 ms steps one tick sees ~100 steps (their mean is one
+    observation of weight 100); with 60 s steps most ticks see none. Two reports of the same
+    step, or a step going back (a new worker), give no observation.
+    """
+
+    def __init__(self, *, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._last: dict[int, tuple[float, int]] = {}
+        self._window: dict[int, list[tuple[float, int]]] = {}
+        self._window_start = clock()
+
+    def reset(self, local_ranks: Iterable[int]) -> None:
+        """New workers: forget the old ones' reports and start a fresh window."""
+        self._last = {}
+        self._window = {rank: [] for rank in local_ranks}
+        self._window_start = self._clock()
+
+    def observe(self, beats: Mapping[int, Heartbeat | None]) -> list[StepObservation]:
+        """Fold one tick's heartbeats in; returns the new observations (for the histogram)."""
+        out: list[StepObservation] = []
+        for rank, beat in beats.items():
+            if beat is None:
+                continue
+            last = self._last.get(rank)
+            if last is not None and beat.step > last[1] and beat.timestamp_s > last[0]:
+                steps = beat.step - last[1]
+                obs = StepObservation(rank, (beat.timestamp_s - last[0]) / steps, steps)
+                self._window.setdefault(rank, []).append((obs.duration_s, steps))
+                out.append(obs)
+            if last is None or beat.step != last[1]:
+                self._last[rank] = (beat.timestamp_s, beat.step)
+        return out
+
+    def window_due(self, now: float | None = None) -> bool:
+        now = self._clock() if now is None else now
+        return now - self._window_start >= self.window_s
+
+    def close_window(self, now: float | None = None) -> dict[int, float]:
+        """The median step time of each rank over the window that ends now; a rank that made no step
+        in the window is left out (it may be waiting for the others; stalls are the hang detector's)."""
+        now = self._clock() if now is None else now
+        medians = {rank: weighted_median(obs) for rank, obs in self._window.items() if obs}
+        self._window = {rank: [] for rank in self._window}
+        self._window_start = now
+        return medians

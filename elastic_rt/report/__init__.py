@@ -1,0 +1,1 @@
+"""`elastic-rt report`: a run's timeline, restarts, goodput and stragglers, from the agents' goodput journals."""

@@ -1,0 +1,77 @@
+"""A plain torchrun-style DDP script: no elastic_rt import, no report_step; its only progress signal is
+optimizer.step(). Injects one fault on request, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0)."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+FAULTS = ("none", "raise", "segfault", "exit", "oom", "deadlock", "sleep")
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--fault", choices=FAULTS, default="none")
+    p.add_argument("--fault-step", type=int, default=3)
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--oom-cgroup", default="", help="memory cgroup directory to join before allocating (fault oom)")
+    return p.parse_args()
+
+
+def inject_failure(fault: str, args, step: int) -> None:
+    if fault == "raise":
+        raise ValueError(f"injected failure at step {step}")
+    if fault == "segfault":
+        ctypes.string_at(0)
+    if fault == "exit":
+        os._exit(3)
+    if fault == "oom":
+        with open(os.path.join(args.oom_cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        hog = []
+        while True:
+            hog.append(b"\x01" * (16 << 20))
+    if fault == "deadlock":  # waits for a message its peer never sends; the peer waits in the next all-reduce
+        dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
+    if fault == "sleep":
+        time.sleep(3600)
+
+
+def main() -> int:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(16, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if rank == 0:
+        print(f"start world_size={world} pid={os.getpid()}", flush=True)
+    for step in range(1, args.steps + 1):
+        loss = model(torch.randn(8, 16)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == 0:
+            print(f"step={step} ", flush=True)
+        if first_attempt and args.fault != "none" and step == args.fault_step and rank == args.fault_rank:
+            inject_failure(args.fault, args, step)
+        time.sleep(args.step_sleep)
+    if rank == 0:
+        print(f"done steps={args.steps} world_size={world}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

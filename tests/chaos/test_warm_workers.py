@@ -1,0 +1,132 @@
+"""Warm workers end to end: a killed worker's group restarts from pre-started processes and trains
+exactly what a run without failure trains; the agent's death takes every warm process with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+
+import psutil
+import pytest
+
+from tests.chaos.harness import EXAMPLE, Node, launch_args
+from tests.chaos.test_launch_e2e import _rank0, nodes  # noqa: F401 - fixture
+from tests.chaos.test_resume_e2e import _committed_indices
+from tests.integration.test_warm_pool import _poll
+
+pytestmark = pytest.mark.slow
+
+READY = r"warm workers ready for local rank\(s\) 0,1"
+
+
+def _standalone(*job: str, extra: list[str] | None = None, script: str = EXAMPLE) -> list[str]:
+    return ["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", *(extra or []),
+            script, *job]
+
+
+def _after_first_step(n: Node) -> float:
+    """Monotonic time of the first step line: warm workers are refilled after the first step."""
+    n.wait_for(r"\]:step=1 ", 240)
+    return min(t for t, line in n.lines if "]:step=1 " in line)
+
+
+def test_killed_worker_is_replaced_by_a_warm_one_and_trains_the_same(tmp_path, nodes):  # noqa: F811
+    job = ["--steps", "100", "--save-every", "10", "--dataset-size", "200", "--batch-size", "4", "--log-indices"]
+    ref = Node(_standalone(*job, "--ckpt-url", f"file://{tmp_path}/ref", "--step-sleep", "0",
+                           extra=["--warm-workers", "off"]), name="reference")
+    nodes.append(ref)
+    assert ref.wait_exit(300) == 0, ref.output[-3000:]
+    ref_digest = ref.matches(r"done steps=100 world_size=2 param_digest=(\w+)")[0].group(1)
+
+    n = Node(_standalone(*job, "--ckpt-url", f"file://{tmp_path}/run", "--step-sleep", "0.25"), name="run")
+    nodes.append(n)
+    n.wait_for(r"started local rank\(s\) 0,1 from warm workers", 240)
+    n.wait_for(READY, 240, after=_after_first_step(n))  # the refill, after the first step
+    workers = _poll(lambda: _running(n), 60, "two running workers and two idle warm ones")
+    idle = {p: psutil.Process(p).create_time() for p in n.warm_pids()}
+    victim = workers["1"]
+    t_kill, wall_kill = time.monotonic(), time.time()
+    os.kill(victim, signal.SIGKILL)
+    n.wait_for(r"started local rank\(s\) 0,1 from warm workers$", 120, after=t_kill)  # ready, not importing
+    n.wait_for(r"\]:start step=\d+ world_size=2 .*restart=1", 120, after=t_kill)
+    assert set(n.worker_pids()) == set(idle)  # the new workers are the processes started before the kill
+    assert all(created < wall_kill for created in idle.values())
+    assert n.wait_exit(300) == 0, n.output[-3000:]
+    assert n.matches(r"done steps=100 world_size=2 param_digest=(\w+)")[-1].group(1) == ref_digest
+    committed = _committed_indices([n])
+    assert sorted(committed) == list(range(1, 101))
+    for epoch in range(4):  # 25 steps of 8 samples per epoch: every sample once per epoch
+        samples = [i for _, (e, idx) in committed.items() if e == epoch for i in idx]
+        assert sorted(samples) == list(range(200)), f"epoch {epoch}"
+
+
+def _running(n: Node) -> dict[str, int] | None:
+    """LOCAL_RANK -> pid of the two workers, once they run beside two idle warm workers."""
+    try:
+        workers = {psutil.Process(p).environ().get("LOCAL_RANK"): p for p in n.worker_pids()}
+    except psutil.NoSuchProcess:
+        return None
+    return workers if set(workers) == {"0", "1"} and len(n.warm_pids()) == 2 else None
+
+
+def test_sigkilled_agent_leaves_no_warm_process_behind(nodes):  # noqa: F811
+    n = Node(_standalone("--steps", "100000", "--step-sleep", "0.1"), name="agent")
+    nodes.append(n)
+    n.wait_for(READY, 240, after=_after_first_step(n))
+    _poll(lambda: _running(n), 60, "two running workers and two idle warm ones")
+    tree = psutil.Process(n.proc.pid).children(recursive=True)
+    os.kill(n.proc.pid, signal.SIGKILL)  # the agent only: its children must follow it
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    assert not alive, [p.pid for p in alive]
+
+
+def test_module_mode_runs_from_warm_workers(nodes):  # noqa: F811
+    n = Node(["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3",
+              "-m", "launch.train_example", "--steps", "3"], name="module")
+    nodes.append(n)
+    assert n.wait_exit(300) == 0, n.output[-3000:]
+    assert n.matches(r"started local rank\(s\) 0,1 from warm workers")
+    assert n.matches(r"done steps=3 world_size=2")
+
+
+def test_no_python_runs_cold(tmp_path, nodes):  # noqa: F811
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\necho \"shell worker rank=$RANK of $WORLD_SIZE\"\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    n = Node(["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", "--no-python",
+              str(script)], name="no-python")
+    nodes.append(n)
+    assert n.wait_exit(120) == 0, n.output[-3000:]
+    assert n.matches(r"warm workers off: --no-python")
+    assert sorted(m.group(1) for m in n.matches(r"shell worker rank=(\d) of 2")) == ["0", "1"]
+    assert not n.matches(r"from warm workers")
+
+
+def test_hot_spare_takes_the_place_of_a_killed_node(etcd_endpoint, run_id, nodes):  # noqa: F811
+    started = {name: Node(launch_args(etcd_endpoint, run_id, name, nnodes="1:2", nproc=1, steps=150,
+                                      step_sleep=0.1), name=name) for name in ("a", "b", "c")}
+    nodes.extend(started.values())
+    spare = _poll_one(started, r"round \d+ is running; waiting for the next round", 180)
+    active = [n for n in started.values() if n is not spare]
+    spare.wait_for(r"warm workers ready for local rank\(s\) 0", 240)  # ready while it waits
+    leader, other = _rank0(*active)
+    leader.wait_for(r"\]:step=3 ", 120)
+    t_kill = time.monotonic()
+    other.kill_node()
+    spare.wait_for(r"started local rank\(s\) 0 from warm workers$", 120, after=t_kill)
+    assert leader.wait_exit(300) == 0, leader.output[-3000:]
+    assert spare.wait_exit(60) == 0, spare.output[-3000:]
+    done = leader.matches(r"done steps=150 world_size=(\d+)") + spare.matches(r"done steps=150 world_size=(\d+)")
+    assert [m.group(1) for m in done] == ["2"]  # the spare filled the place: still two workers
+
+
+def _poll_one(candidates: dict[str, Node], pattern: str, timeout_s: float) -> Node:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        hits = [n for n in candidates.values() if n.matches(pattern)]
+        if hits:
+            return hits[0]
+        time.sleep(0.2)
+    raise TimeoutError("no node waited as a spare:\n" + "\n----\n".join(n.output[-1500:] for n in candidates.values()))

@@ -1,0 +1,135 @@
+"""Step timing from heartbeats, the straggler board, and the exchange through a real c10d store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from elastic_rt.goodput.steptime import StepTimer, weighted_median
+from elastic_rt.goodput.stragglers import SpeedExchange, StragglerBoard, StragglerSettings, Verdict
+from elastic_rt.reporting.heartbeat import Heartbeat
+from tests.unit.test_goodput_ledger import Clock
+
+
+def _beat(step: int, t: float) -> Heartbeat:
+    return Heartbeat(pid=1, seq=step, step=step, timestamp_s=t, age_s=0.0)
+
+
+def test_weighted_median():
+    assert weighted_median([(1.0, 1), (2.0, 1), (3.0, 1)]) == 2.0
+    assert weighted_median([(0.001, 100), (5.0, 1)]) == 0.001  # one long step among many short
+    assert weighted_median([(1.0, 1), (9.0, 3)]) == 9.0
+    with pytest.raises(ValueError):
+        weighted_median([])
+
+
+def test_millisecond_steps_are_timed_from_ticks_that_see_many():
+    clock = Clock(0.0)
+    timer = StepTimer(window_s=1.0, clock=clock)
+    timer.reset([0])
+    obs = []
+    for tick in range(1, 11):  # a tick every 100 ms, 100 steps of 1 ms in each
+        clock.t = tick * 0.1
+        obs += timer.observe({0: _beat(tick * 100, clock.t - 0.0005)})
+    assert [o.steps for o in obs] == [100] * 9
+    assert all(o.duration_s == pytest.approx(0.001) for o in obs)
+    assert timer.window_due()
+    assert timer.close_window() == {0: pytest.approx(0.001)}
+    assert not timer.window_due()
+
+
+def test_slow_steps_are_timed_each_and_a_pause_does_not_move_the_median():
+    clock = Clock(0.0)
+    timer = StepTimer(window_s=10.0, clock=clock)
+    timer.reset([0, 1])
+    t, step = 0.0, 0
+    for k in range(12):
+        step += 1
+        t += 20.0 if k == 5 else 0.5  # one checkpoint pause of 20 s
+        clock.t = t
+        timer.observe({0: _beat(step, t), 1: None})
+        timer.observe({0: _beat(step, t), 1: None})  # the same report seen twice: no observation
+    medians = timer.close_window()
+    assert medians == {0: pytest.approx(0.5)}  # rank 1 never reported: left out
+    timer.reset([0])
+    assert timer.observe({0: _beat(1, t + 1)}) == []  # new workers: the old reports are forgotten
+
+
+def test_board_flags_a_rank_slow_for_n_windows_in_a_row_and_only_it():
+    board = StragglerBoard(threshold=1.5, windows=3)
+    fast, slow = {0: 0.10, 1: 0.11}, {0: 0.30, 1: 0.10}
+    for seq in range(1, 3):
+        v = board.update({"a": (seq, fast), "b": (seq, slow)})
+        assert v is not None and v.stragglers == ()
+    v = board.update({"a": (3, fast), "b": (3, slow)})
+    assert [(s.node, s.local_rank, s.windows) for s in v.stragglers] == [("b", 0, 3)]
+    assert v.median_s == pytest.approx(0.10) and v.fastest_s == pytest.approx(0.10)
+    assert v.stragglers[0].ratio == pytest.approx(3.0)
+    # an aggregation without a new window from b changes nothing
+    assert board.update({"a": (4, fast), "b": (3, slow)}).stragglers == v.stragglers
+    # b recovers: the streak resets
+    v = board.update({"a": (5, fast), "b": (4, {0: 0.1, 1: 0.1})})
+    assert v.stragglers == ()
+
+
+def test_board_with_half_the_job_slow_uses_the_lower_median():
+    board = StragglerBoard(threshold=1.5, windows=1)
+    v = board.update({"a": (1, {0: 0.1, 1: 0.1}), "b": (1, {0: 0.3, 1: 0.3})})
+    assert {(s.node, s.local_rank) for s in v.stragglers} == {("b", 0), ("b", 1)}
+    assert StragglerBoard(threshold=1.5, windows=1).update({"a": (1, {0: 0.1})}) is None
+
+
+def test_board_forgets_a_node_that_stopped_publishing():
+    board = StragglerBoard(threshold=1.5, windows=1)
+    board.update({"a": (1, {0: 0.1}), "b": (1, {0: 0.1}), "c": (1, {0: 1.0})})
+    for k in range(2, 6):  # c publishes nothing new (dead, or restarting)
+        v = board.update({"a": (k, {0: 0.1}), "b": (k, {0: 0.1}), "c": (1, {0: 1.0})})
+    assert v.stragglers == () and v.ranks == 2
+
+
+def test_verdict_json_round_trip():
+    board = StragglerBoard(threshold=1.5, windows=1)
+    v = board.update({"a": (1, {0: 0.1}), "b": (1, {0: 0.5})})
+    assert Verdict.from_json(v.to_json()) == v
+
+
+def test_exchange_through_a_store_every_node_learns_the_verdict():
+    store = dist.HashStore()
+    stop = threading.Event()
+    settings = StragglerSettings(threshold=1.5, windows=2, window_s=0.05)
+    verdicts: dict[str, list[Verdict]] = {"a": [], "b": [], "c": []}
+    medians = {"a": {0: 0.1}, "b": {0: 0.1}, "c": {0: 0.4}}
+    seqs = {"a": 0, "b": 0, "c": 0}
+
+    def latest(node):
+        def get():
+            seqs[node] += 1
+            return seqs[node], medians[node]
+        return get
+
+    exchanges = [SpeedExchange(node=n, settings=settings, latest=latest(n),
+                               on_verdict=lambda rnd, v, n=n: verdicts[n].append(v),
+                               on_new_round=lambda rnd: None, stop=stop) for n in ("a", "b", "c")]
+    try:
+        for rank, ex in enumerate(exchanges):
+            ex.on_round(round=7, store=store, group_rank=rank, group_world_size=3)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+                any(v.stragglers for v in vs) for vs in verdicts.values()):
+            time.sleep(0.02)
+    finally:
+        stop.set()
+    for node, vs in verdicts.items():
+        flagged = {(s.node, s.local_rank) for v in vs for s in v.stragglers}
+        assert flagged == {("c", 0)}, (node, vs[-3:])
+
+
+def test_exchange_is_off_without_a_threshold():
+    started = []
+    ex = SpeedExchange(node="a", settings=StragglerSettings(threshold=0), latest=lambda: None,
+                       on_verdict=lambda *a: None, on_new_round=started.append, stop=threading.Event())
+    ex.on_round(round=3, store=None, group_rank=0, group_world_size=2)
+    assert started == [3] and not any(t.name.startswith("elastic-rt-speed") for t in threading.enumerate())

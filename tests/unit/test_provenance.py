@@ -1,0 +1,59 @@
+"""benchmarks/provenance.py on a scratch git repository: the commit, and dirty trees refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("provenance", REPO / "benchmarks" / "provenance.py")
+provenance_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(provenance_mod)  # type: ignore[union-attr]
+provenance = provenance_mod.provenance
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "config", "user.email", "t@example.com")
+    git(tmp_path, "config", "user.name", "t")
+    (tmp_path / "bench.py").write_text("print(1)\n")
+    git(tmp_path, "add", "bench.py")
+    git(tmp_path, "commit", "-qm", "one")
+    return tmp_path
+
+
+def test_a_clean_tree_records_its_commit(checkout):
+    head = git(checkout, "rev-parse", "HEAD").strip()
+    assert provenance(False, repo=str(checkout)) == {"commit": head, "dirty": False, "allow_dirty": False,
+                                                    "changes": []}
+
+
+def test_a_dirty_tree_is_refused_in_one_line_unless_allowed(checkout):
+    (checkout / "bench.py").write_text("print(2)\n")
+    (checkout / "new.py").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        provenance(False, repo=str(checkout))
+    message = str(exc.value)
+    assert "\n" not in message and "bench.py, new.py" in message and "--allow-dirty" in message
+    recorded = provenance(True, repo=str(checkout))
+    assert recorded["dirty"] and recorded["allow_dirty"] and recorded["changes"] == ["bench.py", "new.py"]
+
+
+def test_results_being_written_do_not_make_the_tree_dirty(checkout):
+    (checkout / "benchmarks" / "results").mkdir(parents=True)
+    (checkout / "benchmarks" / "results" / "run.txt").write_text("")
+    assert provenance(False, repo=str(checkout))["dirty"] is False
+
+
+def test_outside_a_checkout_only_allow_dirty_runs(tmp_path):
+    with pytest.raises(SystemExit, match="--allow-dirty"):
+        provenance(False, repo=str(tmp_path))
+    assert provenance(True, repo=str(tmp_path))["commit"] == "unknown"

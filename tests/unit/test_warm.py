@@ -1,0 +1,104 @@
+"""Warm workers: the pure rules (which variables wait for the rendezvous, when a warm worker is unusable)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_rt.agent.warm import (
+    PAD_BYTES,
+    WORKER_MODULE,
+    incompatibility,
+    is_late,
+    warm_command,
+    warm_environment,
+)
+from elastic_rt.agent.warm_child import ENV_PAD, split_argv
+from elastic_rt.config import launch_config_from_args
+from elastic_rt.cli import build_parser
+from elastic_rt.errors import ConfigError
+from elastic_rt.worker_env import ENV_PARENT_PID, ENV_ROUND
+
+COLD = ("-u", "-m", WORKER_MODULE, "--", "train.py", "--lr", "0.1")
+
+
+@pytest.mark.parametrize("key", ["RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT",
+                                 "TORCHELASTIC_ERROR_FILE", ENV_ROUND])
+def test_rendezvous_variables_are_late(key):
+    assert is_late(key)
+
+
+@pytest.mark.parametrize("key", ["PATH", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTHONPATH", ENV_PARENT_PID])
+def test_startup_variables_are_not_late(key):
+    assert not is_late(key)
+
+
+def test_warm_environment_drops_late_variables_and_ends_with_the_pad():
+    env = warm_environment({"PATH": "/bin", "RANK": "3", "OMP_NUM_THREADS": "1", ENV_PAD: "old"}, 42)
+    assert "RANK" not in env and env["PATH"] == "/bin" and env["OMP_NUM_THREADS"] == "1"
+    assert env[ENV_PARENT_PID] == "42"
+    assert list(env)[-1] == ENV_PAD and len(env[ENV_PAD]) == PAD_BYTES
+
+
+def test_a_warm_worker_fits_when_only_rendezvous_variables_are_added():
+    initial = warm_environment({"PATH": "/bin"}, 42)
+    final = {"PATH": "/bin", ENV_PARENT_PID: "42", "RANK": "1", "MASTER_ADDR": "10.0.0.1"}
+    assert incompatibility(initial, final) is None
+
+
+@pytest.mark.parametrize("final, words", [
+    ({"PATH": "/usr/bin", ENV_PARENT_PID: "42"}, "PATH changed"),
+    ({ENV_PARENT_PID: "42"}, "PATH was unset"),
+    ({"PATH": "/bin", ENV_PARENT_PID: "42", "OMP_NUM_THREADS": "4"}, "OMP_NUM_THREADS was set"),
+    ({"PATH": "/bin", ENV_PARENT_PID: "42", "RANK": "x" * (PAD_BYTES + 100)}, "outgrew"),
+])
+def test_any_other_change_makes_the_warm_worker_unusable(final, words):
+    why = incompatibility(warm_environment({"PATH": "/bin"}, 42), final)
+    assert why is not None and words in why
+
+
+def test_warm_command_is_the_cold_one_with_the_warm_flags_and_round_trips():
+    cmd = warm_command("/py", COLD, fd=5, ready_fd=6, nice=10, imports=("torch", "numpy"))
+    assert cmd[:4] == ["/py", "-u", "-m", WORKER_MODULE] and cmd[-4:] == list(COLD[3:])
+    opts, rest = split_argv(cmd[4:])
+    assert (opts.fd, opts.ready_fd, opts.nice, opts.imports) == (5, 6, 10, ("torch", "numpy"))
+    assert rest == list(COLD[3:])
+
+
+def test_only_the_worker_entry_point_can_be_warmed():
+    assert warm_command("/py", ("-u", "-m", "other", "--", "x.py"), fd=5, ready_fd=6, nice=0, imports=()) is None
+    assert warm_command("/bin/train", (), fd=5, ready_fd=6, nice=0, imports=()) is None
+
+
+def test_cold_argv_is_left_alone():
+    assert split_argv(["--", "train.py"]) == (None, ["--", "train.py"])
+
+
+def _cfg(*flags: str):
+    return launch_config_from_args(build_parser().parse_args(["launch", "--standalone", *flags, "train.py"]))
+
+
+def test_warm_flags():
+    assert _cfg().warm_workers is True and "torch" in _cfg().warm_imports
+    assert _cfg("--warm-workers", "off").warm_workers is False
+    assert _cfg("--warm-imports", "torch, numpy").warm_imports == ("torch", "numpy")
+    with pytest.raises(ConfigError, match="--warm-imports"):
+        _cfg("--warm-imports", "torch;rm -rf")
+
+
+def test_standby_and_warm_worker_gauges():
+    from prometheus_client import CollectorRegistry
+
+    from elastic_rt.metrics.definitions import AgentMetrics
+
+    reg = CollectorRegistry()
+    m = AgentMetrics(registry=reg, run_id="job7", node="node-a", sysfs_root=None, timex_reader=None)
+    base = {"run_id": "job7", "node": "node-a"}
+    m.on_rendezvous_started()
+    assert reg.get_sample_value("elastic_rt_standby", base) == 1
+    m.on_rendezvous(round=1, world_size=2, nodes=1, duration_s=0.5)
+    assert reg.get_sample_value("elastic_rt_standby", base) == 0
+    ready = [2]
+    m.track_warm_workers(lambda: ready[0])
+    assert reg.get_sample_value("elastic_rt_warm_workers_ready", base) == 2
+    ready[0] = 0
+    assert reg.get_sample_value("elastic_rt_warm_workers_ready", base) == 0
