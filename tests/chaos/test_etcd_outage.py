@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -62,7 +63,10 @@ def example_pair(nodes: list[Node], endpoints: str, run_id: str, tmp_path, steps
 
 def assert_every_sample_once(all_nodes: list[Node], steps: int) -> None:
     committed = _committed_indices(all_nodes)
-    assert sorted(committed) == list(range(1, steps + 1)), "every step committed once"
+    missing = sorted(set(range(1, steps + 1)) - set(committed))
+    assert not missing, f"steps {missing} never logged their indices:\n" + "\n".join(
+        f"{n.name} {t:.2f} {line}" for n in all_nodes for t, line in n.lines
+        if re.search(r"start step=|stopped steps=|done steps=|restarting|round \d+: rank", line))
     epochs: dict[int, list[int]] = {}
     for epoch, idx in committed.values():
         epochs.setdefault(epoch, []).extend(idx)
