@@ -336,6 +336,14 @@ class EtcdClient:
         resp = self._call(lambda ep, t: ep.kv.DeleteRange(req, timeout=t, metadata=ep.metadata))
         return int(resp.deleted)
 
+    def delete_ranges(self, ranges: list[tuple[str, str]]) -> int:
+        """Delete every key k with start <= k < end, for each (start, end), in one transaction."""
+        ops = [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=a.encode(), range_end=b.encode()))
+               for a, b in ranges]
+        req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
+        resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
+        return sum(int(r.response_delete_range.deleted) for r in resp.responses)
+
     def read_many(self, keys: list[str], prefixes: list[str]) -> tuple[list[KeyValue | None], list[list[KeyValue]], int]:
         """Read several keys and prefixes in one round trip, at one revision."""
         ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=k.encode())) for k in keys]

@@ -2,27 +2,30 @@
 
 Protocol (keys from RunKeys):
   round            current round number R (created as 0)
-  rounds/R/join/N  node N's join, attached to N's lease (vanishes when N dies)
-  rounds/R/final   the membership of round R, written once (create-only) by whoever closes it;
-                   when rank 0 closes it, also rank 0's address and c10d store port
+  joins/R/N        node N's join of round R, attached to N's lease (vanishes when N dies)
+  rounds/R/final   the membership of round R (ranks in node-id order), written once (create-only)
+                   by whoever closes it; when rank 0 closes it, also rank 0's address and store port
   alive/N          node N's liveness key, attached to its lease, for the whole run; its value
                    holds N's address, liveness port and incarnation (one per agent process)
   waiting/N        a node that found round R already closed and waits for R+1
   closed           the job is over; late joiners exit instead of waiting
   stores/R/        the c10d store of round R's agents (bulk traffic, not watched)
 
-Every node keeps a local view of these keys (MembershipView): one range read, then one
-watch stream from that read's revision. The agent's monitor tick and the rendezvous loop
-read only the view; an idle job costs etcd the lease keepalives and nothing else.
+Every node keeps a local view of these keys (MembershipView) except the joins and the
+stores: one range read, then one watch stream from that read's revision. The agent's
+monitor tick and the rendezvous loop read only the view; an idle job costs etcd the lease
+keepalives and nothing else.
 
 A round closes when MAX nodes joined, or when at least MIN joined and either every live
 node (alive/*) has joined (re-formation rounds, R > 0: no last call needed) or
-last_call_timeout_s passed since MIN were seen. The node with the oldest join closes it
-(one create-only write); the others learn the final from the watch and try themselves
-only if it does not come within a jittered second or two. A node of round R that must
-re-rendezvous bumps `round` from R to R+1 by compare-and-set. Per node and round: one
-join put, at most one CAS on `round` and one on `final`, a waiting put and delete for
-late nodes; no re-reading of the joins on any wake-up.
+last_call_timeout_s passed since MIN were seen. The closer is the live node with the
+smallest id: it alone watches the round's joins (O(N) events, one node) and writes the
+final (one create-only write); everybody else learns the final from the view (O(1)
+events per node). Only if no final comes do the others read the joins, every
+max(2 s, last_call_timeout) jittered, and close the round themselves once it has been
+closable for as long. A node of round R that must re-rendezvous bumps `round` from R to
+R+1 by compare-and-set. Per node and round: one join put, at most one CAS on `round` and
+one on `final`, a waiting put and delete for late nodes.
 
 Failure model (docs/failure-model.md says it for operators):
 - etcd is needed to change membership, not to train. While etcd does not answer, the
@@ -100,6 +103,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         )
         self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock)
         self._started = False
+        self._lease_started = False
         self._peer_watch: PeerWatch | None = None
         self._monitor = MembershipMonitor(
             node_id=settings.node_id, view=self._view, health=self.health, lease_ttl_s=settings.lease_ttl_s,
@@ -151,19 +155,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._peer_watch is not None:
             self._peer_watch.stop()
             self._peer_watch = None
-        if self._started:
-            self._view.stop()
+        self._view.stop()
+        if self._lease_started:
             self._lease.stop(revoke=True)
-            self._started = False
+            self._lease_started = False
+        self._started = False
 
     def num_nodes_waiting(self) -> int:
         return 1 if self.membership_change() else 0
 
     def next_rendezvous(self) -> RendezvousInfo:
         t0 = self._clock()
-        self._start()
-        self.membership = self._retrying(lambda deadline: self._rounds.next_round(self.membership, deadline),
-                                         t0 + self.settings.join_timeout_s)
+
+        def attempt(deadline: float) -> Membership:
+            self._start()
+            return self._rounds.next_round(self.membership, deadline)
+
+        self.membership = self._retrying(attempt, t0 + self.settings.join_timeout_s)
         m = self.membership
         store = EtcdStore(self._client, self.keys.round_store(m.round),
                           timedelta(seconds=self.settings.store_timeout_s))
@@ -174,8 +182,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._watch_neighbours(m.nodes)
         if m.rank == 0 and m.round >= 2:  # rounds before the previous one are history
             try:
-                self._client.delete_range(self.keys.rounds_prefix, self.keys.round_prefix(m.round - 1))
-                self._client.delete_range(self.keys.stores_prefix, self.keys.round_store(m.round - 1))
+                k, before = self.keys, m.round - 1
+                self._client.delete_ranges([(k.rounds_prefix, k.round_prefix(before)),
+                                            (k.joins_prefix, k.join_prefix(before)),
+                                            (k.stores_prefix, k.round_store(before))])
             except EtcdUnavailableError as exc:
                 log.info("node %s: old rounds not cleaned up now: %s", self.settings.node_id, exc)
         log.info(
@@ -264,10 +274,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 time.sleep(wait)
 
     def _start(self) -> None:
-        if not self._started:
+        """Lease and alive key, then the view (each once; a failed step is retried by the caller)."""
+        if not self._lease_started:
             self._lease.start()
-            self._view.start()
-            self._started = True
+            self._lease_started = True
+        self._view.start()
+        self._started = True
 
     def _evict(self, peer) -> None:
         log.info("node %s: node %s's agent is gone (liveness connection closed, then refused); evicting it",

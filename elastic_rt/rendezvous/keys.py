@@ -71,8 +71,16 @@ class RunKeys:
     def round_prefix(self, rnd: int) -> str:
         return f"{self.rounds_prefix}{rnd:010d}/"
 
+    @property
+    def joins_prefix(self) -> str:
+        """The joins of every round: only the node closing a round watches them, outside the membership watch."""
+        return self.base + "joins/"
+
     def join_prefix(self, rnd: int) -> str:
-        return self.round_prefix(rnd) + "join/"
+        return f"{self.joins_prefix}{rnd:010d}/"
+
+    def join_range(self, rnd: int) -> tuple[str, bytes]:
+        return self.join_prefix(rnd), prefix_end(self.join_prefix(rnd))
 
     def join(self, rnd: int, node_id: str) -> str:
         return self.join_prefix(rnd) + node_id
@@ -89,8 +97,10 @@ class RunKeys:
         return f"{self.stores_prefix}{rnd:010d}/"
 
     def watch_ranges(self) -> list[tuple[str, bytes]]:
-        """(start, end) ranges of every membership key: the whole run except the worker stores."""
-        return [(self.base, self.stores_prefix.encode()),
+        """(start, end) ranges of every membership key: the whole run except the joins and the worker stores,
+        whose traffic grows with the number of nodes."""
+        return [(self.base, self.joins_prefix.encode()),
+                (prefix_end(self.joins_prefix).decode(), self.stores_prefix.encode()),
                 (prefix_end(self.stores_prefix).decode(), prefix_end(self.base))]
 
     def parse(self, key: str) -> tuple[str, int | None, str | None]:
@@ -102,11 +112,11 @@ class RunKeys:
             if rel.startswith(kind + "/"):
                 return kind, None, rel[len(kind) + 1:]
         parts = rel.split("/")
-        if len(parts) >= 3 and parts[0] == "rounds" and parts[1].isdigit():
-            if parts[2] == "final" and len(parts) == 3:
+        if len(parts) == 3 and parts[1].isdigit():
+            if parts[0] == "rounds" and parts[2] == "final":
                 return "final", int(parts[1]), None
-            if parts[2] == "join" and len(parts) == 4:
-                return "join", int(parts[1]), parts[3]
+            if parts[0] == "joins":
+                return "join", int(parts[1]), parts[2]
         return "", None, None
 
     @staticmethod

@@ -64,28 +64,29 @@ class NodeLease:
         return self._clock() - self.last_renewed
 
     def start(self) -> int:
+        """Grant the lease and put the alive key (request deadlines: the client's), then keep it alive."""
         with self._lock:
-            self._grant()
+            self._grant(timeout_s=None)
         self._thread = threading.Thread(target=self._run, name="elastic-rt-lease", daemon=True)
         self._thread.start()
         return self._lease_id
 
-    def _grant(self) -> None:
+    def _grant(self, timeout_s: float | None) -> None:
+        """A new lease and the alive key on it (None: the client's request deadline)."""
         sent = self._clock()
-        self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=self.beat_s)
+        self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=timeout_s)
         self._registered = False
-        self._register(sent)
-
-    def _register(self, sent: float) -> None:
-        self._client.put(self._keys.alive(self._node_id), self._info, lease=self._lease_id, timeout_s=self.beat_s)
+        self._client.put(self._keys.alive(self._node_id), self._info, lease=self._lease_id, timeout_s=timeout_s)
+        self._registered = True
+        self.last_renewed = sent
         self._registered = True
         self.last_renewed = sent
 
     def _beat(self) -> None:
         sent = self._clock()
         with self._lock:
-            if not self._registered:
-                self._register(sent)
+            if not self._registered:  # the last grant's put failed: the lease may be gone too, start over
+                self._grant(self.beat_s)
                 return
             ttl = self._client.refresh_lease(self._lease_id, timeout_s=self.beat_s, attempts=1)
             if ttl > 0:
@@ -95,7 +96,7 @@ class NodeLease:
             self.lost_at = sent
             log.warning("node %s: liveness lease %x is gone (expired during an outage or revoked); "
                         "registering again", self._node_id, self._lease_id)
-            self._grant()
+            self._grant(self.beat_s)
 
     def _run(self) -> None:
         wait = self.beat_s

@@ -99,7 +99,7 @@ class MembershipMonitor:
                 return self._lost(node, "lease gone and its liveness connection closed"), False
             gone_at = v.departed.get(node, self._formed_at)
             if not self._health.unreachable_since(gone_at - self._ttl_s):
-                return self._lost(node, "lease expired while etcd answered this node"), False
+                return self._lost(node, "lease gone while etcd answered this node"), False
             since = max(gone_at, self._health.last_recovery() or gone_at)
             if now - since > self._grace_s:
                 return self._lost(node, f"not registered again within {self._grace_s:g} s after the etcd outage"), False

@@ -120,71 +120,72 @@ class Rounds:
             v.wait(version, max(0.0, min(deadline - self._clock(), 5.0)))
 
     def _join_and_wait(self, rnd: int, deadline: float) -> Membership | None:
-        """Join round rnd and wait for its final. Each wake-up costs O(1) for every node but the closer
-        (the oldest join), which alone looks at all joins on every change; the others look at most
-        twice a second, to write the final themselves if the closer does not within 1-2 s."""
+        """Join round rnd and wait for its final (or for the round to end without us).
+
+        The closer is the live node with the smallest id: it alone watches the round's joins and
+        writes the final (once, create-only). The others watch only `round`, `closed` and the final;
+        if no final comes, they read the joins every `fallback_s` (jittered) and close the round
+        themselves once it has been closable for as long."""
         s, k, c, v = self.settings, self.keys, self._client, self._view
         value = json.dumps({"addr": s.local_addr}).encode()
+        fallback_s = max(2.0, s.last_call_timeout_s)
+        tracker: MembershipView | None = None
+        read: dict[str, KeyValue] | None = None  # joins as last read by a node that is not the closer
+        read_due = self._clock() + fallback_s * (1 + self._rng())
+        closable_since: float | None = None
         min_seen_at: float | None = None
-        close_due_at: float | None = None  # when a node that is not the closer writes the final itself
-        evaluate_at = 0.0
-        oldest: str | None = None
-        put_with = 0
+        joined_with = 0  # the lease our join key is attached to
         written: KeyValue | None = None  # the final as our own create-only write returned it
-        while True:
-            members: list[str] | None = None
-            with v.lock:
-                version = v.version
-                closed, cur, final = v.closed, v.current_round(), v.finals.get(rnd) or written
-                joins = v.joins.get(rnd, {})
-                mine = joins.get(s.node_id)
-                if oldest not in joins:
-                    oldest = min(joins, key=lambda n: joins[n].create_revision) if joins else None
-                now = self._clock()
-                decide = mine is not None and (oldest == s.node_id or now >= evaluate_at)
-                if decide:
-                    n_joined = len(joins)
-                    everyone = rnd > 0 and all(n in joins for n in v.alive)
-                    if n_joined >= s.min_nodes:
-                        members = sorted(joins, key=lambda n: joins[n].create_revision)[: s.max_nodes]
-            if closed:
-                self._unjoin(rnd, mine)
-                raise RendezvousClosedError(f"run {s.run_id} is closed (the job finished); use a new --rdzv-id")
-            if final is not None:
-                data = _decode_json(final, "round membership")
-                nodes = tuple(data.get("nodes", ()))
-                if s.node_id in nodes:
+        try:
+            while True:
+                with v.lock:
+                    version = v.version, tracker.version if tracker else 0
+                    closed, cur, final = v.closed, v.current_round(), v.finals.get(rnd) or written
+                    closer = v.smallest_alive or s.node_id
+                if closed:
+                    self._unjoin(rnd, joined_with)
+                    raise RendezvousClosedError(f"run {s.run_id} is closed (the job finished); use a new --rdzv-id")
+                if final is not None:
+                    data = _decode_json(final, "round membership")
+                    nodes = tuple(data.get("nodes", ()))
+                    if s.node_id not in nodes:
+                        self._unjoin(rnd, joined_with)
+                        return None
                     self._on_formed(rnd, nodes)
                     master = data.get("master")
                     master = (str(master[0]), int(master[1])) if isinstance(master, list) and len(master) == 2 else None
                     return Membership(rnd, nodes, nodes.index(s.node_id), master)
-                self._unjoin(rnd, mine)
-                return None
-            if cur != rnd:
-                self._unjoin(rnd, mine)
-                return None
-            lease = self._lease_id()
-            if mine is None or mine.lease != lease:
-                # not joined yet, or our lease was lost and granted anew: (re-)join
-                if put_with != lease or mine is not None:
+                if cur != rnd:
+                    self._unjoin(rnd, joined_with)
+                    return None
+                lease = self._lease_id()
+                if joined_with != lease:  # not joined yet, or our lease was lost and granted anew
                     c.put(k.join(rnd, s.node_id), value, lease=lease)
-                    put_with = lease
-                v.wait(version, 1.0)
-                continue
-            wait_s = deadline - now
-            if not decide:
-                wait_s = min(wait_s, evaluate_at - now)
-            else:
-                evaluate_at = now + 0.5
-                close = False
-                if members is not None:
-                    min_seen_at = now if min_seen_at is None else min_seen_at
-                    last_call_left = min_seen_at + s.last_call_timeout_s - now
-                    close = n_joined >= s.max_nodes or everyone or last_call_left <= 0
-                    wait_s = min(wait_s, max(last_call_left, 0.0))
-                if not close:
-                    close_due_at = None
-                elif oldest == s.node_id or (close_due_at is not None and now >= close_due_at):
+                    joined_with = lease
+                now = self._clock()
+                if closer == s.node_id:
+                    if tracker is None:
+                        tracker = MembershipView(c, k, node_id=s.node_id, ranges=[k.join_range(rnd)], lock=v.lock,
+                                                 clock=self._clock)
+                        tracker.start()
+                        continue
+                    with v.lock:
+                        joins = dict(tracker.joins.get(rnd, {}))
+                else:
+                    if tracker is not None:  # a node with a smaller id is alive now: it closes
+                        tracker.stop()
+                        tracker = None
+                    if now >= read_due or (closable_since is not None and now - closable_since >= fallback_s):
+                        (kvs,), _ = c.read_ranges([k.join_range(rnd)])
+                        read = {k.parse(kv.key)[2]: kv for kv in kvs}
+                        read_due = now + fallback_s * (1 + self._rng())
+                    joins = read or {}
+                members, wait_s = self._closable(rnd, joins, now, min_seen_at)
+                if members is not None or len(joins) >= s.min_nodes:
+                    min_seen_at = min_seen_at or now
+                if members is None:
+                    closable_since = None
+                elif closer == s.node_id or (closable_since is not None and now - closable_since >= fallback_s):
                     final_value = {"round": rnd, "nodes": members}
                     if members[0] == s.node_id:  # rank 0 closes: its store address travels with the final
                         final_value["master"] = [s.local_addr, get_free_port()]
@@ -192,13 +193,34 @@ class Rounds:
                                                    expected_mod_revision=None)
                     continue
                 else:
-                    close_due_at = close_due_at or now + 1.0 + self._rng()
-                    wait_s = min(wait_s, close_due_at - now)
-            self._check_deadline(deadline, cleanup_key=k.join(rnd, s.node_id))
-            v.wait(version, max(wait_s, 0.01))
+                    closable_since = closable_since or now
+                    wait_s = closable_since + fallback_s - now
+                if closer != s.node_id:
+                    wait_s = min(wait_s, read_due - now)
+                wait_s = min(wait_s, deadline - now)
+                self._check_deadline(deadline, cleanup_key=k.join(rnd, s.node_id))
+                v.wait_for(lambda: (v.version, tracker.version if tracker else 0) != version, max(wait_s, 0.01))
+        finally:
+            if tracker is not None:
+                tracker.stop()
 
-    def _unjoin(self, rnd: int, mine: KeyValue | None) -> None:
-        if mine is not None:
+    def _closable(self, rnd: int, joins: dict[str, KeyValue], now: float,
+                  min_seen_at: float | None) -> tuple[list[str] | None, float]:
+        """(the members, in rank order, if round rnd can close on these joins now, else None; how long
+        until the last call ends). Ranks follow node ids, so rank 0 stays put across rounds."""
+        s, v = self.settings, self._view
+        if s.node_id not in joins or len(joins) < s.min_nodes:
+            return None, float("inf")
+        with v.lock:
+            everyone = rnd > 0 and all(n in joins for n in v.alive)
+        last_call_left = (min_seen_at or now) + s.last_call_timeout_s - now
+        if len(joins) < s.max_nodes and not everyone and last_call_left > 0:
+            return None, last_call_left
+        first = sorted(joins, key=lambda n: joins[n].create_revision)[: s.max_nodes]
+        return sorted(first), 0.0
+
+    def _unjoin(self, rnd: int, joined_with: int) -> None:
+        if joined_with:
             self._client.delete(self.keys.join(rnd, self.settings.node_id))
 
     def _check_deadline(self, deadline: float, cleanup_key: str | None = None) -> None:

@@ -23,23 +23,27 @@ log = logging.getLogger(__name__)
 
 
 class MembershipView:
-    """round, closed, alive/*, waiting/*, rounds/R/{join/*,final} as last seen; `version` counts changes.
+    """round, closed, alive/*, waiting/*, rounds/R/final (and joins/R/*, for a view given that range) as last
+    seen; `version` counts changes.
 
-    Read the attributes while holding `lock` (a Condition that is notified on every change).
+    Read the attributes while holding `lock` (a Condition that is notified on every change; two views
+    may share one, so that a thread can wait for either).
     """
 
     def __init__(self, client: EtcdClient, keys: RunKeys, *, node_id: str,
+                 ranges: list[tuple[str, bytes]] | None = None, lock: threading.Condition | None = None,
                  clock: Callable[[], float] = time.monotonic, backoff: Backoff | None = None) -> None:
         self._client = client
         self._keys = keys
         self._node_id = node_id
         self._clock = clock
         self._backoff = backoff or Backoff()
-        self._ranges = keys.watch_ranges()
-        self.lock = threading.Condition()
+        self._ranges = ranges or keys.watch_ranges()
+        self.lock = lock or threading.Condition()
         self.round: KeyValue | None = None
         self.closed = False
         self.alive: dict[str, KeyValue] = {}
+        self.smallest_alive: str | None = None  # kept up to date: the closer of a round is the smallest live id
         self.departed: dict[str, float] = {}  # node -> when its alive key was seen deleted
         self.waiting: dict[str, KeyValue] = {}
         self.joins: dict[int, dict[str, KeyValue]] = {}
@@ -153,6 +157,7 @@ class MembershipView:
             before = set(self.alive)
             self.round, self.closed = None, False
             self.alive, self.waiting, self.joins, self.finals = {}, {}, {}, {}
+            self.smallest_alive = None
             for kvs in ranges:
                 for kv in kvs:
                     self._put(kv, now)
@@ -185,6 +190,8 @@ class MembershipView:
         elif kind == "alive":
             self.alive[node] = kv
             self.departed.pop(node, None)
+            if self.smallest_alive is None or node < self.smallest_alive:
+                self.smallest_alive = node
         elif kind == "waiting":
             self.waiting[node] = kv
         elif kind == "join":
@@ -201,6 +208,8 @@ class MembershipView:
         elif kind == "alive":
             if self.alive.pop(node, None) is not None:
                 self.departed[node] = now
+                if node == self.smallest_alive:
+                    self.smallest_alive = min(self.alive) if self.alive else None
         elif kind == "waiting":
             self.waiting.pop(node, None)
         elif kind == "join":

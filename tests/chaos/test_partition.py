@@ -65,7 +65,7 @@ def test_agent_cut_from_etcd_is_reformed_out_then_rejoins(etcd_endpoint, run_id,
         cut_at = time.monotonic()
         proxy.cut("blackhole")
         for n in (a, b):
-            n.wait_for(r"node c lost: lease expired while etcd answered", 30, after=cut_at)
+            n.wait_for(r"node c lost: lease gone while etcd answered", 30, after=cut_at)
         lost_s = _first([a, b], r"node c lost", cut_at) - cut_at
         c.wait_for(r"etcd unreachable", 30, after=cut_at)
         _wait_any([a, b], r"\]:step=\d+ loss=\S+ world_size=2$", 120, after=cut_at)

@@ -59,6 +59,19 @@ def test_round_forms_then_scale_up_then_leave(etcd_endpoint, run_id):
         b.next_rendezvous()
 
 
+def test_round_closes_when_its_closer_never_joins(etcd_endpoint, run_id):
+    """The smallest live id closes rounds; if that node never joins, the others read the joins and close."""
+    a, b, c = (_handler(etcd_endpoint, run_id, n, 2, 3, last_call_timeout=1) for n in "abc")
+    try:
+        a._start()  # registered (alive/a), never joins
+        assert sorted(_together([b, c]).values()) == [(0, 2), (1, 2)]
+        assert b.membership.nodes == ("b", "c")
+    finally:
+        for h in (a, b, c):
+            h.leave()
+            h.close()
+
+
 def _poll(pred, timeout_s=20.0):
     import time
 

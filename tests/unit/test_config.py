@@ -70,7 +70,7 @@ def test_launch_config_rejects(argv, words):
 
 def test_run_keys_layout_sorts_rounds_numerically():
     k = RunKeys("job")
-    assert k.join(2, "n1") == "/elastic-rt/job/rounds/0000000002/join/n1"
+    assert k.join(2, "n1") == "/elastic-rt/job/joins/0000000002/n1"
     assert k.round_prefix(9) < k.round_prefix(10)
 
 
