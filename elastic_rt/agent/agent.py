@@ -13,6 +13,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from elastic_rt.agent.diagnostics import FailureDiagnostics
+from elastic_rt.agent.exit_aborts import forgive_teardown_exits
 from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
 from elastic_rt.agent.warm import WarmPool
@@ -148,9 +149,14 @@ class ElasticRTAgent(LocalElasticAgent):
             [(w.local_rank, w.global_rank, pids[w.local_rank]) for w in worker_group.workers if w.local_rank in pids],
             getattr(self._pcontext, "stderrs", {}) or {})
         self.diagnostics.watch(self._pcontext)
+        forgive_teardown_exits(self._pcontext, self._script_returned, self._prefix)
         self.observer.on_workers_started(dict(pids))
         self.policy.on_workers_started(pids.keys())
         return pids
+
+    def _script_returned(self, local_rank: int, pid: int) -> bool:
+        beat = self._reports.heartbeats().get(local_rank)
+        return beat is not None and beat.returned and beat.pid == pid
 
     def _workers_stepped(self) -> bool:
         return all(hb is not None for hb in self._reports.heartbeats().values())

@@ -98,6 +98,7 @@ def main(argv: list[str]) -> None:
         _install_diagnostics(hb_dir, local_rank)
     if not argv:
         sys.exit("elastic-rt worker: no training script given")
+    returned = False
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
@@ -107,7 +108,9 @@ def main(argv: list[str]) -> None:
             sys.argv = list(argv)
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
             runpy.run_path(script, run_name="__main__")
-    except SystemExit:
+        returned = True
+    except SystemExit as exc:
+        returned = exc.code is None or exc.code == 0
         raise
     except BaseException as exc:
         record_error(exc, os.environ.get(ENV_ERROR_FILE))
@@ -116,7 +119,8 @@ def main(argv: list[str]) -> None:
         if hb_dir:  # exiting, not stuck: interpreter teardown of a torch process can take seconds
             from elastic_rt.reporting.heartbeat import report_finished
 
-            report_finished()
+            # returned: the agent does not re-run the job if teardown then aborts (exit_aborts.py)
+            report_finished(returned)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from elastic_rt.worker_env import WorkerEnvironment
 log = logging.getLogger(__name__)
 
 # Record layout (little-endian, 36 bytes at offset 0 of the file):
-#   magic    4s   b"ERHB"; b"ERHD" once the script has returned or raised (finished)
+#   magic    4s   b"ERHB"; once the script is done: b"ERHR" if it returned (or exited 0),
+#                 b"ERHD" if it raised or exited non-zero (both: finished)
 #   pid      u32  the writer's pid
 #   seq      u64  number of progress events (report_step calls and optimizer steps) by
 #                 this writer (1 for the first)
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 #   crc      u32  zlib.crc32 of the 32 bytes above; a torn read fails it
 _MAGIC = b"ERHB"
 _MAGIC_FINISHED = b"ERHD"
+_MAGIC_RETURNED = b"ERHR"
 _BODY = struct.Struct("<4sIQqq")  # magic, pid, seq, step, mono_ns  (32 bytes)
 _CRC = struct.Struct("<I")
 RECORD_SIZE = _BODY.size + _CRC.size  # 36 bytes
@@ -44,6 +46,7 @@ class Heartbeat:
     timestamp_s: float  # CLOCK_MONOTONIC of the writer, seconds
     age_s: float  # reader's clock minus timestamp_s, clamped at 0
     finished: bool = False  # the script returned or raised: the process is exiting, not stuck
+    returned: bool = False  # finished by returning (or exit status 0): its work is done
 
 
 def encode_record(*, pid: int, seq: int, step: int, mono_ns: int) -> bytes:
@@ -61,7 +64,7 @@ def decode_record(data: bytes) -> tuple[int, int, int, int] | None:
     if zlib.crc32(body) != crc:
         return None
     magic, pid, seq, step, mono_ns = _BODY.unpack(body)
-    if magic not in (_MAGIC, _MAGIC_FINISHED) or seq == 0:
+    if magic not in (_MAGIC, _MAGIC_FINISHED, _MAGIC_RETURNED) or seq == 0:
         return None
     return pid, seq, step, mono_ns
 
@@ -106,9 +109,10 @@ class HeartbeatWriter:
             self._step += 1
         self._write()
 
-    def finish(self) -> None:
-        """The script is done (returned or raised); interpreter teardown can take seconds."""
-        self._write(_MAGIC_FINISHED)
+    def finish(self, returned: bool = False) -> None:
+        """The script is done (returned: True if it returned or exited 0, False if it raised);
+        interpreter teardown can take seconds."""
+        self._write(_MAGIC_RETURNED if returned else _MAGIC_FINISHED)
 
     def _write(self, magic: bytes = _MAGIC) -> None:
         self._seq += 1
@@ -130,7 +134,7 @@ class _NullWriter:
     def tick(self, advance: bool = True) -> None:
         return None
 
-    def finish(self) -> None:
+    def finish(self, returned: bool = False) -> None:
         return None
 
     def close(self) -> None:
@@ -175,9 +179,9 @@ def report_step(step: int) -> None:
     _get_writer().report(step)
 
 
-def report_finished() -> None:
-    """Worker entry point: the script returned or raised; do not judge the exit as a hang."""
-    _get_writer().finish()
+def report_finished(returned: bool = False) -> None:
+    """Worker entry point: the script returned (`returned`) or raised; do not judge the exit as a hang."""
+    _get_writer().finish(returned)
 
 
 _counted_optimizer: "weakref.ref[Any] | None" = None
@@ -261,7 +265,8 @@ def read_heartbeat(path: str, *, clock: Callable[[], float] = time.monotonic) ->
             pid, seq, step, mono_ns = decoded
             ts = mono_ns / 1e9
             return Heartbeat(pid=pid, seq=seq, step=step, timestamp_s=ts, age_s=max(0.0, clock() - ts),
-                             finished=data[:4] == _MAGIC_FINISHED)
+                             finished=data[:4] in (_MAGIC_FINISHED, _MAGIC_RETURNED),
+                             returned=data[:4] == _MAGIC_RETURNED)
     return None
 
 

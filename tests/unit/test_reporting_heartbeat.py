@@ -123,3 +123,16 @@ def test_reader_maps_local_ranks(tmp_path):
     beats = hb.HeartbeatReader(paths).read()
     assert beats[0] is None and beats[1].step == 3
     w.close()
+
+
+def test_finish_tells_a_returned_script_from_one_that_raised(tmp_path):
+    for returned in (True, False):
+        path = str(tmp_path / f"hb-{returned}")
+        hb.prepare_heartbeat_file(path)
+        writer = hb.HeartbeatWriter(path)
+        writer.report(3)
+        assert not hb.read_heartbeat(path).finished
+        writer.finish(returned)
+        beat = hb.read_heartbeat(path)
+        writer.close()
+        assert beat.finished and beat.returned is returned and beat.step == 3
