@@ -3,7 +3,8 @@
 The agent runs it in a child process (`python -m elastic_rt.collectors.probe`), one per node,
 meeting on a TCPStore hosted by rank 0's child: a hung or crashed collective can then be
 killed without touching the agent, and a CUDA context never stays in the agent. The child
-lowers its own priority (os.nice) as it starts: no preexec_fn runs in the multi-threaded agent.
+lowers its own priority (os.nice) as it starts, before it imports torch (most of its CPU time):
+no preexec_fn runs in the multi-threaded agent.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from elastic_rt.errors import HealthCheckError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 PROBE_NICENESS = 10  # the probe competes with the node's training workers: let them go first
 
@@ -47,6 +49,8 @@ class ProbeResult:
 
 
 def pick_backend(requested: str = "auto") -> str:
+    import torch
+
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if requested not in ("gloo", "nccl"):
@@ -62,6 +66,9 @@ def run_allreduce_probe(store: dist.Store, rank: int, world_size: int, *, nbytes
     agent while the workers use their own. A peer that does not take part makes the
     collective fail after timeout_s (HealthCheckError).
     """
+    import torch
+    import torch.distributed as dist
+
     backend = pick_backend(backend)
     timeout = timedelta(seconds=timeout_s)
     numel = max(1, nbytes // 4)
@@ -138,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(a.nice)
     except OSError as exc:  # e.g. a negative value without CAP_SYS_NICE: probe at the given priority
         print(f"collective probe: cannot change priority by {a.nice} ({exc})", file=sys.stderr)
+    import torch.distributed as dist  # after os.nice: the import is most of the probe's CPU time
+
     try:
         store = dist.TCPStore(a.master_addr, a.master_port, a.world_size, a.rank == 0,
                               timeout=timedelta(seconds=a.timeout), wait_for_workers=False)
