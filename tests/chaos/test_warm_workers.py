@@ -22,8 +22,7 @@ READY = r"warm workers ready for local rank\(s\) 0,1"
 
 
 def _standalone(*job: str, extra: list[str] | None = None, script: str = EXAMPLE) -> list[str]:
-    return ["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", "--warm-workers", "on",
-            *(extra or []),
+    return ["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", *(extra or []),
             script, *job]
 
 
@@ -84,7 +83,7 @@ def test_sigkilled_agent_leaves_no_warm_process_behind(nodes):  # noqa: F811
 
 
 def test_module_mode_runs_from_warm_workers(nodes):  # noqa: F811
-    n = Node(["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", "--warm-workers", "on",
+    n = Node(["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3",
               "-m", "launch.train_example", "--steps", "3"], name="module")
     nodes.append(n)
     assert n.wait_exit(300) == 0, n.output[-3000:]
@@ -96,7 +95,7 @@ def test_no_python_runs_cold(tmp_path, nodes):  # noqa: F811
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/sh\necho \"shell worker rank=$RANK of $WORLD_SIZE\"\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    n = Node(["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", "--warm-workers", "on", "--no-python",
+    n = Node(["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", "--no-python",
               str(script)], name="no-python")
     nodes.append(n)
     assert n.wait_exit(120) == 0, n.output[-3000:]
@@ -107,8 +106,7 @@ def test_no_python_runs_cold(tmp_path, nodes):  # noqa: F811
 
 def test_hot_spare_takes_the_place_of_a_killed_node(etcd_endpoint, run_id, nodes):  # noqa: F811
     started = {name: Node(launch_args(etcd_endpoint, run_id, name, nnodes="1:2", nproc=1, steps=150,
-                                      step_sleep=0.1, extra=["--warm-workers", "on"]), name=name)
-               for name in ("a", "b", "c")}
+                                      step_sleep=0.1), name=name) for name in ("a", "b", "c")}
     nodes.extend(started.values())
     spare = _poll_one(started, r"round \d+ is running; waiting for the next round", 180)
     active = [n for n in started.values() if n is not spare]

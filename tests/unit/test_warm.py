@@ -80,8 +80,8 @@ def _cfg(*flags: str):
 
 
 def test_warm_flags():
-    assert _cfg().warm_workers is False and "torch" in _cfg().warm_imports  # off by default for now
-    assert _cfg("--warm-workers", "on").warm_workers is True
+    assert _cfg().warm_workers is True and "torch" in _cfg().warm_imports
+    assert _cfg("--warm-workers", "off").warm_workers is False
     assert _cfg("--warm-imports", "torch, numpy").warm_imports == ("torch", "numpy")
     with pytest.raises(ConfigError, match="--warm-imports"):
         _cfg("--warm-imports", "torch;rm -rf")
