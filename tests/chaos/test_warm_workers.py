@@ -11,10 +11,10 @@ import time
 import psutil
 import pytest
 
-from tests.chaos.harness import EXAMPLE, Node, launch_args
+from tests.chaos.harness import EXAMPLE, ROOT, Node, launch_args
 from tests.chaos.test_launch_e2e import _rank0, nodes  # noqa: F401 - fixture
 from tests.chaos.test_resume_e2e import _committed_indices
-from tests.integration.test_warm_pool import _poll
+from tests.integration.test_warm_pool import HELD_IMPORT, _poll
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +80,25 @@ def test_sigkilled_agent_leaves_no_warm_process_behind(nodes):  # noqa: F811
     os.kill(n.proc.pid, signal.SIGKILL)  # the agent only: its children must follow it
     _, alive = psutil.wait_procs(tree, timeout=60)
     assert not alive, [p.pid for p in alive]
+
+
+def test_workers_started_while_importing_keep_all_their_console_output(tmp_path, nodes):  # noqa: F811
+    # the warm workers' imports are held open until the agent has handed them their ranks: what they
+    # print while importing and afterwards reaches the console through --tee, with the rank prefix
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "held_import.py").write_text(HELD_IMPORT)
+    go = tmp_path / "imported"
+    n = Node(_standalone("--steps", "3", extra=["--warm-imports", "held_import,torch"]), name="held",
+             env={"PYTHONPATH": f"{ROOT}{os.pathsep}{mods}", "HELD_IMPORT_GO": str(go)})
+    nodes.append(n)
+    n.wait_for(r"started local rank\(s\) 0,1 from warm workers \(0,1 still importing\)", 240)
+    go.touch()
+    assert n.wait_exit(300) == 0, n.output[-3000:]
+    for stream in ("written", "warned"):
+        assert sorted(m.group(1) for m in n.matches(rf"^\[default(\d)\]:{stream} while importing$")) == ["0", "1"]
+        assert len(n.matches(f"{stream} while importing")) == 2  # nothing unprefixed (refills print nowhere)
+    assert n.matches(r"^\[default0\]:done steps=3 world_size=2")
 
 
 def test_module_mode_runs_from_warm_workers(nodes):  # noqa: F811
