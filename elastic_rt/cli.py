@@ -97,10 +97,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                         f"TORCHELASTIC_SIGNALS_TO_HANDLE, as torchrun does (default {DEFAULT_SIGNALS_TO_HANDLE})")
     p.add_argument("--sysfs-root", default="/sys",
                    help="where sysfs is mounted (RDMA ports are read under it; default /sys)")
-    p.add_argument("--warm-workers", default="off", choices=("on", "off"),
+    p.add_argument("--warm-workers", default="on", choices=("on", "off"),
                    help="keep a pre-started worker per local rank (torch imported, waiting for its rank) so "
-                        "that a restart skips the interpreter start and imports (default off: the output of a worker "
-                        "started from a warm worker that was still importing can miss the console tee)")
+                        "that a restart skips the interpreter start and imports (default on)")
     p.add_argument("--warm-imports", default=",".join(DEFAULT_WARM_IMPORTS),
                    help="modules a warm worker imports ahead (comma-separated; library modules only: they run "
                         "before the worker knows its rank)")

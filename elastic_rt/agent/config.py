@@ -59,7 +59,7 @@ class AgentConfig:
     straggler_windows: int = 3
     straggler_window_s: float = 10.0
     straggler_action: str = "report"
-    warm_workers: bool = False
+    warm_workers: bool = True
     host_cache: bool = True
     warm_imports: tuple[str, ...] = DEFAULT_WARM_IMPORTS
     run_as_module: bool = False

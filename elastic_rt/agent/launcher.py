@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -31,6 +30,7 @@ from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
+from elastic_rt.agent.host_memory import make_host_cache
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
 from elastic_rt.metrics.health import liveness_threshold_s
@@ -38,7 +38,7 @@ from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, proces
 from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.inbox import WorkerReports
-from elastic_rt.worker_env import ENV_CHECKPOINT_URL, ENV_HOST_CACHE_DIR, OMP_DEFAULT_WARNING
+from elastic_rt.worker_env import ENV_CHECKPOINT_URL, OMP_DEFAULT_WARNING
 
 log = logging.getLogger(__name__)
 
@@ -208,22 +208,6 @@ def build_diagnostics(cfg: AgentConfig, log_dir: str, reports_dir: str, metrics)
                                      stack_signal=cfg.stack_signal, flight_recorder=recorder)
     os.environ.update(diagnostics.worker_env(os.environ, torch_version=torch.__version__))
     return diagnostics
-
-
-def make_host_cache(cfg: AgentConfig, node_id: str, shm_root: str = "/dev/shm") -> str | None:
-    """This node's (empty) directory for checkpoint copies in shared memory, handed to the workers
-    (elastic_rt/checkpoint/host_cache.py); None without shared memory or with --host-cache off."""
-    if not cfg.host_cache or not os.path.isdir(shm_root):
-        return None
-    path = os.path.join(shm_root, re.sub(r"[^\w.-]", "_", f"elastic-rt-{cfg.rdzv_id}-{node_id}"))
-    try:
-        shutil.rmtree(path, ignore_errors=True)  # left by an agent that was SIGKILLed
-        os.makedirs(path, mode=0o700)
-    except OSError as exc:
-        log.warning("[%s] no checkpoint copies in host memory: %s", node_id, exc)
-        return None
-    os.environ[ENV_HOST_CACHE_DIR] = path
-    return path
 
 
 def make_warm_pool(cfg: AgentConfig, node_id: str, entrypoint: str, args: tuple[str, ...]) -> WarmPool | None:

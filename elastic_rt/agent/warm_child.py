@@ -3,7 +3,11 @@
 A warm worker is started by the agent through the worker entry point with
 `--warm FD` before it knows its rank. It imports torch (and the modules named
 by `--warm-imports`), then blocks reading one JSON message from FD: the
-worker's full environment and where its stdout/stderr go. It applies them and
+worker's full environment and where its stdout/stderr go. What it writes
+to stdout/stderr before that is kept aside (it may be started while still
+importing) and written first into the rank's log files at start, so that they
+hold all the process wrote, as a cold worker's do (torch tails them for
+--tee); an unused warm worker's output goes nowhere. It applies them and
 returns the script's argv to the entry point, which runs the script exactly as
 a cold worker would. EOF without a message (the agent closed the pool or died)
 exits quietly. When anything is doubtful (a module in the script's directory
@@ -116,12 +120,59 @@ def _top_level_modules() -> set[str]:
     return {name.partition(".")[0] for name in list(sys.modules)}
 
 
-def _redirect(fd: int, path: str) -> None:
-    new = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
-        os.dup2(new, fd)
-    finally:
-        os.close(new)
+class _Captured:
+    """What fds 1 and 2 receive before the start message: kept in anonymous files, not the agent's
+    console. At start each goes where a cold worker's output would have gone from its first byte:
+    the rank's log file (torch tails it for --tee), or the inherited stream when not redirected."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[int, int]] = {}  # fd -> (the original, the capture)
+        for fd in (1, 2):
+            try:
+                capture = _anonymous_file(f"elastic-rt-warm-{fd}")
+            except OSError:
+                continue  # left on the inherited stream: visible there, as before
+            self._held[fd] = (os.dup(fd), capture)
+            os.dup2(capture, fd)
+
+    def apply(self, fd: int, path: str) -> None:
+        """Send fd to `path` (truncated; "" means the original stream), after what it captured."""
+        original, capture = self._held.pop(fd, (None, None))
+        if path:
+            dest = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        elif original is not None:
+            dest = original
+        else:
+            return
+        try:
+            copied = _copy(capture, dest, 0) if capture is not None else 0
+            os.dup2(dest, fd)
+            if capture is not None:  # what another thread wrote between the copy and the dup2
+                _copy(capture, dest, copied)
+        finally:
+            for other in {dest, original, capture} - {None}:
+                os.close(other)
+
+
+def _anonymous_file(name: str) -> int:
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create(name, os.MFD_CLOEXEC)
+    import tempfile
+
+    with tempfile.TemporaryFile() as f:
+        return os.dup(f.fileno())
+
+
+def _copy(src: int, dst: int, offset: int) -> int:
+    """Append src's bytes from `offset` on to dst; returns the offset reached."""
+    while True:
+        chunk = os.pread(src, 1 << 16, offset)
+        if not chunk:
+            return offset
+        offset += len(chunk)
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(dst, view):]
 
 
 def _proc_env_bounds() -> tuple[int, int] | None:
@@ -172,6 +223,7 @@ def become_worker(opts: WarmOptions, argv: list[str]) -> list[str]:
     """Import ahead, wait for the start message, apply it; returns the script's argv.
     Exits 0 on EOF (never started); executes the cold command when warm is doubtful."""
     initial = dict(os.environ)
+    captured = _Captured()
     original_nice = os.nice(0)
     if opts.nice > 0 and _can_renice_back(original_nice):
         os.nice(opts.nice)
@@ -194,10 +246,9 @@ def become_worker(opts: WarmOptions, argv: list[str]) -> list[str]:
         _renice_all_threads(original_nice)
     message = json.loads(raw)
     env: dict[str, str] = message["env"]
-    for name, path in (("stdout", 1), ("stderr", 2)):
+    for name, fd in (("stdout", 1), ("stderr", 2)):
         getattr(sys, name).flush()
-        if message.get(name):
-            _redirect(path, message[name])
+        captured.apply(fd, message.get(name) or "")
     os.environ.pop(ENV_PAD, None)
     for key in [k for k in os.environ if k not in env and k in initial]:
         del os.environ[key]

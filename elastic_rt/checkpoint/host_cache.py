@@ -179,6 +179,11 @@ class _ViewStream(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
+    @property
+    def buffer_view(self) -> memoryview:
+        """The whole buffer, for reads that copy straight out of it (checkpoint/tensor_read.py)."""
+        return self._view
+
     def read(self, size: int = -1) -> bytes:
         end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
         data = bytes(self._view[self._pos:end])

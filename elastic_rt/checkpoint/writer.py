@@ -10,14 +10,16 @@ import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Generator
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from elastic_rt.checkpoint import tensor_read
 from elastic_rt.checkpoint.manifest import FileEntry
 from elastic_rt.checkpoint.writeback import StartWriteback, start_writeback
 
@@ -225,9 +227,42 @@ class ChecksumWriter(FileSystemWriter):
 
 
 class FsspecCheckpointReader(FileSystemReader):
-    """DCP FileSystemReader over a given fsspec instance."""
+    """DCP FileSystemReader over a given fsspec instance; tensors it can are read straight into the
+    state's tensors (checkpoint/tensor_read.py), the rest as DCP reads them."""
 
     def __init__(self, fs: Any, path: str) -> None:
         super().__init__(path)
         self.fs = ChecksumFileSystem(fs)
         self.path = path
+        self.zero_copy_items = 0
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        rest: list[ReadItem] = []
+        for relative_path, items in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    if not self._read_direct(stream, item, planner):
+                        rest.append(item)
+        if rest:
+            return super().read_data(replace(plan, items=rest), planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_direct(self, stream: Any, item: ReadItem, planner: LoadPlanner) -> bool:
+        info = self.storage_data[item.storage_index]
+        if item.type != LoadItemType.TENSOR or getattr(info, "transform_descriptors", None):
+            return False
+        record = tensor_read.locate(stream, info.offset, info.length)
+        if record is None or any(item.storage_offsets) or tuple(item.lengths) != record.size:
+            return False
+        target = planner.resolve_tensor(item).detach()
+        if not tensor_read.fits(record, target):
+            return False
+        tensor_read.read_into(stream, record, target)
+        planner.commit_tensor(item, target)
+        self.zero_copy_items += 1
+        return True

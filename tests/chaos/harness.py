@@ -73,10 +73,14 @@ class Node:
             return [m for _, line in self.lines if (m := rx.search(line))]
 
     def wait_exit(self, timeout_s: float) -> int:
+        """The exit code, once the agent exited and its output was read to the end (the reader
+        thread may lag behind the exit on a loaded machine: its last lines would be missed)."""
         try:
-            return self.proc.wait(timeout=timeout_s)
+            code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:
             raise TimeoutError(f"{self.name} still running after {timeout_s} s:\n{self.output[-4000:]}") from exc
+        self._reader.join(timeout=10)  # EOF once every holder of the pipe (workers included) is gone
+        return code
 
     def worker_pids(self) -> list[int]:
         """The agent's workers (not its idle warm workers, which have no RANK yet)."""

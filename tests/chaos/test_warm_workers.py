@@ -11,10 +11,10 @@ import time
 import psutil
 import pytest
 
-from tests.chaos.harness import EXAMPLE, Node, launch_args
+from tests.chaos.harness import EXAMPLE, ROOT, Node, launch_args
 from tests.chaos.test_launch_e2e import _rank0, nodes  # noqa: F401 - fixture
 from tests.chaos.test_resume_e2e import _committed_indices
-from tests.integration.test_warm_pool import _poll
+from tests.integration.test_warm_pool import HELD_IMPORT, _poll
 
 pytestmark = pytest.mark.slow
 
@@ -22,8 +22,7 @@ READY = r"warm workers ready for local rank\(s\) 0,1"
 
 
 def _standalone(*job: str, extra: list[str] | None = None, script: str = EXAMPLE) -> list[str]:
-    return ["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", "--warm-workers", "on",
-            *(extra or []),
+    return ["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", *(extra or []),
             script, *job]
 
 
@@ -83,8 +82,27 @@ def test_sigkilled_agent_leaves_no_warm_process_behind(nodes):  # noqa: F811
     assert not alive, [p.pid for p in alive]
 
 
+def test_workers_started_while_importing_keep_all_their_console_output(tmp_path, nodes):  # noqa: F811
+    # the warm workers' imports are held open until the agent has handed them their ranks: what they
+    # print while importing and afterwards reaches the console through --tee, with the rank prefix
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "held_import.py").write_text(HELD_IMPORT)
+    go = tmp_path / "imported"
+    n = Node(_standalone("--steps", "3", extra=["--warm-imports", "held_import,torch"]), name="held",
+             env={"PYTHONPATH": f"{ROOT}{os.pathsep}{mods}", "HELD_IMPORT_GO": str(go)})
+    nodes.append(n)
+    n.wait_for(r"started local rank\(s\) 0,1 from warm workers \(0,1 still importing\)", 240)
+    go.touch()
+    assert n.wait_exit(300) == 0, n.output[-3000:]
+    for stream in ("written", "warned"):
+        assert sorted(m.group(1) for m in n.matches(rf"^\[default(\d)\]:{stream} while importing$")) == ["0", "1"]
+        assert len(n.matches(f"{stream} while importing")) == 2  # nothing unprefixed (refills print nowhere)
+    assert n.matches(r"^\[default0\]:done steps=3 world_size=2")
+
+
 def test_module_mode_runs_from_warm_workers(nodes):  # noqa: F811
-    n = Node(["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", "--warm-workers", "on",
+    n = Node(["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3",
               "-m", "launch.train_example", "--steps", "3"], name="module")
     nodes.append(n)
     assert n.wait_exit(300) == 0, n.output[-3000:]
@@ -96,7 +114,7 @@ def test_no_python_runs_cold(tmp_path, nodes):  # noqa: F811
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/sh\necho \"shell worker rank=$RANK of $WORLD_SIZE\"\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    n = Node(["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", "--warm-workers", "on", "--no-python",
+    n = Node(["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3", "--no-python",
               str(script)], name="no-python")
     nodes.append(n)
     assert n.wait_exit(120) == 0, n.output[-3000:]
@@ -107,8 +125,7 @@ def test_no_python_runs_cold(tmp_path, nodes):  # noqa: F811
 
 def test_hot_spare_takes_the_place_of_a_killed_node(etcd_endpoint, run_id, nodes):  # noqa: F811
     started = {name: Node(launch_args(etcd_endpoint, run_id, name, nnodes="1:2", nproc=1, steps=150,
-                                      step_sleep=0.1, extra=["--warm-workers", "on"]), name=name)
-               for name in ("a", "b", "c")}
+                                      step_sleep=0.1), name=name) for name in ("a", "b", "c")}
     nodes.extend(started.values())
     spare = _poll_one(started, r"round \d+ is running; waiting for the next round", 180)
     active = [n for n in started.values() if n is not spare]

@@ -56,12 +56,12 @@ def job(tmp_path):
     environ = dict(os.environ, PYTHONPATH=str(ROOT), **{ENV_PARENT_PID: str(os.getpid())})
     pools: list[WarmPool] = []
 
-    def make(imports=("colorsys",)) -> WarmPool:
+    def make(imports=("colorsys",), ready=True) -> WarmPool:
         pool = WarmPool(entrypoint=sys.executable, nproc=1, imports=imports, environ=environ,
                         args_for_rank=lambda r: ("-u", "-m", WORKER_MODULE, "--", str(script), str(tmp_path / "go")))
         pools.append(pool)
         pool.start()
-        _poll(lambda: pool.idle_pids(ready_only=True), 60, "ready warm worker")
+        _poll(lambda: pool.idle_pids(ready_only=ready), 60, "ready warm worker" if ready else "warm worker")
         return pool
 
     yield make, script, environ, tmp_path
@@ -94,6 +94,44 @@ def test_started_warm_worker_is_the_worker_a_cold_start_makes(job):
     assert seen["PATH"] == environ["PATH"]
     (tmp_path / "go").touch()
     assert proc.wait(timeout=30) == 0
+
+
+HELD_IMPORT = textwrap.dedent("""
+    import os, sys, time
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.environ["HELD_IMPORT_GO"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    print("written while importing", flush=True)
+    print("warned while importing", file=sys.stderr, flush=True)
+""")
+
+
+@pytest.mark.parametrize("redirected", [True, False], ids=["to-log-files", "not-redirected"])
+def test_output_of_a_worker_started_while_importing_goes_where_a_cold_workers_would(job, capfd, redirected):
+    make, script, environ, tmp_path = job
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "held_import.py").write_text(HELD_IMPORT)
+    environ.update(PYTHONPATH=f"{ROOT}{os.pathsep}{mods}", HELD_IMPORT_GO=str(tmp_path / "imported"))
+    pool = make(imports=("held_import",), ready=False)
+    warm_pid = pool.idle_pids()[0]
+    out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
+    proc, why = pool.take(0, entrypoint=sys.executable,
+                          args=("-u", "-m", WORKER_MODULE, "--", str(script), str(tmp_path / "go")), env={"RANK": "0"},
+                          stdout=str(out) if redirected else "", stderr=str(err) if redirected else "")
+    assert proc.pid == warm_pid and why == "still importing"  # held inside its imports
+    (tmp_path / "imported").touch()
+    (tmp_path / "go").touch()
+    assert proc.wait(timeout=60) == 0
+    if redirected:  # the rank's files hold everything, in order; none of it reached the agent's console
+        assert out.read_text().splitlines()[0] == "written while importing"
+        assert json.loads(out.read_text().splitlines()[1])["pid"] == warm_pid
+        assert err.read_text() == "warned while importing\n"
+        console = capfd.readouterr()
+        assert "while importing" not in console.out + console.err
+    else:  # on the inherited streams, as a cold worker's output would be
+        console = capfd.readouterr()
+        assert "written while importing" in console.out and "warned while importing" in console.err
 
 
 def test_a_changed_environment_is_refused_and_the_warm_worker_discarded(job):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from elastic_rt.agent.warm import (
@@ -78,8 +80,8 @@ def _cfg(*flags: str):
 
 
 def test_warm_flags():
-    assert _cfg().warm_workers is False and "torch" in _cfg().warm_imports  # off by default for now
-    assert _cfg("--warm-workers", "on").warm_workers is True
+    assert _cfg().warm_workers is True and "torch" in _cfg().warm_imports
+    assert _cfg("--warm-workers", "off").warm_workers is False
     assert _cfg("--warm-imports", "torch, numpy").warm_imports == ("torch", "numpy")
     with pytest.raises(ConfigError, match="--warm-imports"):
         _cfg("--warm-imports", "torch;rm -rf")
@@ -102,3 +104,24 @@ def test_standby_and_warm_worker_gauges():
     assert reg.get_sample_value("elastic_rt_warm_workers_ready", base) == 2
     ready[0] = 0
     assert reg.get_sample_value("elastic_rt_warm_workers_ready", base) == 0
+
+
+def test_host_cache_directories_of_dead_agents_are_removed(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from elastic_rt.agent.host_memory import HOST_CACHE_OWNER, make_host_cache, remove_stale_host_caches
+
+    monkeypatch.setenv("ELASTIC_RT_HOST_CACHE_DIR", "")  # restored after the test: make_host_cache sets it
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name, owner in (("elastic-rt-a-n1", f"{dead.pid} 1.000"), ("elastic-rt-b-n1", None), ("other", "1 1")):
+        (tmp_path / name).mkdir()
+        if owner:
+            (tmp_path / name / HOST_CACHE_OWNER).write_text(owner)
+    mine = make_host_cache(_cfg(), "node-a", shm_root=str(tmp_path))  # the live one: this process
+    assert mine is not None and os.path.isdir(mine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["elastic-rt-b-n1", "other", os.path.basename(mine)])  # the dead agent's went, unknown ones stay
+    assert remove_stale_host_caches(str(tmp_path)) == []  # this agent's own is not stale
+    assert _cfg("--host-cache", "off").host_cache is False
