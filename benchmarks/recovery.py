@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Recovery-time benchmark: elastic-rt vs torchrun after a SIGKILLed worker and after a SIGKILLed node.
+"""Recovery-time benchmark: elastic-rt vs torchrun after a killed worker or node, an etcd outage, a hang, a partition.
 
 Runs launch/train_example.py under each launcher, kills a worker (one node, two workers) or a
 whole node (two agents on loopback, --nnodes 1:2), and measures the seconds from the kill to the
-first training step completed after recovery, read from the launchers' tee'd stdout.
-See benchmarks/README.md for how to run it and how to read the output.
+first training step completed after recovery, read from the launchers' tee'd stdout. The
+failure-model scenarios (etcd outage, hang, partition) run a plain DDP script and live in
+benchmarks/failure_scenarios.py. See benchmarks/README.md for how to run it and how to read the output.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from provenance import provenance  # benchmarks/provenance.py (this script's dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join("launch", "train_example.py")
+# A plain DDP script that never imports elastic_rt (what a new user brings): rank 0 prints
+# `step=N world_size=W restart=R`, R being TORCHELASTIC_RESTART_COUNT.
+PLAIN_SCRIPT = os.path.join("tests", "chaos", "scripts", "plain_ddp_steps.py")
 TAG_ENV = "ELASTIC_RT_BENCH_TAG"  # inherited by every process a launcher starts: finds orphans too
 
 STEP_RE = re.compile(r"(?<![\w])step=(\d+) loss=\S+ world_size=(\d+)")
@@ -39,7 +43,8 @@ START_RE = re.compile(r"(?<![\w])start step=\d+ world_size=(\d+)")
 REASON_RE = re.compile(r"restarting the worker group: (.+?)\s*$")
 FAILED_RE = re.compile(r"\] failed \(exitcode: (-?\d+)\)")  # torch's agent has torn down a failed worker group
 # The survivor's agent reacts: torch starts stopping a failed group, or elastic-rt restarts (e.g. peer lost).
-DETECT_RE = re.compile(r"Sending process \d+ closing signal|\] failed \(exitcode|restarting the worker group")
+DETECT_RE = re.compile(r"Sending process \d+ closing signal|\] failed \(exitcode|restarting the worker group|workers hung")
+PLAIN_STEP_RE = re.compile(r"(?<![\w])step=(\d+) world_size=(\d+) restart=(\d+)")
 
 
 class Deadline(Exception):
@@ -69,12 +74,13 @@ class TrialResult:
     detail: str = ""
     victim: str = ""
     rank0_node: str = ""
+    extra: dict = field(default_factory=dict)  # scenario-specific figures (failure_scenarios.py)
 
 
 @dataclass
 class Scenario:
     key: str
-    fault: str          # worker | node
+    fault: str          # worker | node | etcd-outage | hang | partition
     launcher: str       # elastic-rt | torchrun
     rdzv: str           # short description of the rendezvous
     kill: str           # which process/node is killed
@@ -111,7 +117,7 @@ class Node:
                 events.put(Event(t, self.name, text))
         events.put(Event(time.monotonic(), self.name, None))
 
-    def workers(self) -> list[psutil.Process]:
+    def workers(self, script: str = SCRIPT) -> list[psutil.Process]:
         """The agent's direct children that run the training script."""
         try:
             children = psutil.Process(self.proc.pid).children()
@@ -120,7 +126,7 @@ class Node:
         out = []
         for c in children:
             try:
-                if any(a.endswith("train_example.py") for a in c.cmdline()):
+                if any(a.endswith(os.path.basename(script)) for a in c.cmdline()):
                     out.append(c)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
@@ -189,10 +195,10 @@ class Trial:
         self.events: queue.Queue[Event] = queue.Queue()
         self.nodes: dict[str, Node] = {}
 
-    def start(self, name: str, cmd: list[str]) -> Node:
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Node:
         tmp = os.path.join(self.log_dir, f"tmp-{name}")
         os.makedirs(tmp, exist_ok=True)
-        env = dict(os.environ, TMPDIR=tmp, PYTHONUNBUFFERED="1", **{TAG_ENV: self.tag + name})
+        env = dict(os.environ, TMPDIR=tmp, PYTHONUNBUFFERED="1", **(env or {}), **{TAG_ENV: self.tag + name})
         env.pop("ELASTIC_RT_CHECKPOINT_URL", None)  # measured without checkpoints: restarts begin at step 0
         if self.bench.args.omp_threads > 0:
             env["OMP_NUM_THREADS"] = str(self.bench.args.omp_threads)
@@ -251,8 +257,10 @@ class Bench:
             self.etcd = EtcdCluster(1).start()
         return self.etcd.endpoints
 
-    def job_args(self) -> list[str]:
+    def job_args(self, plain: bool = False) -> list[str]:
         a = self.args
+        if plain:
+            return [PLAIN_SCRIPT, "--steps", str(a.steps), "--step-sleep", str(a.step_sleep)]
         return [SCRIPT, "--steps", str(a.steps), "--batch-size", str(a.batch_size), "--step-sleep", str(a.step_sleep)]
 
     def close(self) -> None:
@@ -265,26 +273,95 @@ class Bench:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
     # ---- commands ------------------------------------------------------------------------------
-    def worker_cmd(self, sc: Scenario, rdzv_id: str) -> list[str]:
+    def worker_cmd(self, sc: Scenario, rdzv_id: str, extra: tuple[str, ...] = ()) -> list[str]:
+        plain = sc.fault != "worker"
         if sc.launcher == "torchrun":
             return [*self.torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
-                    "--tee", "3", *self.job_args()]
-        if sc.rdzv == "standalone":
+                    "--tee", "3", *self.job_args(plain)]
+        if sc.rdzv.startswith("standalone"):
             return [*self.ert, "launch", "--standalone", "--nproc-per-node", "2", "--metrics-port", "0",
-                    "--tee", "3", *self.job_args()]
+                    "--tee", "3", *extra, *self.job_args(plain)]
         return [*self.ert, "launch", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint",
                 self.etcd_endpoint(), "--rdzv-id", rdzv_id, "--local-addr", "127.0.0.1", "--node-id", "node0",
-                "--metrics-port", "0", "--tee", "3", *self.job_args()]
+                "--metrics-port", "0", "--tee", "3", *extra, *self.job_args(plain)]
 
-    def node_cmd(self, sc: Scenario, rdzv_id: str, node: str, port: int) -> list[str]:
+    def node_cmd(self, sc: Scenario, rdzv_id: str, node: str, port: int, *, endpoint: str | None = None,
+                 local_addr: str = "127.0.0.1", nnodes: str = "1:2", nproc: int = 1,
+                 extra: tuple[str, ...] = ()) -> list[str]:
+        """One node's launcher command; the failure-model scenarios run the plain script."""
+        job = [*extra, *self.job_args(plain=sc.fault != "node")]
         if sc.launcher == "torchrun":
-            return [*self.torchrun, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, "--max-restarts", "3",
-                    "--tee", "3", *self.job_args()]
+            return [*self.torchrun, "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", endpoint or f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
+                    "--local-addr", local_addr, "--max-restarts", "3", "--tee", "3", *job]
         backend = ["--rdzv-backend", "etcd-v3-torch"] if sc.rdzv == "etcd-v3-torch" else []
-        return [*self.ert, "launch", "--nnodes", "1:2", "--nproc-per-node", "1", *backend,
-                "--rdzv-endpoint", self.etcd_endpoint(), "--rdzv-id", rdzv_id, "--local-addr", "127.0.0.1",
-                "--node-id", node, "--metrics-port", "0", "--tee", "3", *self.job_args()]
+        return [*self.ert, "launch", "--nnodes", nnodes, "--nproc-per-node", str(nproc), *backend,
+                "--rdzv-endpoint", endpoint or self.etcd_endpoint(), "--rdzv-id", rdzv_id, "--local-addr",
+                local_addr, "--node-id", node, "--metrics-port", "0", "--tee", "3", *job]
+
+    # ---- shared steps of a trial ----------------------------------------------------------------
+    def warm_up(self, tr: Trial, node: Node, t_start: float, step_re: re.Pattern = STEP_RE) -> float | None:
+        """Wait until the one-node job has logged --warmup-steps steps; returns the cold start (s)."""
+        a, cold = self.args, None
+        deadline = t_start + a.startup_timeout
+        try:
+            while True:
+                ev = tr.next(deadline)
+                if ev.text is None:
+                    raise TrialFailed(f"launcher exited (rc={node.proc.wait()}) before step {a.warmup_steps}")
+                m = step_re.search(ev.text)
+                if m:
+                    cold = cold or ev.t - t_start
+                if m and int(m[1]) >= a.warmup_steps:
+                    return cold
+        except Deadline:
+            raise TrialFailed(f"no step {a.warmup_steps} within {a.startup_timeout:g} s of start") from None
+
+    def find_worker(self, node: Node, local_rank: int, deadline: float, script: str = SCRIPT) -> psutil.Process:
+        """The node's worker with LOCAL_RANK=local_rank (polled: both are up by now)."""
+        while True:
+            for w in node.workers(script):
+                try:
+                    if w.environ().get("LOCAL_RANK") == str(local_rank):
+                        return w
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            if time.monotonic() > deadline:
+                raise TrialFailed(f"no worker with LOCAL_RANK={local_rank} within {self.args.startup_timeout:g} s")
+            time.sleep(0.05)
+
+    def start_pair(self, tr: Trial, cmds: dict[str, list[str]], t_start: float, *, store: tuple[str, int] | None,
+                   world: str, step_re: re.Pattern = STEP_RE, env: dict[str, dict] | None = None
+                   ) -> tuple[str, float | None]:
+        """Start nodeA then nodeB (for torchrun, nodeB once nodeA's c10d store listens at `store`) and wait
+        until both train at `world` and --warmup-steps steps are logged. Returns (the node printing the
+        steps, i.e. holding rank 0; the cold start)."""
+        a, env = self.args, env or {}
+        deadline, cold = t_start + a.startup_timeout, None
+        tr.start("nodeA", cmds["nodeA"], env.get("nodeA"))
+        while store is not None and not any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == store[1]
+                                            for c in psutil.net_connections("tcp")):
+            if tr.nodes["nodeA"].proc.poll() is not None or time.monotonic() > deadline:
+                raise TrialFailed(f"nodeA never listened on the c10d store port {store[1]}")
+            time.sleep(0.05)
+        tr.start("nodeB", cmds["nodeB"], env.get("nodeB"))
+        rank0, started = None, set()
+        try:
+            while rank0 is None:  # the nodes train together: steps at world size `world`
+                ev = tr.next(deadline)
+                if ev.text is None:
+                    raise TrialFailed(f"{ev.src} exited (rc={tr.nodes[ev.src].proc.wait()}) before training")
+                m = START_RE.search(ev.text)
+                if m and m[1] == world:
+                    started.add(ev.src)
+                m = step_re.search(ev.text)
+                if m and m[2] == world and (ev.src in started or step_re is not STEP_RE):
+                    cold = cold or ev.t - t_start
+                    if int(m[1]) >= a.warmup_steps:
+                        rank0 = ev.src
+        except Deadline:
+            raise TrialFailed(f"no step {a.warmup_steps} at world size {world} within {a.startup_timeout:g} s") from None
+        return rank0, cold
 
     # ---- (a) a worker is SIGKILLed ---------------------------------------------------------------
     def worker_trial(self, sc: Scenario, i: int) -> TrialResult:
@@ -292,31 +369,8 @@ class Bench:
         with Trial(self, sc.label(i)) as tr:
             t_start = time.monotonic()
             node = tr.start("node0", self.worker_cmd(sc, f"{self.run_tag}-{sc.label(i)}"))
-            deadline, cold = t_start + a.startup_timeout, None
-            try:
-                while True:  # training is running: a few steps logged
-                    ev = tr.next(deadline)
-                    if ev.text is None:
-                        raise TrialFailed(f"launcher exited (rc={node.proc.wait()}) before step {a.warmup_steps}")
-                    m = STEP_RE.search(ev.text)
-                    if m:
-                        cold = cold or ev.t - t_start
-                    if m and int(m[1]) >= a.warmup_steps:
-                        break
-                victim = None
-                while victim is None:  # both workers are up by now; poll anyway
-                    for w in node.workers():
-                        try:
-                            if w.environ().get("LOCAL_RANK") == str(a.kill_local_rank):
-                                victim = w
-                        except (psutil.NoSuchProcess, psutil.AccessDenied):
-                            pass
-                    if victim is None:
-                        if time.monotonic() > deadline:
-                            raise Deadline()
-                        time.sleep(0.05)
-            except Deadline:
-                raise TrialFailed(f"no step {a.warmup_steps} within {a.startup_timeout:g} s of start") from None
+            cold = self.warm_up(tr, node, t_start)
+            victim = self.find_worker(node, a.kill_local_rank, t_start + a.startup_timeout)
             t_kill = time.monotonic()
             victim.kill()
             res = TrialResult("timeout", victim=f"local rank {a.kill_local_rank} (pid {victim.pid})",
@@ -331,32 +385,9 @@ class Bench:
         port = free_port() if sc.launcher == "torchrun" else 0
         rdzv_id = f"{self.run_tag}-{sc.label(i)}"
         with Trial(self, sc.label(i)) as tr:
-            t_start = time.monotonic()
-            deadline, cold = t_start + a.startup_timeout, None
-            tr.start("nodeA", self.node_cmd(sc, rdzv_id, "nodeA", port))
-            if sc.launcher == "torchrun":  # nodeA must be the store host: wait until it listens
-                while not any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                              for c in psutil.net_connections("tcp")):
-                    if tr.nodes["nodeA"].proc.poll() is not None or time.monotonic() > deadline:
-                        raise TrialFailed(f"nodeA never listened on the c10d store port {port}")
-                    time.sleep(0.05)
-            tr.start("nodeB", self.node_cmd(sc, rdzv_id, "nodeB", port))
-            rank0, world2_started = None, set()
-            try:
-                while rank0 is None:  # both nodes train together: steps at world size 2
-                    ev = tr.next(deadline)
-                    if ev.text is None:
-                        raise TrialFailed(f"{ev.src} exited (rc={tr.nodes[ev.src].proc.wait()}) before training")
-                    m = START_RE.search(ev.text)
-                    if m and m[1] == "2":
-                        world2_started.add(ev.src)
-                    m = STEP_RE.search(ev.text)
-                    if m and m[2] == "2" and ev.src in world2_started:
-                        cold = cold or ev.t - t_start
-                        if int(m[1]) >= a.warmup_steps:
-                            rank0 = ev.src
-            except Deadline:
-                raise TrialFailed(f"no step {a.warmup_steps} at world size 2 within {a.startup_timeout:g} s") from None
+            cmds = {n: self.node_cmd(sc, rdzv_id, n, port) for n in ("nodeA", "nodeB")}
+            store = ("127.0.0.1", port) if sc.launcher == "torchrun" else None  # nodeA must be the store host
+            rank0, cold = self.start_pair(tr, cmds, time.monotonic(), store=store, world="2")
             other = "nodeB" if rank0 == "nodeA" else "nodeA"
             victim = {"rank0": rank0, "non-rank0": other, "store-host": "nodeA", "non-host": "nodeB"}[sc.kill]
             survivor = "nodeB" if victim == "nodeA" else "nodeA"
@@ -365,9 +396,11 @@ class Bench:
             return self._await_recovery(tr, res, t_kill, a.node_timeout, survivor=survivor, world="1")
 
     def _await_recovery(self, tr: Trial, res: TrialResult, t_kill: float, limit_s: float, *,
-                        survivor: str, world: str | None) -> TrialResult:
+                        survivor: str, world: str | None, step_re: re.Pattern = STEP_RE,
+                        restarted_by=None) -> TrialResult:
         """Poll the survivor's output until it completes a step after recovering: at world size `world`,
-        or (world None) after the restarted job's 'start' line."""
+        or (world None) after the restarted job's 'start' line, or the first line `restarted_by(text)`
+        accepts (scripts without a start line)."""
         deadline, restarted, last = t_kill + limit_s, False, None
         try:
             while True:
@@ -387,11 +420,11 @@ class Bench:
                     res.group_failures += 1
                 if DETECT_RE.search(ev.text):
                     res.detect_s = res.detect_s or ev.t - t_kill
-                m = START_RE.search(ev.text)
-                if m and (world is None or m[1] == world):
+                m = START_RE.search(ev.text) if restarted_by is None else None
+                if (m and (world is None or m[1] == world)) or (restarted_by is not None and restarted_by(ev.text)):
                     restarted = True
                     res.restart_s = res.restart_s or ev.t - t_kill
-                m = STEP_RE.search(ev.text)
+                m = step_re.search(ev.text)
                 if m and restarted and (world is None or m[2] == world):
                     res.outcome, res.recovery_s = "recovered", ev.t - t_kill
                     break
@@ -404,6 +437,11 @@ class Bench:
 
 
 # ---- scenarios, statistics, output ---------------------------------------------------------------
+if __name__ == "__main__":
+    sys.modules["recovery"] = sys.modules[__name__]  # failure_scenarios imports this module's names by name
+import failure_scenarios  # noqa: E402 - benchmarks/failure_scenarios.py; needs the harness defined above
+
+
 def all_scenarios() -> list[Scenario]:
     return [
         Scenario("worker/ert-standalone", "worker", "elastic-rt", "standalone", "local rank 1"),
@@ -415,6 +453,7 @@ def all_scenarios() -> list[Scenario]:
         Scenario("node/torchrun-store-host", "node", "torchrun", "c10d", "store-host"),
         Scenario("node/ert-torch-non-rank0", "node", "elastic-rt", "etcd-v3-torch", "non-rank0"),
         Scenario("node/ert-torch-rank0", "node", "elastic-rt", "etcd-v3-torch", "rank0"),
+        *failure_scenarios.scenarios(),
     ]
 
 
@@ -434,7 +473,7 @@ def ratio(ert: Scenario, torchrun: Scenario, args: argparse.Namespace) -> dict:
     """elastic-rt / torchrun of the medians. When torchrun did not recover, the wait limit stands in
     for its time and the ratio is an upper bound ('<')."""
     e, t = median_s(ert.results), median_s(torchrun.results)
-    limit = args.worker_timeout if ert.fault == "worker" else args.node_timeout
+    limit = limit_s(ert.fault, args)
     if e is None:
         return {"ratio": None, "bound": None, "text": "- (elastic-rt did not recover)"}
     if t is None:
@@ -448,6 +487,11 @@ def ratio(ert: Scenario, torchrun: Scenario, args: argparse.Namespace) -> dict:
 def _med(vals: list) -> float | None:
     vals = [v for v in vals if v is not None]
     return statistics.median(vals) if vals else None
+
+
+def limit_s(fault: str, args: argparse.Namespace) -> float:
+    """How long a trial of this fault waits for recovery: a worker's (and a hang's) or a node's limit."""
+    return args.worker_timeout if fault in ("worker", "hang") else args.node_timeout
 
 
 def summarize(scenarios: list[Scenario], args: argparse.Namespace) -> dict:
@@ -465,10 +509,15 @@ def summarize(scenarios: list[Scenario], args: argparse.Namespace) -> dict:
             "outcomes": sorted({r.outcome for r in s.results}),
             "results": [asdict(r) for r in s.results],
         })
+        if s.fault == "etcd-outage":
+            rows[-1].update(failure_scenarios.outage_row(s.results))
+        if s.fault == "hang":
+            rows[-1]["median_beyond_timeout_s"] = _med([r.extra.get("beyond_timeout_s") for r in s.results])
     ratios: dict[str, dict] = {}
     pairs = [(k, "worker/torchrun") for k in ("worker/ert-standalone", "worker/ert-etcd")]
     pairs += [(k, t) for k in ("node/ert-rank0", "node/ert-non-rank0")
               for t in ("node/torchrun-non-host", "node/torchrun-store-host")]
+    pairs += [("hang/ert", "hang/torchrun"), ("partition/ert", "partition/torchrun")]
     for key, tkey in pairs:
         if key in by_key and tkey in by_key:
             ratios[f"{key} / {tkey}"] = ratio(by_key[key], by_key[tkey], args)
@@ -486,6 +535,7 @@ def summarize(scenarios: list[Scenario], args: argparse.Namespace) -> dict:
             targets.append({"target": f"worker loss: elastic-rt {name}",
                             "met": all(r["bound"] is not None and r["bound"] <= limit for r in worker.values()),
                             "evidence": ", ".join(f"{k.split(' /')[0]} {r['text']}" for k, r in worker.items())})
+    targets += failure_scenarios.extra_targets({r["scenario"]: r for r in rows}, args.hang_timeout)
     return {"rows": rows, "ratios": ratios, "targets": targets}
 
 
@@ -498,7 +548,9 @@ def print_table(summary: dict, args: argparse.Namespace) -> None:
             "fails", "notes"]
     lines = []
     for r in summary["rows"]:
-        limit = args.worker_timeout if r["fault"] == "worker" else args.node_timeout
+        if r["fault"] == "etcd-outage":
+            continue
+        limit = limit_s(r["fault"], args)
         med = fmt(r["median_s"]) if r["median_s"] is not None else f"none<{limit:g}"
         if r["outcomes"] == ["error"]:
             med = "error"
@@ -509,6 +561,8 @@ def print_table(summary: dict, args: argparse.Namespace) -> None:
         reasons = sorted({why for x in r["results"] for why in x["reasons"]})
         if reasons:
             notes.append("restart reasons: " + ", ".join(reasons))
+        if r.get("median_beyond_timeout_s") is not None:
+            notes.append(f"detected {r['median_beyond_timeout_s']:.2f} s beyond --hang-timeout {args.hang_timeout:g}")
         notes += [f"#{i + 1}: {x['outcome']}: {x['detail']}" for i, x in enumerate(r["results"]) if x["detail"]]
         lines.append([r["scenario"], r["rendezvous"], r["kill"], f"{r['recovered']}/{r['trials']}", med,
                       fmt(r["min_s"]), fmt(r["max_s"]), fmt(r["median_detect_s"]), fmt(r["median_cold_start_s"]),
@@ -516,6 +570,9 @@ def print_table(summary: dict, args: argparse.Namespace) -> None:
     widths = [max(len(str(x[i])) for x in [head] + lines) for i in range(len(head) - 1)]
     for row in [head] + lines:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    outage = [r for r in summary["rows"] if r["fault"] == "etcd-outage"]
+    if outage:
+        failure_scenarios.print_outage(outage)
     print("\nratios elastic-rt / torchrun of the medians:")
     for k, v in summary["ratios"].items():
         print(f"  {k}: {v['text']}")
@@ -544,6 +601,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--omp-threads", type=int, default=1,
                    help="OMP_NUM_THREADS for every launcher (default 1; 0 leaves the environment alone)")
+    p.add_argument("--hang-timeout", type=float, default=5.0,
+                   help="elastic-rt's --hang-timeout in the hang scenarios (default 5)")
+    p.add_argument("--outage-s", type=float, default=10.0, help="how long etcd stays paused (default 10)")
+    p.add_argument("--window-s", type=float, default=10.0,
+                   help="steps/s measured over this long before the etcd outage and after it (default 10)")
+    p.add_argument("--outage-etcd-members", type=int, default=3,
+                   help="etcd members in the etcd-outage scenario, all paused (default 3)")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
     p.add_argument("--report", metavar="PATH", help="print the table of a saved --json file; run nothing")
     p.add_argument("--scratch-dir", default=None, help="parent of the scratch directory (default $TMPDIR)")
@@ -582,7 +646,8 @@ def describe_code(prov: dict) -> str:
 def report(path: str) -> int:
     with open(path) as f:
         saved = json.load(f)
-    args = argparse.Namespace(**saved["settings"])
+    args = parse_args([])  # settings that older files lack keep their defaults
+    vars(args).update(saved["settings"])
     scenarios = [Scenario(r["scenario"], r["fault"], r["launcher"], r["rendezvous"], r["kill"],
                           [TrialResult(**x) for x in r["results"]]) for r in saved["rows"]]
     host = saved.get("host", {})
@@ -613,11 +678,16 @@ def main(argv=None) -> int:
                 print(f"[{time.monotonic() - t0:6.1f}s] {s.key} trial {i + 1}/{args.trials} ...",
                       end=" ", file=sys.stderr, flush=True)
                 try:
-                    res = (bench.worker_trial if s.fault == "worker" else bench.node_trial)(s, i)
+                    if s.fault in ("worker", "node"):
+                        res = (bench.worker_trial if s.fault == "worker" else bench.node_trial)(s, i)
+                    else:
+                        res = failure_scenarios.run_trial(bench, s, i)
                 except TrialFailed as exc:
                     res = TrialResult("error", detail=str(exc))
                 s.results.append(res)
-                print(f"{res.outcome} {fmt(res.recovery_s, ' s')} {res.detail}", file=sys.stderr, flush=True)
+                lost = res.extra.get("lost_s")
+                figure = fmt(res.recovery_s, " s") if lost is None else f"lost {lost:.2f} s"
+                print(f"{res.outcome} {figure} {res.detail}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: cleaning up; results so far follow", file=sys.stderr)
