@@ -22,6 +22,7 @@ from elastic_rt.checkpoint.manifest import FileEntry
 # Pieces at least this large get their crc32 computed in the helper thread while the next one is read.
 OVERLAP_MIN_BYTES = 1 << 20
 READ_PIECE_BYTES = 8 << 20
+TAIL_PIECE_BYTES = 1 << 20
 
 
 def verified_while_loading(name: str) -> bool:
@@ -46,7 +47,7 @@ class CheckedFile:
     def finish(self, entry: FileEntry | None, name: str) -> str | None:
         """Read and check the rest of the file; the problem line, or None when it matches `entry`."""
         while True:
-            piece = memoryview(bytearray(READ_PIECE_BYTES))
+            piece = memoryview(bytearray(TAIL_PIECE_BYTES))  # the rest is mostly a record's zip directory
             got = self._readinto(piece)
             if not got:
                 break
