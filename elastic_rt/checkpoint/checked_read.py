@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from elastic_rt.checkpoint.manifest import FileEntry
+from elastic_rt.checkpoint.tensor_read import read_fully
 
 # Pieces at least this large get their crc32 computed in the helper thread while the next one is read.
 OVERLAP_MIN_BYTES = 1 << 20
@@ -75,12 +76,9 @@ class CheckedFile:
         view = view.cast("B") if view.format != "B" else view
         for start in range(0, view.nbytes, READ_PIECE_BYTES):
             piece = view[start:start + READ_PIECE_BYTES]
-            done = 0
-            while done < piece.nbytes:
-                got = self._readinto(piece[done:])
-                if not got:
-                    raise EOFError(f"file ends at {self.pos} bytes")
-                done += got
+            self._stream.seek(self.pos)
+            read_fully(self._stream, piece)
+            self.pos += piece.nbytes
             self._feed(piece)
 
     def _readinto(self, view: memoryview) -> int:

@@ -171,11 +171,15 @@ def read_into(stream: Any, record: TensorRecord, target: torch.Tensor) -> None:
             src = torch.frombuffer(buffer, dtype=torch.uint8, count=record.nbytes, offset=record.offset)
         dest.copy_(src)
         return
-    view = byte_view(target)
     stream.seek(record.offset)
+    read_fully(stream, byte_view(target))
+
+
+def read_fully(stream: Any, view: memoryview) -> None:
+    """Fill `view` from the stream's position; EOFError when the stream ends first."""
     done = 0
-    while done < record.nbytes:
+    while done < view.nbytes:
         got = stream.readinto(view[done:])
         if not got:
-            raise EOFError(f"checkpoint record ends after {done} of {record.nbytes} bytes")
+            raise EOFError(f"checkpoint record ends after {done} of {view.nbytes} bytes")
         done += got
