@@ -168,7 +168,8 @@ class HostCache:
 class _ViewStream(io.RawIOBase):
     """A seekable read-only stream over a buffer, without copying it."""
 
-    def __init__(self, buffer: Any, closer=None) -> None:
+    def __init__(self, buffer: Any, closer=None, *, checksum_verified: bool = False) -> None:
+        self.checksum_verified = checksum_verified  # its bytes matched the manifest's crc32
         self._view = memoryview(buffer).cast("B")
         self._pos = 0
         self._closer = closer
@@ -277,7 +278,7 @@ class CachedStore:
         if len(data) != entry.size or zlib.crc32(data) != entry.crc32:
             raise CheckpointError(f"{path} does not match its manifest (size or crc32); the checkpoint "
                                   "on storage is damaged: move the step directory aside to load the previous one")
-        return _ViewStream(data)
+        return _ViewStream(data, checksum_verified=True)
 
     def _open_copy(self, path: str, entry: FileEntry) -> io.RawIOBase | None:
         try:
@@ -289,11 +290,11 @@ class CachedStore:
         except OSError:
             return None
         if mapped is None:
-            return _ViewStream(b"") if entry.crc32 == 0 else None
+            return _ViewStream(b"", checksum_verified=True) if entry.crc32 == 0 else None
         if self._verify and not _stamp_holds(path, stat) and zlib.crc32(mapped) != entry.crc32:
             mapped.close()
             return None
-        return _ViewStream(mapped, closer=mapped.close)
+        return _ViewStream(mapped, closer=mapped.close, checksum_verified=self._verify)
 
     def report(self, step: int | None) -> int | None:
         """Log where the loaded step's files came from; returns `step`."""

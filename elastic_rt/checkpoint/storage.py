@@ -160,25 +160,34 @@ class CheckpointStore:
         problems = []
         for entry in files:
             path = posixpath.join(step_path, entry.path)
-            try:
-                size = self.fs.size(path)
-            except FileNotFoundError:
-                problems.append(f"{entry.path}: missing")
-                continue
-            except OSError as exc:
-                problems.append(f"{entry.path}: unreadable ({exc})")
-                continue
-            if size != entry.size:
-                problems.append(f"{entry.path}: size {size} bytes, manifest says {entry.size}")
-                continue
-            try:
-                crc = self.file_crc32(path)
-            except OSError as exc:
-                problems.append(f"{entry.path}: unreadable ({exc})")
-                continue
-            if crc != entry.crc32:
-                problems.append(f"{entry.path}: crc32 {crc:08x}, manifest says {entry.crc32:08x}")
+            problem = self._size_problem(path, entry)
+            if problem is None:
+                try:
+                    crc = self.file_crc32(path)
+                except OSError as exc:
+                    problem = f"{entry.path}: unreadable ({exc})"
+                else:
+                    if crc != entry.crc32:
+                        problem = f"{entry.path}: crc32 {crc:08x}, manifest says {entry.crc32:08x}"
+            if problem is not None:
+                problems.append(problem)
         return problems
+
+    def check_sizes(self, step_path: str, files: Iterable[FileEntry]) -> list[str]:
+        """Check each file's size only (its crc32 is checked as the load reads it)."""
+        found = (self._size_problem(posixpath.join(step_path, e.path), e) for e in files)
+        return [p for p in found if p is not None]
+
+    def _size_problem(self, path: str, entry: FileEntry) -> str | None:
+        try:
+            size = self.fs.size(path)
+        except FileNotFoundError:
+            return f"{entry.path}: missing"
+        except OSError as exc:
+            return f"{entry.path}: unreadable ({exc})"
+        if size != entry.size:
+            return f"{entry.path}: size {size} bytes, manifest says {entry.size}"
+        return None
 
     def file_crc32(self, path: str) -> int:
         crc = 0

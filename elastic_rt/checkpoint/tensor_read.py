@@ -153,6 +153,11 @@ def fits(record: TensorRecord, target: torch.Tensor) -> bool:
             and target.is_contiguous() and not target.is_quantized and target.layout == torch.strided)
 
 
+def byte_view(target: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor, as bytes (no copy)."""
+    return memoryview(target.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
 def read_into(stream: Any, record: TensorRecord, target: torch.Tensor) -> None:
     """Fill `target` (fits(record, target)) with the record's bytes: from a buffer-backed stream by one
     copy_ of a view over the buffer, else by readinto() into the tensor's memory."""
@@ -166,11 +171,15 @@ def read_into(stream: Any, record: TensorRecord, target: torch.Tensor) -> None:
             src = torch.frombuffer(buffer, dtype=torch.uint8, count=record.nbytes, offset=record.offset)
         dest.copy_(src)
         return
-    view = memoryview(dest.numpy()).cast("B")
     stream.seek(record.offset)
+    read_fully(stream, byte_view(target))
+
+
+def read_fully(stream: Any, view: memoryview) -> None:
+    """Fill `view` from the stream's position; EOFError when the stream ends first."""
     done = 0
-    while done < record.nbytes:
+    while done < view.nbytes:
         got = stream.readinto(view[done:])
         if not got:
-            raise EOFError(f"checkpoint record ends after {done} of {record.nbytes} bytes")
+            raise EOFError(f"checkpoint record ends after {done} of {view.nbytes} bytes")
         done += got

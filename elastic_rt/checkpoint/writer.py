@@ -11,7 +11,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Generator
+from typing import Any, Generator, Mapping
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from elastic_rt.checkpoint import tensor_read
+from elastic_rt.checkpoint.checked_read import CheckedFile
 from elastic_rt.checkpoint.manifest import FileEntry
 from elastic_rt.checkpoint.writeback import StartWriteback, start_writeback
 
@@ -228,31 +229,68 @@ class ChecksumWriter(FileSystemWriter):
 
 class FsspecCheckpointReader(FileSystemReader):
     """DCP FileSystemReader over a given fsspec instance; tensors it can are read straight into the
-    state's tensors (checkpoint/tensor_read.py), the rest as DCP reads them."""
+    state's tensors (checkpoint/tensor_read.py), the rest as DCP reads them. With `expected` (the
+    manifest's entries), each data file's crc32 is checked by this read (checkpoint/checked_read.py):
+    a file that does not match is reported in `problems` (nothing of it reaches DCP's unpickling
+    path), and the caller must not use the state."""
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: Any, path: str, *, expected: Mapping[str, FileEntry] | None = None) -> None:
         super().__init__(path)
         self.fs = ChecksumFileSystem(fs)
         self.path = path
         self.zero_copy_items = 0
+        self.expected = expected
+        self.problems: list[str] = []
+        self.files_read: set[str] = set()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         rest: list[ReadItem] = []
-        for relative_path, items in per_file.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
-                    if not self._read_direct(stream, item, planner):
-                        rest.append(item)
-        if rest:
+        pool = None if self.expected is None else ThreadPoolExecutor(1, thread_name_prefix="elastic-rt-crc")
+        try:
+            for relative_path, items in per_file.items():
+                self.files_read.add(relative_path)
+                problem = self._read_file(relative_path, items, planner, rest, pool)
+                if problem is not None:
+                    self.problems.append(problem)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+        if rest and not self.problems:  # DCP's path unpickles: only from files that verified
             return super().read_data(replace(plan, items=rest), planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_direct(self, stream: Any, item: ReadItem, planner: LoadPlanner) -> bool:
+    def _read_file(
+        self, name: str, items: list[ReadItem], planner: LoadPlanner, rest: list[ReadItem],
+        pool: ThreadPoolExecutor | None,
+    ) -> str | None:
+        checked: CheckedFile | None = None
+        try:
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                if pool is not None and not getattr(stream, "checksum_verified", False):
+                    checked = CheckedFile(stream, pool)
+                try:
+                    for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                        if not self._read_direct(stream, item, planner, checked):
+                            rest.append(item)
+                    return None if checked is None else checked.finish(self.expected.get(name), name)  # type: ignore[union-attr]
+                finally:
+                    if checked is not None:
+                        checked.close()
+        except FileNotFoundError:
+            if pool is None:
+                raise
+            return f"{name}: missing"
+        except (OSError, EOFError) as exc:
+            if pool is None:
+                raise
+            return f"{name}: unreadable ({exc})"
+
+    def _read_direct(self, stream: Any, item: ReadItem, planner: LoadPlanner, checked: CheckedFile | None) -> bool:
         info = self.storage_data[item.storage_index]
         if item.type != LoadItemType.TENSOR or getattr(info, "transform_descriptors", None):
             return False
@@ -262,7 +300,12 @@ class FsspecCheckpointReader(FileSystemReader):
         target = planner.resolve_tensor(item).detach()
         if not tensor_read.fits(record, target):
             return False
-        tensor_read.read_into(stream, record, target)
+        if checked is None:
+            tensor_read.read_into(stream, record, target)
+        elif record.offset < checked.pos:
+            return False
+        elif record.nbytes:
+            checked.read_into(record.offset, tensor_read.byte_view(target))
         planner.commit_tensor(item, target)
         self.zero_copy_items += 1
         return True
