@@ -47,7 +47,10 @@ def server_main(conn, nofile: int, n: int) -> None:
     while True:
         cmd, arg = conn.recv()
         if cmd == "fds":
-            conn.send(("fds", len(os.listdir("/proc/self/fd")), None))
+            try:
+                conn.send(("fds", len(os.listdir("/proc/self/fd")), None))
+            except OSError as exc:  # EMFILE: the limit is reached (listing /proc/self/fd needs a descriptor)
+                conn.send(("fds", f"{exc.strerror}", None))
         elif cmd == "barrier":  # arg: deadline
             while store.add("arrived", 0) < n and time.monotonic() < arg:
                 time.sleep(0.005)
@@ -149,8 +152,8 @@ def run(n: int, procs: int, nofile: int, timeout_s: float) -> dict:
         row["barrier_s"] = (max(ends) - t0) if row["barrier_ok"] == n else None
         row["release_s"] = released - t0
         row["barrier_error_sample"] = next((a[2]["errors"][0] for a in answers if a[2]["errors"]), "")
-    except TimeoutError as exc:
-        row["error"] = str(exc)
+    except (TimeoutError, EOFError, OSError) as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         for c in conns:
             try:
