@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -382,18 +381,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def _out_path(out: str, stamp: str) -> str:
-    base = os.path.join(out, f"rendezvous-scale-{stamp}")
-    n = 1
-    while os.path.exists(base + (f"-{n}" if n > 1 else "") + ".json"):
-        n += 1
-    return base + (f"-{n}" if n > 1 else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     sys.path.insert(0, REPO)
     from provenance import provenance  # benchmarks/provenance.py: benchmarks/ is sys.path[0]
+    from results_file import write_results
 
     git = provenance(args.allow_dirty)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -430,13 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "stopped": stopped, "wall_s": time.monotonic() - t_start, "rows": rows,
     }
-    os.makedirs(args.out, exist_ok=True)
-    path = _out_path(args.out, stamp)
-    with open(path + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
-    with open(path + ".txt", "w") as f:
-        f.write(text)
-    print("\n" + text + f"\nwritten: {path}.json, {path}.txt")
+    write_results(args.out, "rendezvous-scale", stamp, payload, text)
     return 0
 
 

@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-dirty", action="store_true", help="run on a tree with uncommitted changes")
     a = p.parse_args(argv)
     from provenance import provenance  # benchmarks/provenance.py: benchmarks/ is sys.path[0]
+    from results_file import write_results
 
     git = provenance(a.allow_dirty)
     rows = []
@@ -205,13 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                         "somaxconn": _read("/proc/sys/net/core/somaxconn")},
                "settings": {k: v for k, v in vars(a).items() if k != "out"}, "rows": rows}
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, f"tcpstore-scale-{stamp}")
-    with open(base + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
-    with open(base + ".txt", "w") as f:
-        f.write(text)
-    print("\n" + text + f"\nwritten: {base}.json, {base}.txt")
+    write_results(a.out, "tcpstore-scale", stamp, payload, text)
     return 0
 
 
