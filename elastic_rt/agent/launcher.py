@@ -27,6 +27,7 @@ from torch.distributed.elastic.utils import macros
 from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
 from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
+from elastic_rt.agent.limits import needed_open_files, raise_open_files_limit
 from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
@@ -113,6 +114,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         raise ConfigError(f"training script {cfg.script!r} not found")
     install_signal_handlers()
     preflight(cfg, cfg.sysfs_root)
+    raise_open_files_limit(needed_open_files(max_nodes=cfg.max_nodes, nproc_per_node=cfg.nproc_per_node))
     apply_worker_env(cfg)
     handler = build_handler(cfg)
     node_id = getattr(getattr(handler, "settings", None), "node_id", None) or cfg.node_id or f"node-{os.getpid()}"

@@ -1,0 +1,430 @@
+#!/usr/bin/env python3
+"""Rendezvous scale benchmark: N simulated nodes (handlers in several processes) meet, idle and re-form.
+
+Starts a real 3-member etcd on loopback. Per handler kind (elastic-rt's `etcd-v3`, torch's handler on
+etcd v3 `etcd-v3-torch`, torch's `c10d`) and per N, P worker processes each create N/P handlers
+through torch's handler registry and, on a signal, call next_rendezvous() in one thread per handler;
+afterwards each process ticks every handler as the agent's monitor loop does (membership_change()
+or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics summed over members:
+
+  meet_s            signal -> the last handler's next_rendezvous() returned
+  req/node/round    etcd requests (gRPC messages received, lease keepalives aside) per node in the round
+  bytes/node/round  etcd client gRPC bytes (received + sent, everything) per node in the round
+  idle req/node/s   every etcd request per node per second over --idle-s after the round
+  reform_s          one node's lease revoked (etcd-v3: handler.leave()) -> every survivor met again
+
+    python benchmarks/rendezvous_scale.py                          # 8 ... 1024, all three handlers
+    python benchmarks/rendezvous_scale.py --quick --allow-dirty --out /tmp/x   # CI: 8, 16; < 60 s
+
+See benchmarks/README.md ("rendezvous_scale.py") for how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import platform
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = ("etcd-v3", "etcd-v3-torch", "c10d")
+TICK_S = 0.1  # the agent's monitor interval
+
+
+# ---- worker process: N/P handlers -------------------------------------------------------------
+class Node:
+    """One simulated node: its handler and what it did."""
+
+    def __init__(self, name: str, handler) -> None:
+        self.name, self.h = name, handler
+        self.state = "new"  # new | meeting | ticking | rejoining | dead
+        self.done: list[dict] = []  # one entry per next_rendezvous() that returned or failed
+
+    def rendezvous(self) -> None:
+        self.state = "meeting" if not self.done else "rejoining"
+        try:
+            info = self.h.next_rendezvous()
+            self.done.append({"t": time.monotonic(), "rank": info.rank, "world": info.world_size})
+        except BaseException as exc:  # noqa: BLE001  (reported, never raised in a worker thread)
+            self.done.append({"t": time.monotonic(), "error": f"{type(exc).__name__}: {exc}"[:300]})
+        if self.state != "dead":
+            self.state = "ticking"
+
+
+def _params(kind: str, name: str, index: int, n: int, args: dict):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    conf = dict(args["conf"])
+    endpoint = args["etcd_endpoints"] if kind != "c10d" else args["c10d_endpoint"]
+    if kind == "etcd-v3":
+        conf["node_id"] = name
+    if kind == "c10d":
+        conf["is_host"] = index == 0  # one simulated node hosts the TCPStore, as torchrun's would
+    return RendezvousParameters(kind, endpoint, args["run_id"], n - 1, n, local_addr="127.0.0.1", **conf)
+
+
+def _tick(nodes: list[Node], kind: str, stop: threading.Event, counts: dict) -> None:
+    """The agents' monitor loops, one sweep per TICK_S over this process's handlers; a handler that
+    says its group must re-form calls next_rendezvous() in a thread of its own (the agent's restart)."""
+    while not stop.is_set():
+        t0 = time.monotonic()
+        for node in nodes:
+            if node.state != "ticking":
+                continue
+            try:
+                change = node.h.membership_change() if kind == "etcd-v3" else node.h.num_nodes_waiting()
+            except Exception:  # noqa: BLE001  (a failed tick is like a quiet one)
+                change = None
+            counts["ticks"] += 1
+            if change:
+                node.state = "rejoining"
+                threading.Thread(target=node.rendezvous, daemon=True).start()
+        stop.wait(max(0.0, TICK_S - (time.monotonic() - t0)))
+
+
+def _wait_done(nodes: list[Node], count: int, deadline: float) -> None:
+    while time.monotonic() < deadline and any(len(x.done) < count for x in nodes if x.state != "dead"):
+        time.sleep(0.05)
+
+
+def _report(nodes: list[Node], count: int) -> list[dict]:
+    return [{"node": x.name, **(x.done[count - 1] if len(x.done) >= count else {"error": "timeout"})}
+            for x in nodes if x.state != "dead"]
+
+
+def _kill(node: Node, kind: str) -> float:
+    """The node dies: etcd-v3 loses its lease (revoked, as a peer's eviction or a TTL would); torch's
+    handlers stop their heartbeats (the closest a thread can come to a dead agent)."""
+    node.state = "dead"
+    t = time.monotonic()
+    if kind == "etcd-v3":
+        node.h.leave()
+    else:
+        node.h._stop_heartbeats()
+    return t
+
+
+def _close(nodes: list[Node], kind: str) -> None:
+    def one(node: Node) -> None:
+        try:
+            if kind == "etcd-v3":
+                node.h.leave()
+                node.h.close()
+            else:
+                node.h._stop_heartbeats()
+        except Exception:  # noqa: BLE001
+            pass
+
+    threads = [threading.Thread(target=one, args=(x,), daemon=True) for x in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, 20.0 / len(threads)))
+
+
+def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, args: dict) -> None:
+    """Runs in a spawned process: create the handlers, then obey the parent's commands."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    import logging
+
+    logging.getLogger("elastic_rt").setLevel(logging.WARNING)  # one line per node per event: 1,024 of them
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from elastic_rt.rendezvous.registration import register
+
+    register()
+    try:
+        nodes = [Node(name, rendezvous_handler_registry.create_handler(_params(kind, name, first_index + i, n, args)))
+                 for i, name in enumerate(names)]
+    except Exception as exc:  # noqa: BLE001
+        conn.send(("error", f"creating handlers: {type(exc).__name__}: {exc}"))
+        return
+    stop, counts = threading.Event(), {"ticks": 0}
+    conn.send(("ready", None))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "meet":  # arg: deadline (monotonic, shared by all processes on this machine)
+            for x in nodes:
+                threading.Thread(target=x.rendezvous, daemon=True).start()
+            _wait_done(nodes, 1, arg)
+            conn.send(("met", _report(nodes, 1)))
+        elif cmd == "tick":
+            threading.Thread(target=_tick, args=(nodes, kind, stop, counts), daemon=True).start()
+            conn.send(("ticking", None))
+        elif cmd == "ticks":
+            conn.send(("ticks", counts["ticks"]))
+        elif cmd == "kill":  # arg: the node's name
+            conn.send(("killed", _kill(next(x for x in nodes if x.name == arg), kind)))
+        elif cmd == "fail":  # torch's agents learn of a dead peer only from their failing workers
+            for x in nodes:
+                if x.state == "ticking":
+                    x.state = "rejoining"
+                    threading.Thread(target=x.rendezvous, daemon=True).start()
+            conn.send(("failed", None))
+        elif cmd == "reformed":  # arg: deadline
+            _wait_done(nodes, 2, arg)
+            conn.send(("reformed", _report(nodes, 2)))
+        elif cmd == "stop":
+            stop.set()
+            _close(nodes, kind)
+            conn.send(("stopped", None))
+            return
+
+
+# ---- the parent: etcd, metrics, one (kind, N) run ---------------------------------------------
+def etcd_metrics(cluster) -> dict:
+    """Sum over members: gRPC messages received by method, and client gRPC bytes in + out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"requests": {}, "bytes": 0.0}
+    for m in cluster.members:
+        with urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if fam.name == "grpc_server_msg_received" and s.name.endswith("_total"):
+                    method = s.labels["grpc_method"]
+                    out["requests"][method] = out["requests"].get(method, 0.0) + s.value
+                elif fam.name in ("etcd_network_client_grpc_received_bytes",
+                                  "etcd_network_client_grpc_sent_bytes") and s.name.endswith("_total"):
+                    out["bytes"] += s.value
+    return out
+
+
+def metrics_delta(after: dict, before: dict) -> dict:
+    req = {k: v - before["requests"].get(k, 0.0) for k, v in after["requests"].items()}
+    return {"requests": {k: v for k, v in req.items() if v}, "bytes": after["bytes"] - before["bytes"]}
+
+
+class Run:
+    """P processes holding the N handlers of one kind."""
+
+    def __init__(self, kind: str, n: int, procs: int, args: dict) -> None:
+        self.kind, self.n = kind, n
+        names = [f"n{i:04d}" for i in range(n)]
+        p = min(procs, n)
+        blocks = [names[i * n // p:(i + 1) * n // p] for i in range(p)]
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs, self.owner = [], [], {}
+        start = 0
+        for block in blocks:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(child, kind, block, start, n, args), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+            for name in block:
+                self.owner[name] = parent
+            start += len(block)
+        self.names = names
+
+    def ask_all(self, cmd: str, arg=None, timeout_s: float = 120.0) -> list:
+        for c in self.conns:
+            c.send((cmd, arg))
+        return [self._answer(c, timeout_s) for c in self.conns]
+
+    def ask(self, conn, cmd: str, arg=None, timeout_s: float = 120.0):
+        conn.send((cmd, arg))
+        return self._answer(conn, timeout_s)
+
+    @staticmethod
+    def _answer(conn, timeout_s: float):
+        if not conn.poll(timeout_s):
+            raise TimeoutError(f"a worker process did not answer within {timeout_s:g} s")
+        what, value = conn.recv()
+        if what == "error":
+            raise RuntimeError(value)
+        return value
+
+    def close(self) -> None:
+        try:
+            self.ask_all("stop", timeout_s=60.0)
+        except (OSError, EOFError, TimeoutError, RuntimeError):
+            pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
+def _met(reports: list[list[dict]], t0: float, expect_world: int) -> tuple[float | None, str]:
+    rows = [r for block in reports for r in block]
+    bad = [r for r in rows if "error" in r or r.get("world") != expect_world]
+    if bad:
+        return None, f"{len(bad)} of {len(rows)} nodes: {bad[0].get('error') or 'world ' + str(bad[0].get('world'))}"
+    return max(r["t"] for r in rows) - t0, ""
+
+
+def run_one(kind: str, n: int, cluster, args) -> dict:
+    from elastic_rt.chaos.etcd_server import free_port
+
+    conf = dict(args.rdzv_conf)
+    conf.setdefault("join_timeout", str(int(args.timeout_s)))  # torch's handlers read whole seconds
+    if kind == "etcd-v3":
+        conf.setdefault("last_call_timeout", str(int(args.timeout_s)))  # the first round waits for all N
+    wargs = {"conf": conf, "run_id": f"scale-{kind}-{n}-{uuid.uuid4().hex[:6]}",
+             "etcd_endpoints": cluster.endpoints, "c10d_endpoint": f"127.0.0.1:{free_port()}"}
+    row = {"kind": kind, "n": n, "procs": min(args.procs, n), "loadavg_before": list(os.getloadavg()),
+           "meet_s": None, "reform_s": None, "error": ""}
+    t_setup = time.monotonic()
+    run = Run(kind, n, args.procs, wargs)
+    try:
+        for c in run.conns:  # every process has created its handlers
+            run._answer(c, args.timeout_s + 120)
+        row["setup_s"] = time.monotonic() - t_setup
+        before = etcd_metrics(cluster)
+        t0 = time.monotonic()
+        reports = run.ask_all("meet", t0 + args.timeout_s, timeout_s=args.timeout_s + 60)
+        row["meet_s"], row["error"] = _met(reports, t0, n)
+        row["round"] = metrics_delta(etcd_metrics(cluster), before)
+        req = sum(v for k, v in row["round"]["requests"].items() if k != "LeaseKeepAlive")
+        row["req_per_node_round"] = req / n
+        row["bytes_per_node_round"] = row["round"]["bytes"] / n
+        if row["meet_s"] is None:
+            return row
+        run.ask_all("tick")
+        ticks0, before, t_idle = sum(run.ask_all("ticks")), etcd_metrics(cluster), time.monotonic()
+        time.sleep(args.idle_s)
+        idle, ticks1 = metrics_delta(etcd_metrics(cluster), before), sum(run.ask_all("ticks"))
+        idle_s = time.monotonic() - t_idle
+        row["idle"] = idle
+        row["idle_req_per_node_s"] = sum(idle["requests"].values()) / n / idle_s
+        row["idle_non_keepalive_req_per_node_s"] = sum(
+            v for k, v in idle["requests"].items() if k != "LeaseKeepAlive") / n / idle_s
+        row["ticks_per_node_s"] = (ticks1 - ticks0) / n / idle_s
+        if args.no_reform or (args.quick and kind != "etcd-v3"):  # torch's re-form waits out 15 s + 30 s
+            return row
+        victim = run.names[-1]  # not the closer (smallest id) and not c10d's store host (the first)
+        before = etcd_metrics(cluster)
+        t_kill = run.ask(run.owner[victim], "kill", victim)
+        if kind != "etcd-v3":
+            run.ask_all("fail")  # best case for torch: every survivor's workers fail at once
+        reports = run.ask_all("reformed", t_kill + args.reform_timeout_s, timeout_s=args.reform_timeout_s + 60)
+        row["reform_s"], why = _met(reports, t_kill, n - 1)
+        row["reform_round"] = metrics_delta(etcd_metrics(cluster), before)
+        row["reform_req_per_node"] = sum(
+            v for k, v in row["reform_round"]["requests"].items() if k != "LeaseKeepAlive") / (n - 1)
+        if why:
+            row["error"] = f"re-form: {why}"
+        return row
+    except (TimeoutError, RuntimeError, OSError, EOFError) as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        return row
+    finally:
+        row["loadavg_after"] = list(os.getloadavg())
+        run.close()
+
+
+# ---- output ------------------------------------------------------------------------------------
+def _f(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def table(rows: list[dict], args) -> str:
+    head = (f"| nodes | handler | meet s | req/node/round | KiB/node/round | idle req/node/s | reform s "
+            f"| req/node/reform | load 1m | note |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        meet = _f(r["meet_s"], ".2f") if r["meet_s"] is not None else f"none<{args.timeout_s:g}"
+        if r["kind"] == "etcd-v3" or "reform_round" not in r:
+            reform = _f(r["reform_s"], ".2f")
+        else:
+            reform = _f(r["reform_s"], ".2f") + "*"
+        if r["meet_s"] is not None and r["reform_s"] is None and "reform_round" in r:
+            reform = f"none<{args.reform_timeout_s:g}"
+        etcd = r["kind"] != "c10d"
+        lines.append(
+            f"| {r['n']} | {r['kind']} | {meet} | {_f(r.get('req_per_node_round') if etcd else None, '.1f')} "
+            f"| {_f(r['bytes_per_node_round'] / 1024 if etcd and 'bytes_per_node_round' in r else None, '.1f')} "
+            f"| {_f(r.get('idle_req_per_node_s') if etcd else None, '.2f')} | {reform} "
+            f"| {_f(r.get('reform_req_per_node') if etcd else None, '.1f')} "
+            f"| {r['loadavg_after'][0]:.1f} | {r['error'][:90]} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rendezvous_scale.py", description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", default="8,16,32,64,128,256,512,1024", help="comma-separated N values")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    p.add_argument("--procs", type=int, default=8, help="worker processes holding the handlers (default 8)")
+    p.add_argument("--timeout-s", type=float, default=120.0,
+                   help="per N: meet within this or the handler's series stops (default 120)")
+    p.add_argument("--reform-timeout-s", type=float, default=90.0, help="per N: re-form within this (default 90)")
+    p.add_argument("--idle-s", type=float, default=10.0, help="idle window after the round (default 10)")
+    p.add_argument("--rdzv-conf", default="lease_ttl=10,read_timeout=30",
+                   help="key=value,... given to every handler (default lease_ttl=10,read_timeout=30; "
+                        "join_timeout defaults to --timeout-s)")
+    p.add_argument("--no-reform", action="store_true", help="skip the node-loss phase")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
+    p.add_argument("--allow-dirty", action="store_true", help="run on a tree with uncommitted changes")
+    p.add_argument("--quick", action="store_true",
+                   help="CI smoke run: N = 8, 16; etcd-v3 and c10d (c10d without the re-form); < 60 s")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.nodes, a.kinds, a.procs, a.idle_s, a.timeout_s, a.reform_timeout_s = "8,16", "etcd-v3,c10d", 2, 2.0, 30.0, 20.0
+    try:
+        a.rdzv_conf = dict(item.split("=", 1) for item in a.rdzv_conf.split(",") if item)
+        a.nodes = [int(x) for x in a.nodes.split(",") if x]
+    except ValueError:
+        p.error("--rdzv-conf is key=value,...; --nodes is comma-separated integers")
+    a.kinds = [k for k in a.kinds.split(",") if k]
+    if any(k not in KINDS for k in a.kinds) or not a.kinds or not a.nodes or a.procs < 1:
+        p.error(f"--kinds is a comma-separated list of {', '.join(KINDS)}; --nodes and --procs must be given")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    sys.path.insert(0, REPO)
+    from provenance import provenance  # benchmarks/provenance.py: benchmarks/ is sys.path[0]
+    from results_file import write_results
+
+    git = provenance(args.allow_dirty)
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from elastic_rt.chaos.etcd_server import EtcdCluster
+
+    rows, t_start, stopped = [], time.monotonic(), {}
+    with EtcdCluster(3) as cluster:
+        for n in args.nodes:
+            for kind in args.kinds:
+                if kind in stopped:
+                    continue
+                row = run_one(kind, n, cluster, args)
+                rows.append(row)
+                print(f"[{time.monotonic() - t_start:6.0f}s] {kind:<13} N={n:<5} meet {_f(row['meet_s'], '.2f')} s, "
+                      f"reform {_f(row['reform_s'], '.2f')} s, load {row['loadavg_after'][0]:.1f} {row['error']}",
+                      file=sys.stderr, flush=True)
+                if row["meet_s"] is None:
+                    stopped[kind] = n
+    import torch
+
+    stamp = datetime.date.today().isoformat()
+    text = (f"rendezvous scale benchmark {stamp}: code {git['commit']}{' (dirty)' if git['dirty'] else ''}; "
+            f"torch {torch.__version__}, {os.cpu_count()} CPU(s), 3-member etcd on loopback, handlers in "
+            f"{args.procs} processes, --rdzv-conf {args.rdzv_conf}, nnodes N-1:N\n\n{table(rows, args)}\n\n"
+            "reform s: etcd-v3: lease revoked -> every survivor met again, detected by the handlers' own "
+            "membership watch. * torch's handlers never detect a dead peer themselves; the survivors are told "
+            "at once (as if their workers failed in the collective the moment the peer died): a lower bound.\n"
+            + "".join(f"{k}: series stopped at N = {n} (did not meet within {args.timeout_s:g} s)\n"
+                      for k, n in stopped.items()))
+    payload = {
+        "benchmark": "rendezvous-scale", "date": stamp, "provenance": git,
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                 "loadavg_at_end": list(os.getloadavg())},
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "stopped": stopped, "wall_s": time.monotonic() - t_start, "rows": rows,
+    }
+    write_results(args.out, "rendezvous-scale", stamp, payload, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

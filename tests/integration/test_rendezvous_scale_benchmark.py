@@ -1,0 +1,46 @@
+"""benchmarks/rendezvous_scale.py --quick runs etcd-v3 and c10d at N = 8 and 16 and writes results that parse.
+
+No timing is asserted: the benchmark holds the performance goals (1,024 nodes meet in < 10 s,
+re-form in < 5 s), this test only shows it works end to end against a real 3-member etcd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(REPO, "benchmarks", "rendezvous_scale.py")
+
+
+@pytest.mark.timeout(600)  # about 30 s; generous for a loaded machine
+def test_quick_run_writes_results_that_parse(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, BENCH, "--quick", "--allow-dirty", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [json_name] = [n for n in os.listdir(tmp_path) if n.endswith(".json")]
+    assert json_name.startswith("rendezvous-scale-")
+    with open(tmp_path / json_name.replace(".json", ".txt")) as f:
+        text = f.read()
+    assert "| 16 | etcd-v3 |" in text and "| 16 | c10d |" in text, text
+    with open(tmp_path / json_name) as f:
+        result = json.load(f)
+    assert result["provenance"]["allow_dirty"] is True and result["provenance"]["commit"]
+    assert result["settings"]["rdzv_conf"]["lease_ttl"] == "10"
+    rows = {(r["kind"], r["n"]): r for r in result["rows"]}
+    assert set(rows) == {(k, n) for k in ("etcd-v3", "c10d") for n in (8, 16)}
+    for (kind, n), r in rows.items():
+        assert r["error"] == "" and r["meet_s"] > 0, r
+        assert len(r["loadavg_before"]) == len(r["loadavg_after"]) == 3
+    for n in (8, 16):
+        r = rows[("etcd-v3", n)]
+        assert r["reform_s"] > 0 and r["req_per_node_round"] > 0 and r["bytes_per_node_round"] > 0, r
+        assert set(r["idle"]["requests"]) <= {"LeaseKeepAlive"}, r["idle"]  # watched, not polled
+        assert r["ticks_per_node_s"] > 0
+        assert rows[("c10d", n)]["reform_s"] is None  # --quick skips torch's 45 s re-form
