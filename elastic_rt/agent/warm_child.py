@@ -250,7 +250,9 @@ def become_worker(opts: WarmOptions, argv: list[str]) -> list[str]:
         getattr(sys, name).flush()
         captured.apply(fd, message.get(name) or "")
     os.environ.pop(ENV_PAD, None)
-    for key in [k for k in os.environ if k not in env and k in initial]:
+    # exactly the cold worker's environment: also drop what the imports ahead set (torch's inductor sets
+    # TORCHINDUCTOR_CACHE_DIR on import; a cold worker's script sets it when it imports, not before)
+    for key in [k for k in os.environ if k not in env]:
         del os.environ[key]
     added = {}
     for key, value in env.items():
