@@ -29,12 +29,6 @@ from tests.chaos.test_resume_e2e import _committed_indices
 pytestmark = pytest.mark.slow
 
 PLAIN = str(ROOT / "tests" / "chaos" / "scripts" / "plain_ddp_steps.py")
-LONG = pytest.mark.skipif(os.environ.get("ELASTIC_RT_LONG_TESTS") != "1",
-                          reason="long variant: set ELASTIC_RT_LONG_TESTS=1 to run it")
-# Every world size the tests use (2, 3, 4, 6 workers) takes a multiple of 6 or 12 samples a step, so
-# the sampler never pads when it re-shards a remainder: each sample of an epoch is trained exactly once.
-DATASET, BATCH = 360, 6
-
 
 def node_args(endpoint: str, run_id: str, node_id: str, *, nnodes: str, steps: int, step_sleep: float,
               script: str = PLAIN, metrics_port: int = 0, local_addr: str = "127.0.0.1", nproc: int = 2,
@@ -142,6 +136,7 @@ def etcd3():
         yield c
 
 
+@pytest.mark.long  # the three-member variant below covers the same rule in CI
 def test_single_etcd_paused_10s_plain_ddp_trains_through(etcd1, run_id, nodes):  # noqa: F811
     port = free_port()
     a = Node(node_args(etcd1.endpoints, run_id, "a", nnodes="2", steps=300, step_sleep=0.05, metrics_port=port),
@@ -198,7 +193,6 @@ def test_etcd_leader_killed_in_training_then_in_a_reformation(etcd3, run_id, tmp
     assert_every_sample_once([a, b], 150)
 
 
-@LONG
 @pytest.mark.long
 def test_etcd_killed_and_restarted_from_its_data_after_30s(etcd1, run_id, tmp_path, nodes):  # noqa: F811
     a, b = example_pair(nodes, etcd1.endpoints, run_id, tmp_path, 600)

@@ -59,6 +59,7 @@ def _freezer_cgroup() -> tuple[Path | None, str]:
     return d, ""
 
 
+@pytest.mark.long  # a SIGSTOPped worker (CI) is the same detection path; this one needs a cgroup v1 freezer
 def test_worker_in_uninterruptible_sleep_is_a_hang(nodes, tmp_path):  # noqa: F811
     freezer, why = _freezer_cgroup()
     if freezer is None:
