@@ -29,6 +29,10 @@ from tests.chaos.test_resume_e2e import _committed_indices
 pytestmark = pytest.mark.slow
 
 PLAIN = str(ROOT / "tests" / "chaos" / "scripts" / "plain_ddp_steps.py")
+# Every world size the tests use (2, 3, 4, 6 workers) takes a multiple of 6 or 12 samples a step, so
+# the sampler never pads when it re-shards a remainder: each sample of an epoch is trained exactly once.
+DATASET, BATCH = 360, 6
+
 
 def node_args(endpoint: str, run_id: str, node_id: str, *, nnodes: str, steps: int, step_sleep: float,
               script: str = PLAIN, metrics_port: int = 0, local_addr: str = "127.0.0.1", nproc: int = 2,
