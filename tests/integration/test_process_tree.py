@@ -23,12 +23,12 @@ def child():
     p.stdout.readline()
     return p
 first = child()
-print(os.getpid(), first.pid, flush=True)
 def on_term(*_):
     late = subprocess.Popen([sys.executable, "-c", IGNORE], stdout=subprocess.DEVNULL)
     print(late.pid, flush=True)
     time.sleep(600)  # ignore the SIGTERM itself: only SIGKILL ends this worker
-signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.SIGTERM, on_term)  # before the pids are printed: the test signals as soon as it reads them
+print(os.getpid(), first.pid, flush=True)
 time.sleep(600)
 """
 
@@ -56,9 +56,7 @@ def worker():
 
 def test_stop_tree_kills_grandchildren_and_children_born_during_the_grace_period(worker):
     root, grandchild = (int(x) for x in worker.stdout.readline().split())
-    # the grace is long enough for the SIGTERM handler to start its child on a loaded machine (3 s was not
-    # in one CI rehearsal: SIGKILL came before the handler had printed)
-    killed = stop_tree([root], sig=signal.SIGTERM, grace_s=10.0)
+    killed = stop_tree([root], sig=signal.SIGTERM, grace_s=3.0)
     line = worker.stdout.readline()
     assert line.strip(), "the SIGTERM handler did not start its child within the grace"
     late = int(line)  # started by the SIGTERM handler, during the grace
