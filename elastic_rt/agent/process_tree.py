@@ -41,6 +41,12 @@ def _send(procs: Iterable[psutil.Process], sig: int) -> list[int]:
     return sent
 
 
+def kill_tree(roots: Iterable[int | psutil.Process]) -> list[int]:
+    """SIGKILL every process of the trees at once, and reap none of them: the caller still
+    collects its children's exit codes (psutil's wait would reap them and lose the codes)."""
+    return _send(collect_tree(roots), signal.SIGKILL)
+
+
 def stop_tree(roots: Iterable[int | psutil.Process], *, sig: int = signal.SIGTERM, grace_s: float = 30.0,
               before_kill: Callable[[list[int]], object] | None = None) -> list[int]:
     """Send `sig` to every process of the trees, SIGKILL what is left after grace_s.

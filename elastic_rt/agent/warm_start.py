@@ -21,6 +21,8 @@ from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.multiprocessing.api import RunProcsResult, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler, get_subprocess_handler
 
+from elastic_rt.agent.failures import read_error_file
+from elastic_rt.agent.process_tree import kill_tree
 from elastic_rt.agent.warm import WarmPool
 
 log = logging.getLogger(__name__)
@@ -85,8 +87,27 @@ class WarmSubprocessContext(SubprocessContext):
         self._capture_process_failures(done)
         self._running_local_ranks.difference_update(done)
         if self._failures:
+            self._take_raised(done)
             return RunProcsResult(failures=self._failures, stdouts=self.stdouts, stderrs=self.stderrs)
         return super()._poll()
+
+    def _take_raised(self, done: set[int]) -> None:
+        """A running worker whose exception is already recorded raised first and is still tearing
+        down (an atexit handler, a DataLoader join): its peers failed because it closed their
+        connections. It is the root cause, so it fails with them here, stopped at once (its whole
+        tree; the agent would SIGKILL it next anyway), and is judged from its error file."""
+        raised = [r for r in sorted(self._running_local_ranks)
+                  if (rec := read_error_file(self.error_files.get(r))) is not None and rec.message]
+        if not raised:
+            return
+        kill_tree([self.subprocess_handlers[r].proc.pid for r in raised])
+        for r in raised:
+            try:
+                self.subprocess_handlers[r].proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # uninterruptible sleep: the agent's own stop reports it
+                pass
+        self._capture_process_failures(done)
+        self._running_local_ranks.difference_update(done)
 
 
 def _ranks(ranks) -> str:

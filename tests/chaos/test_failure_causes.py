@@ -55,6 +55,16 @@ def test_exception_names_the_frame_without_record(nodes, tmp_path):  # noqa: F81
     finishes(n, 60)
 
 
+def test_a_rank_that_raised_and_is_still_tearing_down_is_the_root_cause(nodes, tmp_path):  # noqa: F811
+    # rank 1 raises, then lingers in an atexit handler: rank 0's all-reduce times out first (5 s); the
+    # agent must still name rank 1's exception, not only rank 0's symptom
+    n = start(nodes, tmp_path, "--steps", "30", "--fault", "raise-linger", "--fault-rank", "1")
+    n.wait_for(FAILED.format(rank=1, pid=r"\d+", cause="exception")
+               + r": ValueError: injected failure at step 3 at plain_ddp_optimizer_only\.py:\d+ in inject_failure$", 180)
+    assert not n.matches(FAILED.format(rank=0, pid=r"\d+", cause="exception")), n.output[-3000:]
+    finishes(n, 30)
+
+
 def test_sigkill_from_outside_is_killed(nodes, tmp_path):  # noqa: F811
     n = start(nodes, tmp_path, "--steps", "30")
     n.wait_for(r"step=3 ", 180)

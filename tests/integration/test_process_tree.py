@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from elastic_rt.agent.process_tree import collect_tree, stop_tree
+from elastic_rt.agent.process_tree import collect_tree, kill_tree, stop_tree
 
 # A worker that starts a grandchild ignoring SIGTERM, prints both pids, and on SIGTERM starts
 # one more child (as a DataLoader respawning its workers would) before it exits.
@@ -52,6 +52,13 @@ def worker():
         except psutil.NoSuchProcess:
             continue
     proc.wait(timeout=30)
+
+
+def test_kill_tree_kills_the_tree_and_leaves_the_exit_code_to_its_parent(worker):
+    root, grandchild = (int(x) for x in worker.stdout.readline().split())
+    assert sorted(kill_tree([root])) == sorted([root, grandchild])
+    assert worker.wait(timeout=30) == -signal.SIGKILL  # not reaped by kill_tree: the code is still ours
+    assert wait_gone([grandchild]) == []
 
 
 def test_stop_tree_kills_grandchildren_and_children_born_during_the_grace_period(worker):

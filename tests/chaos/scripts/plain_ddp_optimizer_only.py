@@ -4,7 +4,9 @@ optimizer.step(). Injects one fault on request, on the first attempt only (TORCH
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
+import datetime
 import os
 import sys
 import time
@@ -14,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-FAULTS = ("none", "raise", "segfault", "exit", "oom", "deadlock", "sleep")
+FAULTS = ("none", "raise", "raise-linger", "segfault", "exit", "oom", "deadlock", "sleep")
 
 
 def parse_args():
@@ -29,6 +31,9 @@ def parse_args():
 
 
 def inject_failure(fault: str, args, step: int) -> None:
+    if fault == "raise-linger":  # raises, then tears down slowly: its peers' collective times out first
+        atexit.register(time.sleep, 60)
+        fault = "raise"
     if fault == "raise":
         raise ValueError(f"injected failure at step {step}")
     if fault == "segfault":
@@ -49,7 +54,9 @@ def inject_failure(fault: str, args, step: int) -> None:
 
 def main() -> int:
     args = parse_args()
-    dist.init_process_group("gloo")
+    # raise-linger: a short collective timeout, so the peers fail while the raising rank still lingers
+    timeout = datetime.timedelta(seconds=5) if args.fault == "raise-linger" else None
+    dist.init_process_group("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     torch.manual_seed(0)
