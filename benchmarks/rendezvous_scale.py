@@ -10,6 +10,8 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   meet_s            signal -> the last handler's next_rendezvous() returned
   req/node/round    etcd requests (gRPC messages received, lease keepalives aside) per node in the round
   bytes/node/round  etcd client gRPC bytes (received + sent, everything) per node in the round
+  events/node/round watch events etcd sent (etcd_debugging_mvcc_events_total) per node in the round
+  client/etcd CPU s CPU seconds (user + system) the handler processes and the etcd members used in the round
   idle req/node/s   every etcd request per node per second over --idle-s after the round
   reform_s          one node's lease revoked (etcd-v3: handler.leave()) -> every survivor met again
 
@@ -183,7 +185,7 @@ def etcd_metrics(cluster) -> dict:
     """Sum over members: gRPC messages received by method, and client gRPC bytes in + out."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"requests": {}, "bytes": 0.0}
+    out = {"requests": {}, "bytes": 0.0, "events": 0.0}
     for m in cluster.members:
         with urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=30) as resp:
             text = resp.read().decode()
@@ -192,6 +194,8 @@ def etcd_metrics(cluster) -> dict:
                 if fam.name == "grpc_server_msg_received" and s.name.endswith("_total"):
                     method = s.labels["grpc_method"]
                     out["requests"][method] = out["requests"].get(method, 0.0) + s.value
+                elif fam.name == "etcd_debugging_mvcc_events" and s.name.endswith("_total"):
+                    out["events"] += s.value
                 elif fam.name in ("etcd_network_client_grpc_received_bytes",
                                   "etcd_network_client_grpc_sent_bytes") and s.name.endswith("_total"):
                     out["bytes"] += s.value
@@ -200,7 +204,22 @@ def etcd_metrics(cluster) -> dict:
 
 def metrics_delta(after: dict, before: dict) -> dict:
     req = {k: v - before["requests"].get(k, 0.0) for k, v in after["requests"].items()}
-    return {"requests": {k: v for k, v in req.items() if v}, "bytes": after["bytes"] - before["bytes"]}
+    return {"requests": {k: v for k, v in req.items() if v}, "bytes": after["bytes"] - before["bytes"],
+            "events": after["events"] - before["events"]}
+
+
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes have used so far (0 for one that is gone)."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
 
 
 class Run:
@@ -281,10 +300,17 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
             run._answer(c, args.timeout_s + 120)
         row["setup_s"] = time.monotonic() - t_setup
         before = etcd_metrics(cluster)
+        clients, members = [p.pid for p in run.procs], [m.proc.pid for m in cluster.members if m.proc]
+        cpu0 = cpu_s(clients), cpu_s(members)
         t0 = time.monotonic()
-        reports = run.ask_all("meet", t0 + args.timeout_s, timeout_s=args.timeout_s + 60)
+        try:
+            reports = run.ask_all("meet", t0 + args.timeout_s, timeout_s=args.timeout_s + 60)
+        finally:
+            row["meet_cpu_s"] = {"clients": cpu_s(clients) - cpu0[0], "etcd": cpu_s(members) - cpu0[1],
+                                 "wall": time.monotonic() - t0}
         row["meet_s"], row["error"] = _met(reports, t0, n)
         row["round"] = metrics_delta(etcd_metrics(cluster), before)
+        row["events_per_node_round"] = row["round"]["events"] / n
         req = sum(v for k, v in row["round"]["requests"].items() if k != "LeaseKeepAlive")
         row["req_per_node_round"] = req / n
         row["bytes_per_node_round"] = row["round"]["bytes"] / n
@@ -329,8 +355,9 @@ def _f(v, fmt: str) -> str:
 
 
 def table(rows: list[dict], args) -> str:
-    head = (f"| nodes | handler | meet s | req/node/round | KiB/node/round | idle req/node/s | reform s "
-            f"| req/node/reform | load 1m | note |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = (f"| nodes | handler | meet s | req/node/round | KiB/node/round | events/node/round | client CPU s "
+            f"| etcd CPU s | idle req/node/s | reform s | req/node/reform | load 1m | note |\n"
+            f"|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         meet = _f(r["meet_s"], ".2f") if r["meet_s"] is not None else f"none<{args.timeout_s:g}"
@@ -344,6 +371,8 @@ def table(rows: list[dict], args) -> str:
         lines.append(
             f"| {r['n']} | {r['kind']} | {meet} | {_f(r.get('req_per_node_round') if etcd else None, '.1f')} "
             f"| {_f(r['bytes_per_node_round'] / 1024 if etcd and 'bytes_per_node_round' in r else None, '.1f')} "
+            f"| {_f(r.get('events_per_node_round') if etcd else None, '.1f')} "
+            f"| {_f(r.get('meet_cpu_s', {}).get('clients'), '.1f')} | {_f(r.get('meet_cpu_s', {}).get('etcd'), '.1f')} "
             f"| {_f(r.get('idle_req_per_node_s') if etcd else None, '.2f')} | {reform} "
             f"| {_f(r.get('reform_req_per_node') if etcd else None, '.1f')} "
             f"| {r['loadavg_after'][0]:.1f} | {r['error'][:90]} |")
