@@ -8,6 +8,7 @@ from, and every gRPC error is translated here into EtcdUnavailableError.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -467,15 +468,17 @@ class EtcdClient:
                 stream.cancel()
 
         return self._call(watch, timeout_s=timeout_s)
-    def open_watch(self, ranges: list[tuple[str, bytes]], start_revisions: list[int]) -> "WatchStream":
-        """One Watch stream on the current endpoint, a watcher per (start, end) range from its revision."""
+    def open_watch(self, ranges: list[tuple[str, bytes]], start_revisions: list[int], *,
+                   deletes_only: frozenset[int] = frozenset()) -> "WatchStream":
+        """One Watch stream on the current endpoint, a watcher per (start, end) range from its revision;
+        the watchers of the range indexes in `deletes_only` get no put events (etcd's NOPUT filter)."""
         with self._lock:
             ep = self._endpoints[self._current]
         try:
             self._authenticate(ep, self.config.request_timeout_s)
         except grpc.RpcError as exc:
             raise EtcdUnavailableError(f"etcd at {ep.label}: cannot authenticate the watch: {exc.code().name}") from exc
-        return WatchStream(ep, ranges, start_revisions)
+        return WatchStream(ep, ranges, start_revisions, deletes_only=deletes_only)
 
 
 class WatchStream:
@@ -487,16 +490,31 @@ class WatchStream:
     WatchCompacted, or normally after close().
     """
 
-    def __init__(self, ep: _Endpoint, ranges: list[tuple[str, bytes]], start_revisions: list[int]) -> None:
+    def __init__(self, ep: _Endpoint, ranges: list[tuple[str, bytes]], start_revisions: list[int], *,
+                 deletes_only: frozenset[int] = frozenset()) -> None:
         self.endpoint = ep.label
         self._requests: queue.Queue = queue.Queue()
-        for (start, end), rev in zip(ranges, start_revisions):
-            create = etcdrpc.WatchCreateRequest(key=start.encode(), range_end=end, start_revision=rev)
-            self._requests.put(etcdrpc.WatchRequest(create_request=create))
         self._index: dict[int, int] = {}  # etcd's watch id -> range index (ids come back in create order)
+        self._pending: collections.deque[int] = collections.deque()  # range indexes of creates not yet answered
+        for i, ((start, end), rev) in enumerate(zip(ranges, start_revisions)):
+            self.add(i, (start, end), rev, deletes_only=i in deletes_only)
         self._closed = False
         metadata = tuple(ep.metadata or ()) + (("hasleader", "true"),)
         self._stream = ep.watch.Watch(self._outgoing(), metadata=metadata)
+
+    def add(self, index: int, key_range: tuple[str, bytes], start_revision: int, *, deletes_only: bool = False) -> None:
+        """One more watcher on this stream; its events come as range `index`."""
+        filters = [etcdrpc.WatchCreateRequest.NOPUT] if deletes_only else []
+        create = etcdrpc.WatchCreateRequest(key=key_range[0].encode(), range_end=key_range[1],
+                                            start_revision=start_revision, filters=filters)
+        self._pending.append(index)
+        self._requests.put(etcdrpc.WatchRequest(create_request=create))
+
+    def forget(self, index: int) -> None:
+        """Ignore the events of range `index`'s watchers from now on, and ask etcd to cancel them."""
+        for watch_id in [w for w, i in self._index.items() if i == index]:
+            del self._index[watch_id]
+            self._requests.put(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
 
     def _outgoing(self):
         while True:
@@ -509,9 +527,11 @@ class WatchStream:
         try:
             for resp in self._stream:
                 if resp.created:
-                    self._index[resp.watch_id] = len(self._index)
+                    self._index[resp.watch_id] = self._pending.popleft()
                 if resp.compact_revision:
                     raise WatchCompacted(f"revision compacted up to {resp.compact_revision}")
+                if resp.canceled and resp.watch_id not in self._index:
+                    continue  # a watcher forget() cancelled
                 if resp.canceled:
                     raise EtcdUnavailableError(f"etcd at {self.endpoint} cancelled the watch: "
                                                f"{resp.cancel_reason or 'no reason given'}")

@@ -12,7 +12,10 @@ Protocol (keys from RunKeys):
   stores/R/        the c10d store of round R's agents (bulk traffic, not watched)
 
 Every node keeps a local view of these keys (MembershipView) except the joins and the
-stores: one range read, then one watch stream from that read's revision. The agent's
+stores: one range read, then one watch stream from that read's revision. Until the node is
+a member of a round the view watches only deletions of alive/ keys (at a first meeting
+every registration would be an event at every node: O(N^2)); when its first round forms it
+reads the keys once more and follows every alive/ change from then on. The agent's
 monitor tick and the rendezvous loop read only the view; an idle job costs etcd the lease
 keepalives and nothing else.
 
@@ -20,7 +23,8 @@ A round closes when MAX nodes joined, or when at least MIN joined and either eve
 node (alive/*) has joined (re-formation rounds, R > 0: no last call needed) or
 last_call_timeout_s passed since MIN were seen. The closer is the live node with the
 smallest id: it alone watches the round's joins (O(N) events, one node) and writes the
-final (one create-only write); everybody else learns the final from the view (O(1)
+final (one create-only write; a node that does not know a smaller one yet acts as the
+closer until it sees that node's join: a few nodes for random arrival order); everybody else learns the final from the view (O(1)
 events per node). Only if no final comes do the others read the joins, every
 max(2 s, last_call_timeout) jittered, and close the round themselves once it has been
 closable for as long. A node of round R that must re-rendezvous bumps `round` from R to
@@ -101,7 +105,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             info={"addr": settings.local_addr}, local_addr=settings.local_addr, clock=clock,
             on_beat=self._follow_failover,
         )
-        self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock)
+        self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock, alive_puts=False)
         self._started = False
         self._lease_started = False
         self._peer_watch: PeerWatch | None = None
@@ -112,7 +116,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             renewals_lost=lambda: self._lease.renewals_lost,
         )
         self._rounds = Rounds(client, self.keys, settings, self._view, lease_id=lambda: self._lease.lease_id,
-                              on_formed=self._monitor.formed, clock=clock, rng=rng)
+                              on_formed=self._formed, clock=clock, rng=rng)
         self.membership: Membership | None = None
 
     # ---- RendezvousHandler API -------------------------------------------
@@ -280,6 +284,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._lease_started = True
         self._view.start()
         self._started = True
+
+    def _formed(self, rnd: int, nodes: tuple[str, ...]) -> None:
+        """A round formed with this node: from now on the view follows every alive/ change (one range
+        read; until then it knew only who left), then the monitor remembers the members."""
+        if not self._view.follow_alive_puts(self._client.config.request_timeout_s):
+            log.info("node %s: membership view not re-read yet (etcd slow or unreachable); it will be",
+                     self.settings.node_id)
+        self._monitor.formed(rnd, nodes)
 
     def _evict(self, peer) -> None:
         log.info("node %s: node %s's agent is gone (liveness connection closed, then refused); evicting it",

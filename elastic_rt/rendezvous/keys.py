@@ -96,10 +96,16 @@ class RunKeys:
     def round_store(self, rnd: int) -> str:
         return f"{self.stores_prefix}{rnd:010d}/"
 
+    @property
+    def alive_range(self) -> tuple[str, bytes]:
+        return self.alive_prefix, prefix_end(self.alive_prefix)
+
     def watch_ranges(self) -> list[tuple[str, bytes]]:
         """(start, end) ranges of every membership key: the whole run except the joins and the worker stores,
-        whose traffic grows with the number of nodes."""
-        return [(self.base, self.joins_prefix.encode()),
+        whose traffic grows with the number of nodes. The alive keys are a range of their own
+        (MembershipView watches only their deletions until this node is a member of a round)."""
+        return [self.alive_range,  # nothing of the run's sorts before alive/
+                (prefix_end(self.alive_prefix).decode(), self.joins_prefix.encode()),
                 (prefix_end(self.joins_prefix).decode(), self.stores_prefix.encode()),
                 (prefix_end(self.stores_prefix).decode(), prefix_end(self.base))]
 

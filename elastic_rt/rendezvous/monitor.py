@@ -91,6 +91,9 @@ class MembershipMonitor:
                 continue
             kv = v.alive.get(node)
             if kv is not None:
+                if node not in self._incarnations:  # not in the view yet when the round formed
+                    self._incarnations[node] = incarnation(kv)
+                    continue
                 known = self._incarnations.get(node)
                 if known is not None and incarnation(kv) not in (None, known):
                     return self._lost(node, "its agent restarted (new incarnation)"), False

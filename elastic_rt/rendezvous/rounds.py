@@ -123,7 +123,10 @@ class Rounds:
         """Join round rnd and wait for its final (or for the round to end without us).
 
         The closer is the live node with the smallest id: it alone watches the round's joins and
-        writes the final (once, create-only). The others watch only `round`, `closed` and the final;
+        writes the final (once, create-only). A node whose view does not follow alive/ puts (not yet a
+        member of any round) may not know a smaller node that registered after its snapshot: it acts as
+        the closer until it sees that node's join, then steps down (a second final write fails: it is
+        create-only). The others watch only `round`, `closed` and the final;
         if no final comes, they read the joins every `fallback_s` (jittered) and close the round
         themselves once it has been closable for as long."""
         s, k, c, v = self.settings, self.keys, self._client, self._view
@@ -136,12 +139,16 @@ class Rounds:
         min_seen_at: float | None = None
         joined_with = 0  # the lease our join key is attached to
         written: KeyValue | None = None  # the final as our own create-only write returned it
+        smaller: str | None = None  # a node with a smaller id, learnt from its join while we acted as closer
         try:
             while True:
                 with v.lock:
                     version = v.version, tracker.version if tracker else 0
                     closed, cur, final = v.closed, v.current_round(), v.finals.get(rnd) or written
                     closer = v.smallest_alive or s.node_id
+                    if smaller is not None and smaller in v.departed:
+                        smaller = None
+                    closer = min(closer, smaller) if smaller is not None else closer
                 if closed:
                     self._unjoin(rnd, joined_with)
                     raise RendezvousClosedError(f"run {s.run_id} is closed (the job finished); use a new --rdzv-id")
@@ -171,6 +178,10 @@ class Rounds:
                         continue
                     with v.lock:
                         joins = dict(tracker.joins.get(rnd, {}))
+                    lower = [n for n in joins if n < s.node_id]
+                    if lower:
+                        smaller = min(lower)
+                        continue
                 else:
                     if tracker is not None:  # a node with a smaller id is alive now: it closes
                         tracker.stop()

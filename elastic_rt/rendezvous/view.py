@@ -5,6 +5,15 @@ which leaves the worker stores out) from the revision of that read. Reading the 
 etcd nothing: the agent's monitor tick and the rendezvous loop only read local state.
 A broken stream reconnects with jittered backoff and resumes each watcher after the last
 revision it delivered; a compacted revision costs one fresh range read.
+
+With `alive_puts=False` the alive/ range is watched for deletions only (etcd's NOPUT filter),
+until follow_alive_puts(): a node that is not yet a member of a round needs to know which
+nodes left, not every node that arrived. At the first meeting of N nodes, each node's
+registration would otherwise be an event at every node already watching: O(N^2) events in
+all. The alive map is then the range read's snapshot less the deletions since; a node that
+registered later is learnt by the closer from its join (rounds.py). follow_alive_puts() reads
+the alive/ range again and, on the same stream, replaces its watcher with one that sees puts
+too, from that read's revision: one range read and two watch requests per node.
 """
 
 from __future__ import annotations
@@ -32,13 +41,18 @@ class MembershipView:
 
     def __init__(self, client: EtcdClient, keys: RunKeys, *, node_id: str,
                  ranges: list[tuple[str, bytes]] | None = None, lock: threading.Condition | None = None,
-                 clock: Callable[[], float] = time.monotonic, backoff: Backoff | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, backoff: Backoff | None = None,
+                 alive_puts: bool = True) -> None:
         self._client = client
         self._keys = keys
         self._node_id = node_id
         self._clock = clock
         self._backoff = backoff or Backoff()
         self._ranges = ranges or keys.watch_ranges()
+        self._alive_index = self._ranges.index(keys.alive_range) if keys.alive_range in self._ranges else None
+        self.alive_puts = alive_puts  # False: alive/ puts are not watched (see the module docstring)
+        self._reload_wanted = False
+        self.reloads = 0
         self.lock = lock or threading.Condition()
         self.round: KeyValue | None = None
         self.closed = False
@@ -51,6 +65,7 @@ class MembershipView:
         self.connected = False
         self.version = 0
         self._revs: list[int] = []
+        self._floors: list[int] = []  # per range: events at or below this revision are already in the view
         self._stream: WatchStream | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -76,6 +91,50 @@ class MembershipView:
             stream = self._stream
         if stream is not None:
             stream.close()
+
+    def follow_alive_puts(self, timeout_s: float) -> bool:
+        """Watch alive/ puts from now on: read the alive range once and replace its watcher on the stream.
+        If etcd does not answer, the watch thread reads every range and reopens the stream instead, and
+        the view says it is not connected until then. True once done (at once if it already was)."""
+        with self.lock:
+            if self.alive_puts:
+                return True
+        index = self._alive_index
+        try:
+            if index is None:
+                raise EtcdUnavailableError("no alive range in this view")
+            (kvs,), rev = self._client.read_ranges([self._ranges[index]])
+        except EtcdUnavailableError:
+            with self.lock:
+                self.alive_puts, self._reload_wanted = True, True
+                done = self.reloads
+                self.connected = False
+                self.version += 1
+                self.lock.notify_all()
+            self.reconnect()
+            return self.wait_for(lambda: self.reloads > done and self.connected, timeout_s)
+        now = self._clock()
+        with self.lock:
+            self.alive_puts = True
+            stream = self._stream
+            if stream is not None:
+                stream.forget(index)  # its late events are older than this read, or come again below
+            before = set(self.alive)
+            self.alive = {}
+            self.smallest_alive = None
+            for kv in kvs:
+                self._put(kv, now)
+            for node in before - set(self.alive):
+                self.departed.setdefault(node, now)
+            self._floors[index] = self._revs[index] = rev
+            if stream is not None:
+                stream.add(index, self._ranges[index], rev + 1)
+            self.version += 1
+            self.lock.notify_all()
+        return True
+
+    def _deletes_only(self) -> frozenset[int]:
+        return frozenset() if self.alive_puts or self._alive_index is None else frozenset({self._alive_index})
 
     @property
     def stream_endpoint(self) -> str | None:
@@ -109,13 +168,17 @@ class MembershipView:
         reload = False
         while not self._stop.is_set():
             try:
-                if reload:
+                if reload or self._reload_wanted:
                     self._reload()
                     reload = False
-                stream = self._client.open_watch(self._ranges, [r + 1 for r in self._revs])
+                with self.lock:
+                    filters, starts = self._deletes_only(), [r + 1 for r in self._revs]
+                stream = self._client.open_watch(self._ranges, starts, deletes_only=filters)
                 with self.lock:
                     self._stream = stream
-                if self._stop.is_set():
+                    # follow_alive_puts() came after the filters were chosen: open again
+                    stale = self._reload_wanted or self._deletes_only() != filters
+                if self._stop.is_set() or stale:
                     stream.close()
                 created = 0
                 for index, events, is_created in stream:
@@ -164,6 +227,9 @@ class MembershipView:
             for node in before - set(self.alive):
                 self.departed.setdefault(node, now)
             self._revs = [rev] * len(self._ranges)
+            self._floors = [rev] * len(self._ranges)
+            self._reload_wanted = False
+            self.reloads += 1
             self.version += 1
             self.lock.notify_all()
 
@@ -171,6 +237,8 @@ class MembershipView:
         now = self._clock()
         with self.lock:
             for ev in events:
+                if ev.kv.mod_revision <= self._floors[index]:
+                    continue  # a watcher replaced by follow_alive_puts(): the read after it has this
                 if ev.deleted:
                     self._delete(ev.kv.key, now)
                 else:
@@ -206,8 +274,10 @@ class MembershipView:
         elif kind == "closed":
             self.closed = False
         elif kind == "alive":
-            if self.alive.pop(node, None) is not None:
+            known = self.alive.pop(node, None) is not None
+            if known or not self.alive_puts:  # deletes-only: a node that registered after the snapshot left
                 self.departed[node] = now
+            if known:
                 if node == self.smallest_alive:
                     self.smallest_alive = min(self.alive) if self.alive else None
         elif kind == "waiting":
