@@ -19,6 +19,10 @@ class EtcdUnavailableError(ElasticRTError):
     """No etcd endpoint answered."""
 
 
+class LeaseGoneError(EtcdUnavailableError):
+    """etcd answered: the lease a key was to be attached to does not exist any more (it expired or was revoked)."""
+
+
 class EtcdAccessError(ElasticRTError):
     """etcd answered but refused this client (TLS, authentication, permission): retrying cannot help."""
 

@@ -24,7 +24,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 import grpc  # noqa: E402
 from pyetcd import etcdrpc  # noqa: E402
 
-from elastic_rt.errors import ConfigError, EtcdAccessError, EtcdUnavailableError  # noqa: E402
+from elastic_rt.errors import ConfigError, EtcdAccessError, EtcdUnavailableError, LeaseGoneError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,10 @@ class EtcdClient:
                         else "unavailable"
                     errors.append(f"{ep.label}: {why}")
                     continue
-                raise EtcdUnavailableError(
+                details = (exc.details() if hasattr(exc, "details") else "") or ""
+                error = LeaseGoneError if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details \
+                    else EtcdUnavailableError
+                raise error(
                     f"etcd at {ep.label} refused the request: "
                     f"{code.name if code else 'error'} {exc.details() if hasattr(exc, 'details') else exc}"
                 ) from exc

@@ -75,7 +75,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from elastic_rt.errors import EtcdUnavailableError
+from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.health import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
@@ -265,6 +265,21 @@ class EtcdRendezvousHandler(RendezvousHandler):
         while True:
             try:
                 return fn(deadline)
+            except LeaseGoneError as exc:
+                # etcd answers; this node's lease expired (a long outage, a starved process) or was revoked
+                # (evicted): register again at once rather than wait for the lease thread's next beat
+                before = self._lease.lease_id
+                try:
+                    self._lease.check_now()
+                except EtcdUnavailableError:
+                    pass
+                if self._lease.lease_id != before:
+                    continue  # registered again under a new lease: retry at once
+                now = self._clock()
+                wait = backoff.next()
+                if now + wait >= deadline:
+                    raise RendezvousConnectionError(str(exc)) from exc
+                time.sleep(wait)
             except EtcdUnavailableError as exc:
                 now = self._clock()
                 wait = backoff.next()

@@ -98,6 +98,11 @@ class NodeLease:
                         "registering again", self._node_id, self._lease_id)
             self._grant(self.beat_s)
 
+    def check_now(self) -> None:
+        """Another request found the lease gone: register again now, not at the next beat.
+        Raises EtcdUnavailableError when etcd does not answer (the lease thread keeps trying)."""
+        self._beat()
+
     def _run(self) -> None:
         wait = self.beat_s
         while not self._stop.wait(wait):

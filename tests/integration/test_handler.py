@@ -265,3 +265,20 @@ def test_liveness_listener_binds_the_local_address_family():
         socket.create_connection(("::1", v6.port), timeout=2).close()
     finally:
         v6.close()
+
+
+def test_a_revoked_lease_is_registered_again_at_once_not_waited_for_as_an_outage(etcd_endpoint, etcd_client,
+                                                                                 run_id, caplog):
+    # TTL 30 s: the lease thread would notice the lease gone only at its next beat, 10 s later
+    a = _handler(etcd_endpoint, run_id, "a", 1, 1, lease_ttl=30)
+    try:
+        assert a.next_rendezvous().world_size == 1
+        old = a._lease.lease_id
+        etcd_client.revoke_lease(old)  # as a peer's eviction, or an expiry during a long outage, would
+        caplog.set_level("INFO", logger="elastic_rt")
+        assert a.next_rendezvous().world_size == 1  # its join put finds the lease gone: NOT_FOUND
+        assert a.membership.round == 1
+        assert a._lease.lease_id != old and a._lease.renewals_lost == 1
+        assert not [r for r in caplog.records if "waiting for etcd" in r.getMessage()], caplog.text
+    finally:
+        a.shutdown()
