@@ -54,8 +54,9 @@ def inject_failure(fault: str, args, step: int) -> None:
 
 def main() -> int:
     args = parse_args()
-    # raise-linger: a short collective timeout, so the peers fail while the raising rank still lingers
-    timeout = datetime.timedelta(seconds=5) if args.fault == "raise-linger" else None
+    # raise-linger: a short collective timeout (15 s: longer than two ranks' start skew on a loaded machine), so
+    # the peers fail while the raising rank still lingers (60 s)
+    timeout = datetime.timedelta(seconds=15) if args.fault == "raise-linger" else None
     dist.init_process_group("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
