@@ -233,12 +233,11 @@ class EtcdClient:
                         else "unavailable"
                     errors.append(f"{ep.label}: {why}")
                     continue
-                details = (exc.details() if hasattr(exc, "details") else "") or ""
-                error = LeaseGoneError if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details \
+                details = exc.details() if hasattr(exc, "details") else exc
+                error = LeaseGoneError if code == grpc.StatusCode.NOT_FOUND and "lease not found" in str(details) \
                     else EtcdUnavailableError
                 raise error(
-                    f"etcd at {ep.label} refused the request: "
-                    f"{code.name if code else 'error'} {exc.details() if hasattr(exc, 'details') else exc}"
+                    f"etcd at {ep.label} refused the request: {code.name if code else 'error'} {details}"
                 ) from exc
             if idx != start:
                 with self._lock:

@@ -24,10 +24,10 @@ node (alive/*) has joined (re-formation rounds, R > 0: no last call needed) or
 last_call_timeout_s passed since MIN were seen. The closer is the live node with the
 smallest id: it alone watches the round's joins (O(N) events, one node) and writes the
 final (one create-only write; a node that does not know a smaller one yet acts as the
-closer until it sees that node's join: a few nodes for random arrival order); everybody else learns the final from the view (O(1)
-events per node). Only if no final comes do the others read the joins, every
-max(2 s, last_call_timeout) jittered, and close the round themselves once it has been
-closable for as long. A node of round R that must re-rendezvous bumps `round` from R to
+closer until it sees that node's join: a few nodes for random arrival order); everybody
+else learns the final from the view (O(1) events per node). Only if no final comes do the
+others read the joins, every max(2 s, last_call_timeout) jittered, and close the round
+themselves once it has been closable for as long. A node of round R that must re-rendezvous bumps `round` from R to
 R+1 by compare-and-set. Per node and round: one join put, at most one CAS on `round` and
 one on `final`, a waiting put and delete for late nodes.
 
@@ -265,28 +265,24 @@ class EtcdRendezvousHandler(RendezvousHandler):
         while True:
             try:
                 return fn(deadline)
-            except LeaseGoneError as exc:
-                # etcd answers; this node's lease expired (a long outage, a starved process) or was revoked
-                # (evicted): register again at once rather than wait for the lease thread's next beat
-                before = self._lease.lease_id
-                try:
-                    self._lease.check_now()
-                except EtcdUnavailableError:
-                    pass
-                if self._lease.lease_id != before:
-                    continue  # registered again under a new lease: retry at once
-                now = self._clock()
-                wait = backoff.next()
-                if now + wait >= deadline:
-                    raise RendezvousConnectionError(str(exc)) from exc
-                time.sleep(wait)
             except EtcdUnavailableError as exc:
+                lease_gone = isinstance(exc, LeaseGoneError)
+                if lease_gone:
+                    # etcd answers; this node's lease expired (a long outage, a starved process) or was
+                    # revoked (evicted): register again at once rather than wait for the lease thread's beat
+                    before = self._lease.lease_id
+                    try:
+                        self._lease.check_now()
+                    except EtcdUnavailableError:
+                        pass
+                    if self._lease.lease_id != before:
+                        continue  # registered again under a new lease: retry at once
                 now = self._clock()
                 wait = backoff.next()
                 if now + wait >= deadline:
                     raise RendezvousConnectionError(str(exc)) from exc
                 first = now if first is None else first
-                if now - said >= 10.0:
+                if not lease_gone and now - said >= 10.0:
                     said = now
                     log.warning("node %s: waiting for etcd (%.0f s so far): %s", self.settings.node_id,
                                 now - first, exc)

@@ -96,13 +96,12 @@ class MembershipView:
         """Watch alive/ puts from now on: read the alive range once and replace its watcher on the stream.
         If etcd does not answer, the watch thread reads every range and reopens the stream instead, and
         the view says it is not connected until then. True once done (at once if it already was)."""
-        with self.lock:
-            if self.alive_puts:
-                return True
         index = self._alive_index
+        with self.lock:
+            if self.alive_puts or index is None:  # a view without the alive range has nothing to follow
+                self.alive_puts = True
+                return True
         try:
-            if index is None:
-                raise EtcdUnavailableError("no alive range in this view")
             (kvs,), rev = self._client.read_ranges([self._ranges[index]])
         except EtcdUnavailableError:
             with self.lock:
