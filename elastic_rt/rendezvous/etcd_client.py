@@ -37,6 +37,23 @@ _CHANNEL_OPTIONS = [
 ]
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
+# A thread reading a gRPC response stream (the membership watch) waits on a condition that gRPC
+# notifies on every message, cancellation and end of the call, but it also wakes every 0.1 s to look
+# (grpc._common.MAXIMUM_WAIT_TIMEOUT, kept from when such waits could not be interrupted): ten
+# pointless GIL acquisitions a second per stream, which in one process holding hundreds of handlers
+# (benchmarks/rendezvous_scale.py) is most of the idle CPU. A wait with a timeout still ends on time
+# (gRPC waits min(remaining, this)); a missed notification would cost up to 1 s instead of 0.1 s.
+GRPC_WAIT_SLICE_S = 1.0
+
+
+def _lengthen_grpc_wait_slice() -> None:
+    common = getattr(grpc, "_common", None)
+    if common is not None and getattr(common, "MAXIMUM_WAIT_TIMEOUT", GRPC_WAIT_SLICE_S) < GRPC_WAIT_SLICE_S:
+        common.MAXIMUM_WAIT_TIMEOUT = GRPC_WAIT_SLICE_S
+
+
+_lengthen_grpc_wait_slice()
+
 
 @dataclass(frozen=True, kw_only=True)
 class EtcdConfig:

@@ -29,6 +29,35 @@ def _format(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class _Waker:
+    """A socketpair whose read end sits in a selector: wake() interrupts a blocking select() from another
+    thread (a stop, a new peer to connect), so the loops below block without a timeout instead of
+    waking every fraction of a second to look (an idle agent, or a thousand simulated ones, costs nothing)."""
+
+    def __init__(self, sel: selectors.BaseSelector) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        sel.register(self._r, selectors.EVENT_READ, self)
+
+    def wake(self) -> None:
+        try:
+            self._w.send(b"x")
+        except (BlockingIOError, OSError):  # full (a wake-up is already pending) or closed
+            pass
+
+    def drain(self) -> None:
+        try:
+            while self._r.recv(512):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        self._r.close()
+        self._w.close()
+
+
 def bind_listener(local_addr: str) -> tuple[socket.socket, str]:
     """A listening socket on --local-addr's address family and interface (port chosen by the kernel).
 
@@ -70,26 +99,32 @@ class LivenessListener:
         self._accepting = True
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._sock, selectors.EVENT_READ)
+        self._waker = _Waker(self._sel)
         self._closed = threading.Event()
         log.info("liveness listener on %s", self.address)
-        threading.Thread(target=self._serve, name="elastic-rt-liveness", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="elastic-rt-liveness", daemon=True)
+        self._thread.start()
 
     def _serve(self) -> None:
         try:
             self._serve_until_closed()
         finally:  # closing the listener drops every held connection, as the process exiting would
             for key in list(self._sel.get_map().values()):
-                if key.fileobj is not self._sock:
+                if key.fileobj is not self._sock and key.data is not self._waker:
                     self._forget(key.fileobj)
             self._sel.close()
+            self._waker.close()
 
     def _serve_until_closed(self) -> None:
         while not self._closed.is_set():
             try:
-                events = self._sel.select(timeout=0.2)
+                events = self._sel.select()
             except (OSError, ValueError):
                 return
             for key, _ in events:
+                if key.data is self._waker:
+                    self._waker.drain()
+                    continue
                 try:
                     if key.fileobj is self._sock:
                         conn, _ = self._sock.accept()
@@ -125,6 +160,7 @@ class LivenessListener:
 
     def close(self) -> None:
         self._closed.set()
+        self._waker.wake()
         try:
             self._sock.close()
         except OSError:
@@ -170,7 +206,8 @@ class PeerWatch:
 
     `on_dead(peer)` is called once when a peer's agent is known gone (its held connection
     closed and it refuses, or a port that answered before refuses); `dead(node)` says so later.
-    Unreachable peers are retried every `retry_s`.
+    Unreachable peers are retried every `retry_s`; otherwise the thread sleeps in select() until a
+    held connection or the waker (watch(), stop()) says something.
     """
 
     def __init__(self, on_dead: Callable[[Peer], None], *, retry_s: float = 1.0,
@@ -179,6 +216,7 @@ class PeerWatch:
         self._retry_s = retry_s
         self._clock = clock
         self._sel = selectors.DefaultSelector()
+        self._waker = _Waker(self._sel)
         self._lock = threading.Lock()
         self._peers: dict[str, Peer] = {}
         self._answered: set[Peer] = set()  # peers whose port accepted a connection at least once
@@ -192,14 +230,19 @@ class PeerWatch:
         """Replace the watched set (after every rendezvous); connections to peers kept are kept."""
         with self._lock:
             wanted = {p.node: p for p in peers}
-            for key in list(self._sel.get_map().values()):
+            for key in self._held():
                 if wanted.get(key.data.node) != key.data:
                     self._sel.unregister(key.fileobj)
                     key.fileobj.close()
-            held = {key.data.node for key in self._sel.get_map().values()}
+            held = {key.data.node for key in self._held()}
             self._peers = wanted
             self._pending = {node: 0.0 for node in wanted if node not in held}
         self._connect_pending()
+        self._waker.wake()  # the thread's next retry time may have changed
+
+    def _held(self) -> list[selectors.SelectorKey]:
+        """The held connections' keys (the caller holds the lock)."""
+        return [key for key in self._sel.get_map().values() if key.data is not self._waker]
 
     def dead(self, node: str) -> bool:
         with self._lock:
@@ -221,7 +264,7 @@ class PeerWatch:
                 if conn is not None:
                     conn.close()
                 return
-            if state == "open" and any(k.data == peer for k in self._sel.get_map().values()):
+            if state == "open" and any(k.data == peer for k in self._held()):
                 conn.close()  # another thread got there first
             elif state == "open":
                 conn.setblocking(False)
@@ -244,18 +287,28 @@ class PeerWatch:
                 log.warning("could not evict node %s: %s", peer.node, exc)
 
     def _run(self) -> None:
+        try:
+            self._watch_until_stopped()
+        finally:
+            with self._lock:
+                self._sel.close()
+                self._waker.close()
+
+    def _watch_until_stopped(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                has = bool(self._sel.get_map())
-            if not has:
-                self._stop.wait(0.2)
-                self._connect_pending()
-                continue
+                due = min(self._pending.values(), default=None)
+            timeout = None if due is None else max(0.0, due - self._clock())
             try:
-                events = self._sel.select(timeout=0.2)
+                events = self._sel.select(timeout=timeout)
             except (OSError, ValueError):
+                if self._stop.wait(0.2):
+                    break
                 continue
             for key, _ in events:
+                if key.data is self._waker:
+                    self._waker.drain()
+                    continue
                 try:
                     data = key.fileobj.recv(64)
                 except (BlockingIOError, InterruptedError):
@@ -276,7 +329,9 @@ class PeerWatch:
     def stop(self) -> None:
         self._stop.set()
         with self._lock:
-            for key in list(self._sel.get_map().values()):
+            for key in self._held():
                 self._sel.unregister(key.fileobj)
                 key.fileobj.close()
             self._peers = {}
+            self._pending = {}
+        self._waker.wake()

@@ -1,0 +1,92 @@
+"""An idle agent's rendezvous threads sleep until something happens: the liveness listener and peer watch
+never wake by themselves, the membership watch at most once a second (gRPC's wait slice), and a stop, a new
+peer, a retry that falls due or a watch event still wakes them at once. That is an agent's idle CPU, and
+what lets one process hold hundreds of simulated agents (benchmarks/rendezvous_scale.py). Real sockets,
+real etcd, real threads; wake-ups counted by the kernel (a thread's voluntary context switches in /proc)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.liveness import LivenessListener, Peer, PeerWatch
+from elastic_rt.rendezvous.view import MembershipView
+
+
+def _switches(thread: threading.Thread) -> int:
+    """How many times the kernel put this thread to sleep at its own request (each select() that blocked)."""
+    with open(f"/proc/self/task/{thread.native_id}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches line")
+
+
+def _poll(pred, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def test_idle_listener_and_peer_watch_do_not_wake_until_something_happens():
+    listener = LivenessListener("127.0.0.1")
+    watch = PeerWatch(lambda p: None, retry_s=0.2)
+    try:
+        watch.watch([Peer("a", "127.0.0.1", listener.port, 1)])
+        assert _poll(lambda: listener._held == 1)  # noqa: SLF001 - the connection the watch holds
+        time.sleep(0.3)  # let both threads settle into select()
+        before = _switches(listener._thread), _switches(watch._thread)  # noqa: SLF001
+        time.sleep(2.0)  # a 0.2 s poll would wake each thread ~10 times here
+        after = _switches(listener._thread), _switches(watch._thread)  # noqa: SLF001
+        assert after[0] - before[0] <= 1, ("listener", before, after)
+        assert after[1] - before[1] <= 1, ("peer watch", before, after)
+    finally:
+        watch.stop()
+        listener.close()
+    listener._thread.join(5)  # noqa: SLF001
+    watch._thread.join(5)  # noqa: SLF001
+    assert not listener._thread.is_alive() and not watch._thread.is_alive()  # noqa: SLF001 - woken by stop
+
+
+def test_a_peer_that_refused_at_first_is_retried_when_its_retry_falls_due():
+    """The retry of a peer that did not answer yet is the select()'s timeout, not a poll."""
+    dead: list[str] = []
+    watch = PeerWatch(lambda p: dead.append(p.node), retry_s=0.2)
+    server = socket.socket()
+    try:
+        server.bind(("127.0.0.1", 0))  # bound, not listening yet: the first connection is refused
+        peer = Peer("late", "127.0.0.1", server.getsockname()[1], 7)
+        watch.watch([peer])
+        server.listen(1)
+        server.settimeout(10)
+        conn, _ = server.accept()  # the retry came (within 10 s; it is due 0.2 s after the refusal)
+        assert not watch.dead("late")
+        conn.close()
+        server.close()  # the agent dies: the held connection closes and the port refuses
+        assert _poll(lambda: watch.dead("late"))
+        assert dead == ["late"]
+    finally:
+        watch.stop()
+        server.close()
+
+
+def test_an_idle_membership_watch_wakes_at_most_once_a_second_and_at_once_for_an_event(etcd_client, run_id):
+    keys = RunKeys(run_id)
+    view = MembershipView(etcd_client, keys, node_id="m")
+    view.start()
+    try:
+        assert view.wait_for(lambda: view.connected, 10)
+        time.sleep(0.3)
+        before = _switches(view._thread)  # noqa: SLF001
+        time.sleep(2.0)  # gRPC's own 0.1 s wait slice would wake the reading thread ~20 times here
+        woke = _switches(view._thread) - before  # noqa: SLF001
+        assert woke <= 5, woke
+        etcd_client.put(keys.alive("b"), b"{}")
+        assert view.wait_for(lambda: "b" in view.alive, 10)
+    finally:
+        view.stop()
