@@ -242,7 +242,8 @@ class PeerWatch:
 
     def _held(self) -> list[selectors.SelectorKey]:
         """The held connections' keys (the caller holds the lock)."""
-        return [key for key in self._sel.get_map().values() if key.data is not self._waker]
+        keys = self._sel.get_map()  # None once the thread closed the selector (after stop())
+        return [key for key in keys.values() if key.data is not self._waker] if keys is not None else []
 
     def dead(self, node: str) -> bool:
         with self._lock:
@@ -291,6 +292,9 @@ class PeerWatch:
             self._watch_until_stopped()
         finally:
             with self._lock:
+                for key in self._held():
+                    key.fileobj.close()
+                self._peers, self._pending = {}, {}  # a late watch() or retry finds nothing to do
                 self._sel.close()
                 self._waker.close()
 
