@@ -198,6 +198,16 @@ class ElasticRTAgent(LocalElasticAgent):
                      ",".join(sorted(set(before.nodes) - set(after.nodes))))
         self.observer.on_recovered(time.monotonic() - detected_at)
 
+    def _exit_barrier(self) -> None:
+        """torch's exit barrier keeps every agent until all finished, through the rendezvous store (etcd
+        here); when it fails torch logs the failure with a traceback. With etcd not answering there is
+        nothing to wait on: say so in one line and finish (the other nodes finish on their own)."""
+        reachable = getattr(self._handler(), "etcd_reachable", None)
+        if reachable is not None and not reachable():
+            log.warning("%s etcd does not answer: not waiting for the other nodes to finish", self._prefix())
+            return
+        super()._exit_barrier()
+
     def _await_etcd(self, what: str) -> None:
         """Membership decisions need etcd: while it does not answer, wait (saying so every 10 s) rather
         than guess; then let the view catch up with what the other nodes did meanwhile."""

@@ -197,6 +197,23 @@ def test_etcd_leader_killed_in_training_then_in_a_reformation(etcd3, run_id, tmp
     assert_every_sample_once([a, b], 150)
 
 
+def test_a_job_that_finishes_while_etcd_is_gone_exits_0_with_no_traceback(etcd1, run_id, nodes):  # noqa: F811
+    """The workers succeeded: that is the job's result. The exit barrier and the closing of the run need
+    etcd; without it each is one warning line, never a traceback (torch's exit barrier logs one) and
+    never a failed exit (the launcher used to raise from set_closed after retrying for 30 s)."""
+    a = Node(node_args(etcd1.endpoints, run_id, "a", nnodes="1", steps=100, step_sleep=0.05), name="a")
+    nodes.append(a)
+    a.wait_for(r"\]:step=5 ", 120)
+    etcd1.kill_member(etcd1.members[0])
+    assert a.wait_exit(120) == 0, a.output[-4000:]
+    out = a.output
+    assert a.matches(r"\]:done steps=100 world_size=2"), out[-4000:]
+    assert a.matches(r"etcd does not answer: not waiting for the other nodes to finish"), out[-4000:]
+    assert a.matches(r"the job finished, but the run could not be marked closed in etcd"), out[-4000:]
+    assert a.matches(r"\[a\] job finished$"), out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+
+
 @pytest.mark.long
 def test_etcd_killed_and_restarted_from_its_data_after_30s(etcd1, run_id, tmp_path, nodes):  # noqa: F811
     a, b = example_pair(nodes, etcd1.endpoints, run_id, tmp_path, 600)
