@@ -198,12 +198,16 @@ class ElasticRTAgent(LocalElasticAgent):
                      ",".join(sorted(set(before.nodes) - set(after.nodes))))
         self.observer.on_recovered(time.monotonic() - detected_at)
 
+    def _etcd_answers(self) -> bool:
+        """The rendezvous handler can reach etcd (one without that notion, e.g. --standalone's, always can)."""
+        reachable = getattr(self._handler(), "etcd_reachable", None)
+        return reachable is None or reachable()
+
     def _exit_barrier(self) -> None:
         """torch's exit barrier keeps every agent until all finished, through the rendezvous store (etcd
         here); when it fails torch logs the failure with a traceback. With etcd not answering there is
         nothing to wait on: say so in one line and finish (the other nodes finish on their own)."""
-        reachable = getattr(self._handler(), "etcd_reachable", None)
-        if reachable is not None and not reachable():
+        if not self._etcd_answers():
             log.warning("%s etcd does not answer: not waiting for the other nodes to finish", self._prefix())
             return
         super()._exit_barrier()
@@ -211,20 +215,19 @@ class ElasticRTAgent(LocalElasticAgent):
     def _await_etcd(self, what: str) -> None:
         """Membership decisions need etcd: while it does not answer, wait (saying so every 10 s) rather
         than guess; then let the view catch up with what the other nodes did meanwhile."""
-        handler = self._handler()
-        reachable = getattr(handler, "etcd_reachable", None)
-        if reachable is None or reachable():
+        if self._etcd_answers():
             return
+        handler = self._handler()
         t0 = time.monotonic()
         limit_s = getattr(getattr(handler, "settings", None), "join_timeout_s", 600.0)
         said = None
-        while not reachable() and time.monotonic() - t0 < limit_s:
+        while not self._etcd_answers() and time.monotonic() - t0 < limit_s:
             if said is None or time.monotonic() - said >= 10.0:
                 said = time.monotonic()
                 log.warning("%s %s; waiting for etcd to answer before re-forming (%.0f s so far)",
                             self._prefix(), what, said - t0)
             time.sleep(0.2)
-        if reachable():
+        if self._etcd_answers():
             handler.catch_up()
             log.info("%s etcd answers again after %.1f s; handling: %s", self._prefix(), time.monotonic() - t0, what)
 

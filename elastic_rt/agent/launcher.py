@@ -280,7 +280,7 @@ def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) ->
         except RendezvousConnectionError as exc:  # the workers succeeded: that is the job's result
             log.warning("[%s] the job finished, but the run could not be marked closed in etcd (%s); a node "
                         "that joins run %s later waits for a round that never comes", node_id, exc,
-                        getattr(handler, "get_run_id", lambda: "?")())
+                        cfg.rdzv_id)
         leave()
     log.info("[%s] job finished", node_id)
     return 0

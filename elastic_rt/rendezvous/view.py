@@ -118,13 +118,7 @@ class MembershipView:
             stream = self._stream
             if stream is not None:
                 stream.forget(index)  # its late events are older than this read, or come again below
-            before = set(self.alive)
-            self.alive = {}
-            self.smallest_alive = None
-            for kv in kvs:
-                self._put(kv, now)
-            for node in before - set(self.alive):
-                self.departed.setdefault(node, now)
+            self._replace_alive(kvs, now)
             self._floors[index] = self._revs[index] = rev
             if stream is not None:
                 stream.add(index, self._ranges[index], rev + 1)
@@ -216,21 +210,25 @@ class MembershipView:
         ranges, rev = self._client.read_ranges(self._ranges)
         now = self._clock()
         with self.lock:
-            before = set(self.alive)
             self.round, self.closed = None, False
-            self.alive, self.waiting, self.joins, self.finals = {}, {}, {}, {}
-            self.smallest_alive = None
-            for kvs in ranges:
-                for kv in kvs:
-                    self._put(kv, now)
-            for node in before - set(self.alive):
-                self.departed.setdefault(node, now)
+            self.waiting, self.joins, self.finals = {}, {}, {}
+            self._replace_alive([kv for kvs in ranges for kv in kvs], now)
             self._revs = [rev] * len(self._ranges)
             self._floors = [rev] * len(self._ranges)
             self._reload_wanted = False
             self.reloads += 1
             self.version += 1
             self.lock.notify_all()
+
+    def _replace_alive(self, kvs: list[KeyValue], now: float) -> None:
+        """Apply a range read's keys (any kind) over an emptied alive map: a node the read no longer has
+        departed now. The caller holds the lock and has emptied the other maps the read covers."""
+        before = set(self.alive)
+        self.alive, self.smallest_alive = {}, None
+        for kv in kvs:
+            self._put(kv, now)
+        for node in before - set(self.alive):
+            self.departed.setdefault(node, now)
 
     def _apply(self, index: int, events: list[WatchEvent]) -> None:
         now = self._clock()

@@ -13,6 +13,7 @@ import time
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import LivenessListener, Peer, PeerWatch
 from elastic_rt.rendezvous.view import MembershipView
+from tests.integration.test_handler import _poll
 
 
 def _switches(thread: threading.Thread) -> int:
@@ -22,15 +23,6 @@ def _switches(thread: threading.Thread) -> int:
             if line.startswith("voluntary_ctxt_switches:"):
                 return int(line.split()[1])
     raise AssertionError("no voluntary_ctxt_switches line")
-
-
-def _poll(pred, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 def test_idle_listener_and_peer_watch_do_not_wake_until_something_happens():
