@@ -378,9 +378,12 @@ class EtcdClient:
         multis = [[_kv(kv) for kv in r.kvs] for r in ranges[len(keys):]]
         return singles, multis, resp.header.revision
 
-    def read_ranges(self, ranges: list[tuple[str, bytes]]) -> tuple[list[list[KeyValue]], int]:
-        """Every key k with start <= k < end, for each (start, end), in one round trip at one revision."""
-        ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=a.encode(), range_end=b)) for a, b in ranges]
+    def read_ranges(self, ranges: list[tuple[str, bytes]], *,
+                    keys_only: frozenset[int] = frozenset()) -> tuple[list[list[KeyValue]], int]:
+        """Every key k with start <= k < end, for each (start, end), in one round trip at one revision;
+        the ranges whose indexes are in `keys_only` come without values (b"")."""
+        ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=a.encode(), range_end=b, keys_only=i in keys_only))
+               for i, (a, b) in enumerate(ranges)]
         req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
         resp = self._call(lambda ep, t: ep.kv.Txn(req, timeout=t, metadata=ep.metadata))
         return [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses], resp.header.revision

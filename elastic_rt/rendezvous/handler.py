@@ -2,9 +2,11 @@
 
 Protocol (keys from RunKeys):
   round            current round number R (created as 0)
-  joins/R/N        node N's join of round R, attached to N's lease (vanishes when N dies)
-  rounds/R/final   the membership of round R (ranks in node-id order), written once (create-only)
-                   by whoever closes it; when rank 0 closes it, also rank 0's address and store port
+  joins/R/N        node N's join of round R, attached to N's lease (vanishes when N dies); its value
+                   holds N's address and incarnation
+  rounds/R/final   the membership of round R (ranks in node-id order, each member's incarnation),
+                   written once (create-only) by whoever closes it; when rank 0 closes it, also rank
+                   0's address and store port
   alive/N          node N's liveness key, attached to its lease, for the whole run; its value
                    holds N's address, liveness port and incarnation (one per agent process)
   waiting/N        a node that found round R already closed and waits for R+1
@@ -14,8 +16,10 @@ Protocol (keys from RunKeys):
 Every node keeps a local view of these keys (MembershipView) except the joins and the
 stores: one range read, then one watch stream from that read's revision. Until the node is
 a member of a round the view watches only deletions of alive/ keys (at a first meeting
-every registration would be an event at every node: O(N^2)); when its first round forms it
-reads the keys once more and follows every alive/ change from then on. The agent's
+every registration would be an event at every node: O(N^2)) and reads alive/ keys without
+values; when its first round forms it counts the members alive (the final lists them, with
+each one's incarnation from its join) and follows every alive/ change from the final's
+revision on, without reading alive/ again (N keys at each of N nodes). The agent's
 monitor tick and the rendezvous loop read only the view; an idle job costs etcd the lease
 keepalives and nothing else.
 
@@ -116,7 +120,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             renewals_lost=lambda: self._lease.renewals_lost,
         )
         self._rounds = Rounds(client, self.keys, settings, self._view, lease_id=lambda: self._lease.lease_id,
-                              on_formed=self._formed, clock=clock, rng=rng)
+                              on_formed=self._formed, incarnation=self._lease.incarnation, clock=clock, rng=rng)
         self.membership: Membership | None = None
 
     # ---- RendezvousHandler API -------------------------------------------
@@ -296,13 +300,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._view.start()
         self._started = True
 
-    def _formed(self, rnd: int, nodes: tuple[str, ...]) -> None:
-        """A round formed with this node: from now on the view follows every alive/ change (one range
-        read; until then it knew only who left), then the monitor remembers the members."""
-        if not self._view.follow_alive_puts(self._client.config.request_timeout_s):
-            log.info("node %s: membership view not re-read yet (etcd slow or unreachable); it will be",
-                     self.settings.node_id)
-        self._monitor.formed(rnd, nodes)
+    def _formed(self, m: Membership) -> None:
+        """A round formed with this node: the view counts its members alive and from now on follows
+        every alive/ change (until then it knew only who left), then the monitor remembers them."""
+        self._view.members_formed(m.nodes, m.revision)
+        self._monitor.formed(m.round, m.nodes, m.incarnations)
 
     def _evict(self, peer) -> None:
         log.info("node %s: node %s's agent is gone (liveness connection closed, then refused); evicting it",
@@ -312,10 +314,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _watch_neighbours(self, nodes: tuple[str, ...]) -> None:
         """Hold connections to the ring neighbours' liveness listeners: a dead agent is evicted
         the moment its connections close, and the other nodes see it through etcd."""
-        names = set(ring_neighbours(nodes, self.settings.node_id))
-        with self._view.lock:
-            alive = {n: kv for n, kv in self._view.alive.items() if n in names}
-        peers = [p for n, kv in alive.items() if (p := parse_peer(n, kv.value, kv.lease)) is not None]
+        names = ring_neighbours(nodes, self.settings.node_id)
+        try:  # their addresses: two keys (the view may not hold their values), one request
+            found, _ = self._client.read_ranges([(k, k.encode() + b"\0") for k in map(self.keys.alive, names)])
+        except EtcdUnavailableError as exc:
+            log.info("node %s: ring neighbours not watched this round (%s); their leases tell",
+                     self.settings.node_id, exc)
+            return
+        peers = [p for n, kvs in zip(names, found) for kv in kvs if (p := parse_peer(n, kv.value, kv.lease)) is not None]
         if self._peer_watch is None:
             if not peers:
                 return

@@ -15,6 +15,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from elastic_rt.errors import RendezvousDataError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
 from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.monitor import incarnation
 from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class Membership:
     nodes: tuple[str, ...]
     rank: int
     master: tuple[str, int] | None = None  # rank 0's address and store port, when the final carries them
+    incarnations: tuple[str | None, ...] = ()  # each member's agent process, as its join said (None: unknown)
+    revision: int = 0  # the final's mod_revision: every member was alive then
 
 
 def _decode_json(kv: KeyValue, what: str) -> dict:
@@ -65,10 +68,11 @@ def _decode_json(kv: KeyValue, what: str) -> dict:
 
 class Rounds:
     """Rounds as this node takes part in them; `lease_id()` is the current lease to attach its keys to,
-    `on_formed(round, nodes)` is told of every round it becomes a member of."""
+    `incarnation` this agent process's (its joins carry it, the final lists the members'), `on_formed(membership)`
+    is told of every round it becomes a member of."""
 
     def __init__(self, client: EtcdClient, keys: RunKeys, settings: RendezvousSettings, view: MembershipView, *,
-                 lease_id: Callable[[], int], on_formed: Callable[[int, tuple[str, ...]], None],
+                 lease_id: Callable[[], int], on_formed: Callable[[Membership], None], incarnation: str = "",
                  clock: Callable[[], float] = time.monotonic, rng: Callable[[], float]) -> None:
         self._client = client
         self.keys = keys
@@ -76,6 +80,7 @@ class Rounds:
         self._view = view
         self._lease_id = lease_id
         self._on_formed = on_formed
+        self._incarnation = incarnation
         self._clock = clock
         self._rng = rng
 
@@ -130,7 +135,7 @@ class Rounds:
         if no final comes, they read the joins every `fallback_s` (jittered) and close the round
         themselves once it has been closable for as long."""
         s, k, c, v = self.settings, self.keys, self._client, self._view
-        value = json.dumps({"addr": s.local_addr}).encode()
+        value = json.dumps({"addr": s.local_addr, "incarnation": self._incarnation}).encode()
         fallback_s = max(2.0, s.last_call_timeout_s)
         tracker: MembershipView | None = None
         read: dict[str, KeyValue] | None = None  # joins as last read by a node that is not the closer
@@ -158,10 +163,14 @@ class Rounds:
                     if s.node_id not in nodes:
                         self._unjoin(rnd, joined_with)
                         return None
-                    self._on_formed(rnd, nodes)
                     master = data.get("master")
                     master = (str(master[0]), int(master[1])) if isinstance(master, list) and len(master) == 2 else None
-                    return Membership(rnd, nodes, nodes.index(s.node_id), master)
+                    incs = data.get("incarnations")
+                    incs = tuple(i if isinstance(i, str) else None for i in incs) \
+                        if isinstance(incs, list) and len(incs) == len(nodes) else (None,) * len(nodes)
+                    m = Membership(rnd, nodes, nodes.index(s.node_id), master, incs, final.mod_revision)
+                    self._on_formed(m)
+                    return m
                 if cur != rnd:
                     self._unjoin(rnd, joined_with)
                     return None
@@ -197,7 +206,8 @@ class Rounds:
                 if members is None:
                     closable_since = None
                 elif closer == s.node_id or (closable_since is not None and now - closable_since >= fallback_s):
-                    final_value = {"round": rnd, "nodes": members}
+                    final_value = {"round": rnd, "nodes": members,
+                                   "incarnations": [incarnation(joins[n]) for n in members]}
                     if members[0] == s.node_id:  # rank 0 closes: its store address travels with the final
                         final_value["master"] = [s.local_addr, get_free_port()]
                     _, written = c.compare_and_put(k.final(rnd), json.dumps(final_value).encode(),
@@ -223,7 +233,8 @@ class Rounds:
         if s.node_id not in joins or len(joins) < s.min_nodes:
             return None, float("inf")
         with v.lock:
-            everyone = rnd > 0 and all(n in joins for n in v.alive)
+            # waiting/ nodes too: one that registered after this view's first read is not in `alive`
+            everyone = rnd > 0 and all(n in joins for n in v.alive) and all(n in joins for n in v.waiting)
         last_call_left = (min_seen_at or now) + s.last_call_timeout_s - now
         if len(joins) < s.max_nodes and not everyone and last_call_left > 0:
             return None, last_call_left

@@ -7,13 +7,15 @@ A broken stream reconnects with jittered backoff and resumes each watcher after 
 revision it delivered; a compacted revision costs one fresh range read.
 
 With `alive_puts=False` the alive/ range is watched for deletions only (etcd's NOPUT filter),
-until follow_alive_puts(): a node that is not yet a member of a round needs to know which
+until members_formed(): a node that is not yet a member of a round needs to know which
 nodes left, not every node that arrived. At the first meeting of N nodes, each node's
 registration would otherwise be an event at every node already watching: O(N^2) events in
 all. The alive map is then the range read's snapshot less the deletions since; a node that
-registered later is learnt by the closer from its join (rounds.py). follow_alive_puts() reads
-the alive/ range again and, on the same stream, replaces its watcher with one that sees puts
-too, from that read's revision: one range read and two watch requests per node.
+registered later is learnt by the closer from its join (rounds.py). When a round forms,
+members_formed() counts every member alive (the final says they were, at its revision) unless
+a deletion after that revision was seen, and replaces the alive watcher on the same stream
+with one that sees puts too, from the final's revision: two watch requests per node and no
+read, where re-reading alive/ cost each node O(N) keys (O(N^2) bytes in all).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class MembershipView:
         self.alive: dict[str, KeyValue] = {}
         self.smallest_alive: str | None = None  # kept up to date: the closer of a round is the smallest live id
         self.departed: dict[str, float] = {}  # node -> when its alive key was seen deleted
+        self._departed_rev: dict[str, int] = {}  # node -> the revision it was deleted at (or read missing)
         self.waiting: dict[str, KeyValue] = {}
         self.joins: dict[int, dict[str, KeyValue]] = {}
         self.finals: dict[int, KeyValue] = {}
@@ -92,39 +95,34 @@ class MembershipView:
         if stream is not None:
             stream.close()
 
-    def follow_alive_puts(self, timeout_s: float) -> bool:
-        """Watch alive/ puts from now on: read the alive range once and replace its watcher on the stream.
-        If etcd does not answer, the watch thread reads every range and reopens the stream instead, and
-        the view says it is not connected until then. True once done (at once if it already was)."""
+    def members_formed(self, nodes: tuple[str, ...], revision: int) -> None:
+        """A round of `nodes` formed at `revision` (its final's mod_revision): every member was alive then
+        (its join, on its lease, was). The view counts each member alive unless it saw the member's alive
+        key deleted after that revision, and, if it watched deletions only, follows every alive/ change
+        from revision + 1 on, on the same stream: a watch request, no read (etcd replays what changed
+        since the final). A member the view never read has an empty value in `alive` (the members'
+        incarnations come with the final)."""
         index = self._alive_index
         with self.lock:
-            if self.alive_puts or index is None:  # a view without the alive range has nothing to follow
-                self.alive_puts = True
-                return True
-        try:
-            (kvs,), rev = self._client.read_ranges([self._ranges[index]])
-        except EtcdUnavailableError:
-            with self.lock:
-                self.alive_puts, self._reload_wanted = True, True
-                done = self.reloads
-                self.connected = False
-                self.version += 1
-                self.lock.notify_all()
-            self.reconnect()
-            return self.wait_for(lambda: self.reloads > done and self.connected, timeout_s)
-        now = self._clock()
-        with self.lock:
+            for node in nodes:
+                if self._departed_rev.get(node, revision + 1) <= revision:  # left, and was back to join
+                    self.departed.pop(node, None)
+                    self._departed_rev.pop(node, None)
+                if node not in self.alive and node not in self.departed:
+                    self._set_alive(KeyValue(self._keys.alive(node), b"", revision, revision, 0))
+            if not self.alive_puts and index is not None:
+                stream = self._stream
+                if stream is not None:
+                    stream.forget(index)  # its deletions after the final come again from the new watcher
+                # Not from the old watcher's revision: that would replay every registration since this
+                # node's first read. The deletions up to the final have come on the same stream before
+                # the final did (a synced watcher's events are sent in revision order).
+                self._floors[index] = self._revs[index] = revision
+                if stream is not None:
+                    stream.add(index, self._ranges[index], revision + 1)
             self.alive_puts = True
-            stream = self._stream
-            if stream is not None:
-                stream.forget(index)  # its late events are older than this read, or come again below
-            self._replace_alive(kvs, now)
-            self._floors[index] = self._revs[index] = rev
-            if stream is not None:
-                stream.add(index, self._ranges[index], rev + 1)
             self.version += 1
             self.lock.notify_all()
-        return True
 
     def _deletes_only(self) -> frozenset[int]:
         return frozenset() if self.alive_puts or self._alive_index is None else frozenset({self._alive_index})
@@ -169,7 +167,7 @@ class MembershipView:
                 stream = self._client.open_watch(self._ranges, starts, deletes_only=filters)
                 with self.lock:
                     self._stream = stream
-                    # follow_alive_puts() came after the filters were chosen: open again
+                    # members_formed() came after the filters were chosen: open again
                     stale = self._reload_wanted or self._deletes_only() != filters
                 if self._stop.is_set() or stale:
                     stream.close()
@@ -207,12 +205,13 @@ class MembershipView:
                 self.lock.notify_all()
 
     def _reload(self) -> None:
-        ranges, rev = self._client.read_ranges(self._ranges)
+        # watching deletions only, the view needs to know which nodes are alive, not what their keys hold
+        ranges, rev = self._client.read_ranges(self._ranges, keys_only=self._deletes_only())
         now = self._clock()
         with self.lock:
             self.round, self.closed = None, False
             self.waiting, self.joins, self.finals = {}, {}, {}
-            self._replace_alive([kv for kvs in ranges for kv in kvs], now)
+            self._replace_alive([kv for kvs in ranges for kv in kvs], now, rev)
             self._revs = [rev] * len(self._ranges)
             self._floors = [rev] * len(self._ranges)
             self._reload_wanted = False
@@ -220,7 +219,7 @@ class MembershipView:
             self.version += 1
             self.lock.notify_all()
 
-    def _replace_alive(self, kvs: list[KeyValue], now: float) -> None:
+    def _replace_alive(self, kvs: list[KeyValue], now: float, rev: int) -> None:
         """Apply a range read's keys (any kind) over an emptied alive map: a node the read no longer has
         departed now. The caller holds the lock and has emptied the other maps the read covers."""
         before = set(self.alive)
@@ -228,16 +227,17 @@ class MembershipView:
         for kv in kvs:
             self._put(kv, now)
         for node in before - set(self.alive):
-            self.departed.setdefault(node, now)
+            if node not in self.departed:
+                self.departed[node], self._departed_rev[node] = now, rev
 
     def _apply(self, index: int, events: list[WatchEvent]) -> None:
         now = self._clock()
         with self.lock:
             for ev in events:
                 if ev.kv.mod_revision <= self._floors[index]:
-                    continue  # a watcher replaced by follow_alive_puts(): the read after it has this
+                    continue  # before a watcher's start (members_formed() replaced it): applied already
                 if ev.deleted:
-                    self._delete(ev.kv.key, now)
+                    self._delete(ev.kv, now)
                 else:
                     self._put(ev.kv, now)
                 self._revs[index] = max(self._revs[index], ev.kv.mod_revision)
@@ -253,10 +253,7 @@ class MembershipView:
         elif kind == "closed":
             self.closed = True
         elif kind == "alive":
-            self.alive[node] = kv
-            self.departed.pop(node, None)
-            if self.smallest_alive is None or node < self.smallest_alive:
-                self.smallest_alive = node
+            self._set_alive(kv)
         elif kind == "waiting":
             self.waiting[node] = kv
         elif kind == "join":
@@ -264,8 +261,16 @@ class MembershipView:
         elif kind == "final":
             self.finals[rnd] = kv
 
-    def _delete(self, key: str, now: float) -> None:
-        kind, rnd, node = self._keys.parse(key)
+    def _set_alive(self, kv: KeyValue) -> None:
+        node = kv.key[len(self._keys.alive_prefix):]
+        self.alive[node] = kv
+        self.departed.pop(node, None)
+        self._departed_rev.pop(node, None)
+        if self.smallest_alive is None or node < self.smallest_alive:
+            self.smallest_alive = node
+
+    def _delete(self, kv: KeyValue, now: float) -> None:
+        kind, rnd, node = self._keys.parse(kv.key)
         if kind == "round":
             self.round = None
         elif kind == "closed":
@@ -273,7 +278,7 @@ class MembershipView:
         elif kind == "alive":
             known = self.alive.pop(node, None) is not None
             if known or not self.alive_puts:  # deletes-only: a node that registered after the snapshot left
-                self.departed[node] = now
+                self.departed[node], self._departed_rev[node] = now, kv.mod_revision
             if known:
                 if node == self.smallest_alive:
                     self.smallest_alive = min(self.alive) if self.alive else None

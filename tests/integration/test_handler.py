@@ -282,3 +282,26 @@ def test_a_revoked_lease_is_registered_again_at_once_not_waited_for_as_an_outage
         assert not [r for r in caplog.records if "waiting for etcd" in r.getMessage()], caplog.text
     finally:
         a.shutdown()
+
+
+def test_an_agent_that_restarted_while_its_old_lease_lives_is_lost_at_once(etcd_endpoint, run_id, caplog):
+    """b's agent process is replaced (same node id, a new incarnation) while the old one's lease and liveness
+    port still answer: only the new alive/ value tells a, against the incarnation the final recorded."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="elastic_rt")
+    a, b = (_handler(etcd_endpoint, run_id, n, 2, 3, lease_ttl=60) for n in "ab")
+    _together([a, b])
+    assert a.membership_change() is None
+    b_again = _handler(etcd_endpoint, run_id, "b", 2, 3, lease_ttl=60, join_timeout=30)
+    waiter = threading.Thread(target=lambda: pytest.raises(RendezvousClosedError, b_again.next_rendezvous))
+    waiter.start()
+    try:
+        assert _poll(lambda: a.membership_change() == "peer_lost")
+        assert "node b lost: its agent restarted (new incarnation)" in caplog.text
+        assert a.membership_change() == "peer_lost"  # it stays lost until the group re-forms
+    finally:
+        a.set_closed()
+        waiter.join(30)
+        for h in (a, b, b_again):
+            h.leave()
