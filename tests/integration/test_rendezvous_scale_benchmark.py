@@ -44,3 +44,16 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         assert set(r["idle"]["requests"]) <= {"LeaseKeepAlive"}, r["idle"]  # watched, not polled
         assert r["ticks_per_node_s"] > 0
         assert rows[("c10d", n)]["reform_s"] is None  # --quick skips torch's 45 s re-form
+
+
+def test_handlers_per_process_are_bounded_unless_procs_is_given():
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import rendezvous_scale as bench
+    finally:
+        sys.path.remove(os.path.dirname(BENCH))
+    args = bench.parse_args([])
+    assert args.procs == 0 and args.per_proc == 32
+    assert [bench.procs_for(n, args) for n in (4, 8, 256, 512, 1024, 2048)] == [4, 8, 8, 16, 32, 64]
+    args = bench.parse_args(["--procs", "8"])
+    assert [bench.procs_for(n, args) for n in (4, 1024)] == [4, 8]
