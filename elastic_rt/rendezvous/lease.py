@@ -79,8 +79,6 @@ class NodeLease:
         self._client.put(self._keys.alive(self._node_id), self._info, lease=self._lease_id, timeout_s=timeout_s)
         self._registered = True
         self.last_renewed = sent
-        self._registered = True
-        self.last_renewed = sent
 
     def _beat(self) -> None:
         sent = self._clock()
