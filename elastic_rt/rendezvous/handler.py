@@ -316,12 +316,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         the moment its connections close, and the other nodes see it through etcd."""
         names = ring_neighbours(nodes, self.settings.node_id)
         try:  # their addresses: two keys (the view may not hold their values), one request
-            found, _ = self._client.read_ranges([(k, k.encode() + b"\0") for k in map(self.keys.alive, names)])
+            found, _, _ = self._client.read_many([self.keys.alive(n) for n in names], [])
         except EtcdUnavailableError as exc:
             log.info("node %s: ring neighbours not watched this round (%s); their leases tell",
                      self.settings.node_id, exc)
             return
-        peers = [p for n, kvs in zip(names, found) for kv in kvs if (p := parse_peer(n, kv.value, kv.lease)) is not None]
+        peers = [p for n, kv in zip(names, found) if kv is not None and (p := parse_peer(n, kv.value, kv.lease)) is not None]
         if self._peer_watch is None:
             if not peers:
                 return

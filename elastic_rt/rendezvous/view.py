@@ -109,7 +109,7 @@ class MembershipView:
                     self.departed.pop(node, None)
                     self._departed_rev.pop(node, None)
                 if node not in self.alive and node not in self.departed:
-                    self._set_alive(KeyValue(self._keys.alive(node), b"", revision, revision, 0))
+                    self._set_alive(node, KeyValue(self._keys.alive(node), b"", revision, revision, 0))
             if not self.alive_puts and index is not None:
                 stream = self._stream
                 if stream is not None:
@@ -253,7 +253,7 @@ class MembershipView:
         elif kind == "closed":
             self.closed = True
         elif kind == "alive":
-            self._set_alive(kv)
+            self._set_alive(node, kv)
         elif kind == "waiting":
             self.waiting[node] = kv
         elif kind == "join":
@@ -261,8 +261,7 @@ class MembershipView:
         elif kind == "final":
             self.finals[rnd] = kv
 
-    def _set_alive(self, kv: KeyValue) -> None:
-        node = kv.key[len(self._keys.alive_prefix):]
+    def _set_alive(self, node: str, kv: KeyValue) -> None:
         self.alive[node] = kv
         self.departed.pop(node, None)
         self._departed_rev.pop(node, None)
