@@ -148,6 +148,97 @@ class _Endpoint:
         self.maintenance = etcdrpc.MaintenanceStub(self.channel)
         self.metadata: tuple | None = None  # the auth token; None: not authenticated yet
         self.auth_lock = threading.Lock()
+        self.keepalive_lock = threading.Lock()
+        self.keepalive: _KeepAliveStream | None = None  # opened by the first keep-alive, kept while it works
+
+    def keep_alive(self, lease_id: int, timeout_s: float) -> float:
+        """One keep-alive on this endpoint's long-lived LeaseKeepAlive stream (opened on first use and
+        again after a failure or a new auth token); returns the remaining TTL. A stream that breaks or
+        does not answer within timeout_s is dropped, so the next keep-alive opens a fresh one."""
+        with self.keepalive_lock:
+            stream = self.keepalive
+            if stream is None or stream.metadata is not self.metadata:
+                if stream is not None:
+                    stream.close()
+                stream = self.keepalive = _KeepAliveStream(self, self.label)
+            try:
+                return stream.beat(lease_id, timeout_s)
+            except BaseException:
+                stream.close()
+                self.keepalive = None
+                raise
+
+    def close(self) -> None:
+        with self.keepalive_lock:
+            if self.keepalive is not None:
+                self.keepalive.close()
+                self.keepalive = None
+        self.channel.close()
+
+
+class _StreamFailure(grpc.RpcError):
+    """A long-lived stream's reply did not come in time, or the stream ended: reported to EtcdClient._call
+    like the same failure of a unary call (DEADLINE_EXCEEDED, UNAVAILABLE), so it fails over alike."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _KeepAliveStream:
+    """One LeaseKeepAlive stream held open, as etcd's own clients do: a keep-alive is a message on it,
+    not a new stream (a new stream costs gRPC a thread and ~4x the CPU of a message). One keep-alive
+    at a time (the caller holds the endpoint's lock); a thread reads the replies."""
+
+    def __init__(self, ep: _Endpoint, label: str) -> None:
+        self.metadata = ep.metadata
+        self._requests: queue.Queue = queue.Queue()
+        self._replies: queue.Queue = queue.Queue()
+        self._closed = False
+        self._stream = ep.lease.LeaseKeepAlive(self._outgoing(), metadata=self.metadata)
+        self._reader = threading.Thread(target=self._read, name=f"elastic-rt-keepalive-{label}", daemon=True)
+        self._reader.start()
+
+    def _outgoing(self):
+        while (req := self._requests.get()) is not None:
+            yield req
+
+    def _read(self) -> None:
+        try:
+            for resp in self._stream:
+                self._replies.put(resp)
+            self._replies.put(_StreamFailure(grpc.StatusCode.UNAVAILABLE, "etcd ended the keep-alive stream"))
+        except grpc.RpcError as exc:
+            self._replies.put(exc)
+
+    def beat(self, lease_id: int, timeout_s: float) -> float:
+        while not self._replies.empty():  # nothing is outstanding: anything queued is the stream's end
+            reply = self._replies.get_nowait()
+            if isinstance(reply, BaseException):
+                raise reply
+        self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = self._replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise _StreamFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s") from None
+            if isinstance(reply, BaseException):
+                raise reply
+            if reply.ID == lease_id:
+                return float(reply.TTL)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._requests.put(None)
+            self._stream.cancel()
 
 
 def _read(path: str | None) -> bytes | None:
@@ -221,7 +312,7 @@ class EtcdClient:
 
     def close(self) -> None:
         for ep in self._endpoints:
-            ep.channel.close()
+            ep.close()
 
     def _call(self, fn: Callable[[_Endpoint, float], object], timeout_s: float | None = None,
               attempts: int | None = None):
@@ -397,18 +488,11 @@ class EtcdClient:
     def refresh_lease(self, lease_id: int, *, timeout_s: float | None = None, attempts: int | None = None) -> float:
         """Send one keep-alive; returns the remaining TTL (0 or less: the lease is gone).
 
-        The lease thread passes a deadline of at most a third of the TTL and one attempt,
-        so a hung member costs one beat, and the next beat goes to the next endpoint.
+        A message on the endpoint's long-lived keep-alive stream. The lease thread passes a
+        deadline of at most a third of the TTL and one attempt, so a hung member costs one beat,
+        and the next beat goes to the next endpoint (on a stream of its own).
         """
-
-        def once(ep: _Endpoint, t: float) -> float:
-            for resp in ep.lease.LeaseKeepAlive(
-                iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=t, metadata=ep.metadata
-            ):
-                return float(resp.TTL)
-            return 0.0
-
-        return self._call(once, timeout_s=timeout_s, attempts=attempts)
+        return self._call(lambda ep, t: ep.keep_alive(lease_id, t), timeout_s=timeout_s, attempts=attempts)
 
     def revoke_lease(self, lease_id: int) -> None:
         req = etcdrpc.LeaseRevokeRequest(ID=lease_id)

@@ -19,9 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class NodeLease:
-    """Grants a lease of `ttl_s` and keeps it alive: a beat every ttl_s/3, each with a deadline of
-    ttl_s/3 on one endpoint (the next beat goes to the next endpoint), jittered exponential backoff
-    while etcd does not answer.
+    """Grants a lease of `ttl_s` and keeps it alive: a beat every ttl_s/3 (a message on the client's
+    long-lived keep-alive stream), each with a deadline of ttl_s/3 on one endpoint (the next beat goes
+    to the next endpoint), jittered exponential backoff while etcd does not answer.
 
     Keys put with `lease_id` vanish `ttl_s` after this process stops refreshing (SIGKILL,
     partition, hang): that is how peers learn of a dead node, with no dependence on anybody's

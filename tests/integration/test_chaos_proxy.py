@@ -5,8 +5,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_rt.chaos.etcd_server import EtcdCluster
 from elastic_rt.chaos.proxy import TcpProxy
@@ -222,5 +224,44 @@ def test_etcd_client_through_proxy_fails_within_deadline_then_recovers(etcd_host
             assert kv is not None and kv.value == b"3"
             kv, _ = client.get("/proxy-test")
             assert kv is not None and kv.value in (b"1", b"2")
+        finally:
+            client.close()
+
+
+def _keepalive_counts(member) -> tuple[float, float]:
+    """(LeaseKeepAlive streams etcd saw started, keep-alive messages it received), from its /metrics."""
+    with urllib.request.urlopen(f"http://{member.endpoint}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    counts = {"grpc_server_started": 0.0, "grpc_server_msg_received": 0.0}
+    for fam in text_string_to_metric_families(text):
+        if fam.name in counts:
+            counts[fam.name] += sum(s.value for s in fam.samples
+                                    if s.name.endswith("_total") and s.labels.get("grpc_method") == "LeaseKeepAlive")
+    return counts["grpc_server_started"], counts["grpc_server_msg_received"]
+
+
+def test_lease_keepalives_share_one_stream_and_a_silent_member_costs_one_beat(etcd_host):
+    m = etcd_host.members[0]
+    with TcpProxy(m.host, m.client_port, listen_host=m.host) as proxy:
+        # the proxied endpoint first, then the member itself: a beat that fails goes to the next one
+        client = EtcdClient(EtcdConfig(endpoints=((m.host, proxy.port), (m.host, m.client_port))))
+        try:
+            lease = client.grant_lease(30)
+            started, received = _keepalive_counts(m)
+            for _ in range(10):
+                assert client.refresh_lease(lease, timeout_s=2.0, attempts=1) > 0
+            started_after, received_after = _keepalive_counts(m)
+            assert (started_after - started, received_after - received) == (1, 10)  # one stream, ten messages
+
+            proxy.cut("blackhole")  # the stream's connection goes silent: no error, no answer
+            t0 = time.monotonic()
+            with pytest.raises(EtcdUnavailableError, match="no answer within 1 s"):
+                client.refresh_lease(lease, timeout_s=1.0, attempts=1)
+            assert time.monotonic() - t0 < 10.0  # its own deadline ended it (generous for a loaded machine)
+            assert client.current_endpoint.endswith(f":{m.client_port}")  # failed over to the member itself
+            assert client.refresh_lease(lease, timeout_s=2.0, attempts=1) > 0  # the next beat, the next endpoint
+
+            client.revoke_lease(lease)
+            assert client.refresh_lease(lease, timeout_s=2.0, attempts=1) <= 0  # gone, said on the stream
         finally:
             client.close()
