@@ -15,11 +15,12 @@ Protocol (keys from RunKeys):
 
 Every node keeps a local view of these keys (MembershipView) except the joins and the
 stores: one range read, then one watch stream from that read's revision. Until the node is
-a member of a round the view watches only deletions of alive/ keys (at a first meeting
-every registration would be an event at every node: O(N^2)) and reads alive/ keys without
-values; when its first round forms it counts the members alive (the final lists them, with
+a member of a round the view knows one alive/ key, the smallest below its own id, and
+watches it for deletion (the closer is the smallest live node; at a first meeting every
+registration, or every lapse, would otherwise be an event at every node: O(N^2)); when its
+first round forms it counts the members alive (the final lists them, with
 each one's incarnation from its join) and follows every alive/ change from the final's
-revision on, without reading alive/ again (N keys at each of N nodes). The agent's
+revision on, without reading alive/ (N keys at each of N nodes). The agent's
 monitor tick and the rendezvous loop read only the view; an idle job costs etcd the lease
 keepalives and nothing else.
 
@@ -107,7 +108,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._lease = NodeLease(
             client, self.keys, settings.node_id, ttl_s=settings.lease_ttl_s, health=self.health,
             info={"addr": settings.local_addr}, local_addr=settings.local_addr, clock=clock,
-            on_beat=self._follow_failover,
+            on_beat=self._follow_failover, on_granted=lambda: self._view.changed(),
         )
         self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock, alive_puts=False)
         self._started = False

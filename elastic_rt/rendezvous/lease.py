@@ -32,7 +32,8 @@ class NodeLease:
 
     def __init__(self, client: EtcdClient, keys: RunKeys, node_id: str, *, ttl_s: float, info: dict,
                  health: EtcdHealth, local_addr: str = "0.0.0.0", clock: Callable[[], float] = time.monotonic,
-                 backoff: Backoff | None = None, on_beat: Callable[[], None] = lambda: None) -> None:
+                 backoff: Backoff | None = None, on_beat: Callable[[], None] = lambda: None,
+                 on_granted: Callable[[], None] = lambda: None) -> None:
         self._client = client
         self._keys = keys
         self._node_id = node_id
@@ -42,6 +43,7 @@ class NodeLease:
         self._clock = clock
         self._backoff = backoff or Backoff(base_s=0.1, cap_s=2.0)
         self._on_beat = on_beat
+        self._on_granted = on_granted  # after every grant: a new lease id (joins put on the old one are gone)
         self._listener = LivenessListener(local_addr)
         self.incarnation = uuid.uuid4().hex[:12]
         self._info = json.dumps({**info, "liveness_port": self._listener.port, "incarnation": self.incarnation}).encode()
@@ -79,6 +81,7 @@ class NodeLease:
         self._client.put(self._keys.alive(self._node_id), self._info, lease=self._lease_id, timeout_s=timeout_s)
         self._registered = True
         self.last_renewed = sent
+        self._on_granted()
 
     def _beat(self) -> None:
         sent = self._clock()
@@ -110,6 +113,10 @@ class NodeLease:
                 self._health.failure(str(exc))
                 wait = self._backoff.next()
                 continue
+            except ValueError:  # gRPC: "closed channel": the client was closed while stop() waited for this beat
+                if self._stop.is_set():
+                    return
+                raise
             self._health.success()
             self._backoff.reset()
             self._on_beat()

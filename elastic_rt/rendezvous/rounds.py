@@ -145,13 +145,16 @@ class Rounds:
         joined_with = 0  # the lease our join key is attached to
         written: KeyValue | None = None  # the final as our own create-only write returned it
         smaller: str | None = None  # a node with a smaller id, learnt from its join while we acted as closer
+        asked_at = 0  # the view's read count when it was asked to read again for `smaller`
         try:
             while True:
                 with v.lock:
                     version = v.version, tracker.version if tracker else 0
                     closed, cur, final = v.closed, v.current_round(), v.finals.get(rnd) or written
                     closer = v.smallest_alive or s.node_id
-                    if smaller is not None and smaller in v.departed:
+                    # `smaller` stands until it leaves or, for a view that watches the smallest node only, until
+                    # the view has read again (it then watches a live smaller node, or knows there is none)
+                    if smaller is not None and (smaller in v.departed or (not v.alive_puts and v.reloads > asked_at)):
                         smaller = None
                     closer = min(closer, smaller) if smaller is not None else closer
                 if closed:
@@ -181,7 +184,10 @@ class Rounds:
                 now = self._clock()
                 if closer == s.node_id:
                     if tracker is None:
-                        tracker = MembershipView(c, k, node_id=s.node_id, ranges=[k.join_range(rnd)], lock=v.lock,
+                        # A re-formation closes when every live node joined: a closer whose view does not follow
+                        # alive/ (not a member yet) has its tracker follow alive/ too (one node, O(N) events).
+                        ranges = [k.join_range(rnd)] + ([k.alive_range] if rnd > 0 and not v.alive_puts else [])
+                        tracker = MembershipView(c, k, node_id=s.node_id, ranges=ranges, lock=v.lock,
                                                  clock=self._clock)
                         tracker.start()
                         continue
@@ -190,6 +196,9 @@ class Rounds:
                     lower = [n for n in joins if n < s.node_id]
                     if lower:
                         smaller = min(lower)
+                        with v.lock:
+                            asked_at = v.reloads
+                        v.refresh()  # a view that watches the smallest node only: find it again
                         continue
                 else:
                     if tracker is not None:  # a node with a smaller id is alive now: it closes
@@ -200,7 +209,8 @@ class Rounds:
                         read = {k.parse(kv.key)[2]: kv for kv in kvs}
                         read_due = now + fallback_s * (1 + self._rng())
                     joins = read or {}
-                members, wait_s = self._closable(rnd, joins, now, min_seen_at)
+                alive_view = v if v.alive_puts else tracker  # a view that follows every alive/ change, if any
+                members, wait_s = self._closable(rnd, joins, now, min_seen_at, alive_view)
                 if members is not None or len(joins) >= s.min_nodes:
                     min_seen_at = min_seen_at or now
                 if members is None:
@@ -225,16 +235,19 @@ class Rounds:
             if tracker is not None:
                 tracker.stop()
 
-    def _closable(self, rnd: int, joins: dict[str, KeyValue], now: float,
-                  min_seen_at: float | None) -> tuple[list[str] | None, float]:
+    def _closable(self, rnd: int, joins: dict[str, KeyValue], now: float, min_seen_at: float | None,
+                  alive_view: MembershipView | None) -> tuple[list[str] | None, float]:
         """(the members, in rank order, if round rnd can close on these joins now, else None; how long
-        until the last call ends). Ranks follow node ids, so rank 0 stays put across rounds."""
+        until the last call ends). Ranks follow node ids, so rank 0 stays put across rounds.
+        `alive_view` follows every alive/ change (None: no view here does; then only MAX joins or the
+        last call close a round)."""
         s, v = self.settings, self._view
         if s.node_id not in joins or len(joins) < s.min_nodes:
             return None, float("inf")
         with v.lock:
             # waiting/ nodes too: one that registered after this view's first read is not in `alive`
-            everyone = rnd > 0 and all(n in joins for n in v.alive) and all(n in joins for n in v.waiting)
+            everyone = (rnd > 0 and alive_view is not None and all(n in joins for n in alive_view.alive)
+                        and all(n in joins for n in v.waiting))
         last_call_left = (min_seen_at or now) + s.last_call_timeout_s - now
         if len(joins) < s.max_nodes and not everyone and last_call_left > 0:
             return None, last_call_left

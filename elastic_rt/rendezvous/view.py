@@ -6,16 +6,21 @@ etcd nothing: the agent's monitor tick and the rendezvous loop only read local s
 A broken stream reconnects with jittered backoff and resumes each watcher after the last
 revision it delivered; a compacted revision costs one fresh range read.
 
-With `alive_puts=False` the alive/ range is watched for deletions only (etcd's NOPUT filter),
-until members_formed(): a node that is not yet a member of a round needs to know which
-nodes left, not every node that arrived. At the first meeting of N nodes, each node's
-registration would otherwise be an event at every node already watching: O(N^2) events in
-all. The alive map is then the range read's snapshot less the deletions since; a node that
-registered later is learnt by the closer from its join (rounds.py). When a round forms,
-members_formed() counts every member alive (the final says they were, at its revision) unless
-a deletion after that revision was seen, and replaces the alive watcher on the same stream
-with one that sees puts too, from the final's revision: two watch requests per node and no
-read, where re-reading alive/ cost each node O(N) keys (O(N^2) bytes in all).
+With `alive_puts=False` the alive/ range is not watched at all until members_formed(): the view reads
+the smallest alive/ key below its node's own id (one key: etcd applies the limit while it reads) and
+watches that one key for its deletion. The closer of a round is the smallest live node, and that is all
+a node that is not yet a member must know. Watching every deletion instead made each lease that lapsed
+an event at every node: at a first meeting of 1,024 simulated nodes on 2 cores, a few lapses woke 1,023
+nodes each, which made more keepalives late and more leases lapse (1,000-2,000 watch events per node; the
+meeting never formed). Now a lapse is an event at no node unless it is the smallest's; then each node
+reads the next smallest (a small read and a new stream per node: the one fan-out left, for one node).
+A node that registers later with a smaller id is learnt by whoever acts as closer from its join, and
+refresh() makes the view read again (rounds.py). When a round forms, members_formed() counts every
+member alive (the final says they were, at its revision) unless a deletion after that revision was
+seen, and replaces the alive watcher on the same stream with one that sees every change of alive/, from
+the final's revision: two watch requests per node and no read, where re-reading alive/ cost each node
+O(N) keys (O(N^2) bytes in all). This node's own alive/ key is not watched before that: NodeLease tells
+the view (changed()) when it granted a new lease, so that the rendezvous loop joins again.
 """
 
 from __future__ import annotations
@@ -52,14 +57,18 @@ class MembershipView:
         self._backoff = backoff or Backoff()
         self._ranges = ranges or keys.watch_ranges()
         self._alive_index = self._ranges.index(keys.alive_range) if keys.alive_range in self._ranges else None
-        self.alive_puts = alive_puts  # False: alive/ puts are not watched (see the module docstring)
+        self.alive_puts = alive_puts  # False: only the smallest live node's alive/ key is watched (module docstring)
+        self._below = (keys.alive_prefix, keys.alive(node_id).encode())  # alive/ keys of smaller node ids
+        self._smallest: str | None = None  # while alive_puts is False: the alive/ key watched (None: no smaller node)
         self._reload_wanted = False
         self.reloads = 0
         self.lock = lock or threading.Condition()
         self.round: KeyValue | None = None
         self.closed = False
         self.alive: dict[str, KeyValue] = {}
-        self.smallest_alive: str | None = None  # kept up to date: the closer of a round is the smallest live id
+        # the closer of a round is the smallest live id: this is the smallest alive/ id the view knows (while it
+        # watches the smallest live node only: that node if its id is smaller than this node's, else None)
+        self.smallest_alive: str | None = None
         self.departed: dict[str, float] = {}  # node -> when its alive key was seen deleted
         self._departed_rev: dict[str, int] = {}  # node -> the revision it was deleted at (or read missing)
         self.waiting: dict[str, KeyValue] = {}
@@ -91,6 +100,26 @@ class MembershipView:
     def reconnect(self) -> None:
         """Drop the stream; the thread reopens it on the client's current endpoint (after a failover)."""
         with self.lock:
+            stream = self._stream
+        if stream is not None:
+            stream.close()
+
+    def changed(self) -> None:
+        """Something the view's readers depend on changed outside it (this node's lease was granted anew):
+        wake whoever waits on the view. While the view watches the smallest node only, this node's own alive/
+        key is not watched, so its loss is not an event here."""
+        with self.lock:
+            self.version += 1
+            self.lock.notify_all()
+
+    def refresh(self) -> None:
+        """Read again (a node with a smaller id than this one registered after the last read): while the view
+        watches the smallest node only, the read finds it. Nothing to do for a view that follows
+        every alive/ change."""
+        with self.lock:
+            if not self._deletes_only():
+                return
+            self._reload_wanted = True
             stream = self._stream
         if stream is not None:
             stream.close()
@@ -164,7 +193,8 @@ class MembershipView:
                     reload = False
                 with self.lock:
                     filters, starts = self._deletes_only(), [r + 1 for r in self._revs]
-                stream = self._client.open_watch(self._ranges, starts, deletes_only=filters)
+                    ranges = self._watched_ranges(filters)
+                stream = self._client.open_watch(ranges, starts, deletes_only=filters)
                 with self.lock:
                     self._stream = stream
                     # members_formed() came after the filters were chosen: open again
@@ -204,11 +234,29 @@ class MembershipView:
                 self.version += 1
                 self.lock.notify_all()
 
+    def _watched_ranges(self, smallest_only: frozenset[int]) -> list[tuple[str, bytes]]:
+        """The ranges the stream watches: while alive_puts is False the alive/ watcher covers one key, the
+        smallest live node's (or, with none below this node, the key alive/ itself, which no node has).
+        Caller holds the lock."""
+        ranges = list(self._ranges)
+        for i in smallest_only:
+            key = self._smallest or self._keys.alive_prefix
+            ranges[i] = (key, key.encode() + b"\0")
+        return ranges
+
     def _reload(self) -> None:
-        # watching deletions only, the view needs to know which nodes are alive, not what their keys hold
-        ranges, rev = self._client.read_ranges(self._ranges, keys_only=self._deletes_only())
+        with self.lock:
+            pred = self._deletes_only()
+        # while alive_puts is False: the smallest alive/ key if it is below this node's, without its value
+        ranges = [self._below if i in pred else r for i, r in enumerate(self._ranges)]
+        ranges, rev = self._client.read_ranges(ranges, keys_only=pred, first_only=pred)
         now = self._clock()
         with self.lock:
+            if self._deletes_only() != pred:  # members_formed() came meanwhile: read again, every alive/ key
+                self._reload_wanted = True
+                return
+            if pred:
+                self._smallest = ranges[self._alive_index][0].key if ranges[self._alive_index] else None
             self.round, self.closed = None, False
             self.waiting, self.joins, self.finals = {}, {}, {}
             self._replace_alive([kv for kvs in ranges for kv in kvs], now, rev)
@@ -276,11 +324,17 @@ class MembershipView:
             self.closed = False
         elif kind == "alive":
             known = self.alive.pop(node, None) is not None
-            if known or not self.alive_puts:  # deletes-only: a node that registered after the snapshot left
-                self.departed[node], self._departed_rev[node] = now, kv.mod_revision
             if known:
-                if node == self.smallest_alive:
-                    self.smallest_alive = min(self.alive) if self.alive else None
+                self.departed[node], self._departed_rev[node] = now, kv.mod_revision
+            if self._deletes_only():
+                # the smallest node left: until the next read finds the next smallest (the stream is closed and
+                # reopened after it), smallest_alive stays as it was: somebody smaller may still be alive
+                if kv.key == self._smallest:
+                    self._reload_wanted = True
+                    if self._stream is not None:
+                        self._stream.close()
+            elif known and node == self.smallest_alive:
+                self.smallest_alive = min(self.alive) if self.alive else None
         elif kind == "waiting":
             self.waiting.pop(node, None)
         elif kind == "join":

@@ -305,3 +305,39 @@ def test_an_agent_that_restarted_while_its_old_lease_lives_is_lost_at_once(etcd_
         waiter.join(30)
         for h in (a, b, b_again):
             h.leave()
+
+
+def test_a_node_whose_lease_lapsed_while_it_waited_joins_again_at_once(etcd_endpoint, etcd_client, run_id):
+    """A node waiting in a first meeting does not watch its own alive/ key (it watches the smallest live node's
+    only): when its lease is lost its join goes with it, and its new lease must wake it to join again, not its
+    fallback read (last call 120 s here: the round would wait for it that long)."""
+    a, b, c = (_handler(etcd_endpoint, run_id, n, 3, 3, lease_ttl=3, last_call_timeout=120) for n in "abc")
+    done: dict[str, int] = {}
+    errors: list[BaseException] = []
+
+    def go(h):
+        try:
+            done[h.settings.node_id] = h.next_rendezvous().world_size
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(h,), daemon=True) for h in (a, b)]
+    try:
+        for t in threads:
+            t.start()
+        keys = b.keys
+        assert _poll(lambda: len(etcd_client.list_prefix(keys.join_prefix(0), keys_only=True)[0]) == 2)
+        old = b._lease.lease_id
+        etcd_client.revoke_lease(old)  # b's lease lapses while it waits: its join is deleted with it
+        assert _poll(lambda: b._lease.lease_id not in (0, old))  # the lease thread's next beat (1 s) registers b again
+        assert _poll(lambda: etcd_client.get(keys.join(0, "b"))[0] is not None)  # ... and b joins again
+        threads.append(threading.Thread(target=go, args=(c,), daemon=True))
+        threads[-1].start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert done == {"a": 3, "b": 3, "c": 3}
+    finally:
+        for h in (a, b, c):
+            h.leave()
+            h.close()

@@ -22,8 +22,8 @@ N = 64
 # Requests per node per round, keepalives aside. Today: lease grant + alive put and the view's
 # read + its stream's four watchers (first round only), join put, at most one CAS on `round` and
 # one on `final` (only the closer, unless it is late); when the first round forms, the alive/
-# watcher replaced (cancel + create: until then it saw deletions only, so that N registrations
-# are not N events at each of N nodes; no re-read: the final says who was alive) and one read of
+# watcher replaced (cancel + create: until then it watched one key, the smallest live node's, so that
+# N registrations or lapses are not N events at each of N nodes; no re-read: the final says who was alive) and one read of
 # the two ring neighbours' alive keys (their liveness ports). Rank 0's store address travels in the
 # final, so the round's c10d store is not touched. Before the watches it was ~15 at N = 64 and
 # grew with N (~52 at 256).

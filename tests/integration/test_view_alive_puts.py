@@ -1,6 +1,8 @@
-"""MembershipView against a real etcd: before its node is a member of a round it watches only deletions
-of alive/ keys (no O(N^2) events at a first meeting); when a round forms, members_formed() counts the
-members alive without reading alive/ (O(N) keys per node) and follows every change from the final's
+"""MembershipView against a real etcd: before its node is a member of a round it watches one alive/ key, the
+smallest live node's if that id is below its own (the closer of a round is the smallest live node), for
+deletion: a node that registers or leaves is not an event at every node (O(N) events per lapse at a first
+meeting, each waking a node, was what made a meeting of 1,024 simulated nodes collapse). When a round forms,
+members_formed() counts the members alive without reading alive/ and follows every change from the final's
 revision on, on the same stream."""
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from elastic_rt.rendezvous.view import MembershipView
 @pytest.fixture
 def view_and_keys(etcd_client, run_id):
     keys = RunKeys(run_id)
-    etcd_client.put(keys.alive("a"), b"{}")
-    etcd_client.put(keys.alive("m"), b"{}")
+    for node in ("c", "e", "m", "x"):
+        etcd_client.put(keys.alive(node), b"{}")
     view = MembershipView(etcd_client, keys, node_id="m", alive_puts=False)
     view.start()
     assert view.wait_for(lambda: view.connected, 10)
@@ -23,53 +25,72 @@ def view_and_keys(etcd_client, run_id):
     view.stop()
 
 
-def test_deletes_only_until_a_round_forms_then_every_change_without_a_read(etcd_client, view_and_keys,
+def _settled(view, c, keys, value: bytes) -> None:
+    """Every change made before this call has reached the view (a later event on the same stream has)."""
+    c.put(keys.round, value)
+    assert view.wait_for(lambda: view.round is not None and view.round.value == value, 10)
+
+
+def test_smallest_only_until_a_round_forms_then_every_change_without_a_read(etcd_client, view_and_keys,
                                                                             monkeypatch):
     view, keys = view_and_keys
     c = etcd_client
-    with view.lock:
-        assert set(view.alive) == {"a", "m"} and view.smallest_alive == "a"
+    with view.lock:  # the first read: the smallest id (it is below m), without its value
+        assert set(view.alive) == {"c"} and view.smallest_alive == "c" and view.alive["c"].value == b""
+        reloads = view.reloads
 
-    # a registration after the snapshot is not an event; a deletion is, also of a node the view never saw
+    # neither a registration nor the deletion of another node is an event here
     c.put(keys.alive("b"), b"{}")
-    c.put(keys.alive("z"), b"{}")
-    c.delete(keys.alive("z"))
-    c.delete(keys.alive("a"))
-    c.put(keys.alive("d"), b"{}")
-    c.delete(keys.alive("d"))  # d leaves before the round forms, and is back to join it
-    c.put(keys.alive("d"), b"{}")
-    c.put(keys.alive("e"), b"{}")
-    _, final = c.compare_and_put(keys.final(0), b"{}", expected_mod_revision=None)  # the round forms
-    c.delete(keys.alive("e"))  # a member gone after the final, before this node heard of the round
-    c.put(keys.round, b"0")  # an event after all of the above: the view has applied them all
-    assert view.wait_for(lambda: view.round is not None and "e" in view.departed, 10)
+    c.delete(keys.alive("e"))
+    c.delete(keys.alive("x"))
+    _settled(view, c, keys, b"0")
     with view.lock:
-        assert set(view.alive) == {"m"} and view.smallest_alive == "m"
-        assert {"a", "z", "d"} <= set(view.departed)
+        assert set(view.alive) == {"c"} and not view.departed and view.reloads == reloads
+
+    # the smallest node's deletion is: the view reads again and watches the next smallest (b came after the first read)
+    c.delete(keys.alive("c"))
+    assert view.wait_for(lambda: view.smallest_alive == "b" and "c" in view.departed, 10)
+    with view.lock:
+        assert set(view.alive) == {"b"} and view.reloads == reloads + 1
+    c.delete(keys.alive("b"))  # the last node below m: none left, m would close a round
+    assert view.wait_for(lambda: view.smallest_alive is None and "b" in view.departed, 10)
+    c.put(keys.alive("b"), b"{}")  # b is back (and m, acting as closer, would learn it from b's join)
+    view.refresh()
+    assert view.wait_for(lambda: view.smallest_alive == "b", 10)
+
+    c.put(keys.alive("p"), b"{}")
+    c.delete(keys.alive("p"))  # p leaves before the round forms, and is back to join it
+    c.put(keys.alive("p"), b"{}")
+    c.put(keys.alive("q"), b"{}")
+    _, final = c.compare_and_put(keys.final(0), b"{}", expected_mod_revision=None)  # the round forms
+    c.delete(keys.alive("q"))  # a member gone after the final, before this node heard of the round
+    _settled(view, c, keys, b"1")
 
     reads = []
     monkeypatch.setattr(c, "read_ranges", lambda *a, **k: reads.append(a))  # members_formed() reads nothing
-    view.members_formed(("b", "d", "e", "m"), final.mod_revision)
+    view.members_formed(("b", "m", "p", "q"), final.mod_revision)
     with view.lock:
-        assert set(view.alive) == {"b", "d", "m"} and view.smallest_alive == "b"
-        assert view.alive["b"].value == b""  # known alive from the final, never read
-        assert "d" not in view.departed and "e" in view.departed and "a" in view.departed
+        assert {"b", "m", "p"} <= set(view.alive) and view.smallest_alive == "b"
+        assert view.alive["p"].value == b""  # known alive from the final, never read
+        assert "p" not in view.departed
         assert view.connected
+    # q's deletion, after the final, comes again from the watcher that replaced the smallest node's
+    assert view.wait_for(lambda: "q" in view.departed and "q" not in view.alive, 10)
     assert reads == []
 
     # from now on every change comes, on the same stream
     endpoint = view.stream_endpoint
-    c.put(keys.alive("c"), b'{"incarnation": "1"}')
+    c.put(keys.alive("d"), b'{"incarnation": "1"}')
     c.delete(keys.alive("b"))
-    assert view.wait_for(lambda: "c" in view.alive and "b" not in view.alive and "b" in view.departed, 10)
-    c.put(keys.alive("c"), b'{"incarnation": "2"}')
-    assert view.wait_for(lambda: view.alive["c"].value == b'{"incarnation": "2"}', 10)
-    c.put(keys.alive("e"), b'{"incarnation": "3"}')  # the member that left registers again
-    assert view.wait_for(lambda: "e" in view.alive and "e" not in view.departed, 10)
+    assert view.wait_for(lambda: "d" in view.alive and "b" not in view.alive and "b" in view.departed, 10)
+    c.put(keys.alive("d"), b'{"incarnation": "2"}')
+    assert view.wait_for(lambda: view.alive["d"].value == b'{"incarnation": "2"}', 10)
+    c.put(keys.alive("q"), b'{"incarnation": "3"}')  # the member that left registers again
+    assert view.wait_for(lambda: "q" in view.alive and "q" not in view.departed, 10)
     assert view.stream_endpoint == endpoint
-    view.members_formed(("c", "e", "m"), final.mod_revision)  # a later round: the watch stays as it is
+    view.members_formed(("d", "m", "q"), final.mod_revision)  # a later round: the watch stays as it is
     with view.lock:
-        assert set(view.alive) == {"c", "d", "e", "m"} and view.alive["c"].value == b'{"incarnation": "2"}'
+        assert {"d", "m", "p", "q"} == set(view.alive) and view.alive["d"].value == b'{"incarnation": "2"}'
     assert reads == [] and view.stream_endpoint == endpoint
 
 
