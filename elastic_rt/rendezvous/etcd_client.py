@@ -153,8 +153,10 @@ class _Endpoint:
 
     def keep_alive(self, lease_id: int, timeout_s: float) -> float:
         """One keep-alive on this endpoint's long-lived LeaseKeepAlive stream (opened on first use and
-        again after a failure or a new auth token); returns the remaining TTL. A stream that breaks or
-        does not answer within timeout_s is dropped, so the next keep-alive opens a fresh one."""
+        again after it broke or the auth token changed); returns the remaining TTL. A reply that does not
+        come within timeout_s fails this call, and the stream stays: the request may still reach etcd
+        and renew the lease (cancelling would drop it wherever it waits, in a loaded client too), and
+        its late reply is skipped by the next keep-alive here. A stream that broke is dropped."""
         with self.keepalive_lock:
             stream = self.keepalive
             if stream is None or stream.metadata is not self.metadata:
@@ -163,6 +165,11 @@ class _Endpoint:
                 stream = self.keepalive = _KeepAliveStream(self, self.label)
             try:
                 return stream.beat(lease_id, timeout_s)
+            except _StreamFailure as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    stream.close()
+                    self.keepalive = None
+                raise
             except BaseException:
                 stream.close()
                 self.keepalive = None
@@ -194,13 +201,16 @@ class _StreamFailure(grpc.RpcError):
 class _KeepAliveStream:
     """One LeaseKeepAlive stream held open, as etcd's own clients do: a keep-alive is a message on it,
     not a new stream (a new stream costs gRPC a thread and ~4x the CPU of a message). One keep-alive
-    at a time (the caller holds the endpoint's lock); a thread reads the replies."""
+    at a time (the caller holds the endpoint's lock); a thread reads the replies. etcd answers every
+    request on the stream once, in order, so the reply to the n-th request is the n-th reply: replies
+    to requests that timed out earlier are skipped."""
 
     def __init__(self, ep: _Endpoint, label: str) -> None:
         self.metadata = ep.metadata
         self._requests: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
         self._closed = False
+        self._sent = self._received = 0
         self._stream = ep.lease.LeaseKeepAlive(self._outgoing(), metadata=self.metadata)
         self._reader = threading.Thread(target=self._read, name=f"elastic-rt-keepalive-{label}", daemon=True)
         self._reader.start()
@@ -218,11 +228,8 @@ class _KeepAliveStream:
             self._replies.put(exc)
 
     def beat(self, lease_id: int, timeout_s: float) -> float:
-        while not self._replies.empty():  # nothing is outstanding: anything queued is the stream's end
-            reply = self._replies.get_nowait()
-            if isinstance(reply, BaseException):
-                raise reply
         self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
+        self._sent += 1
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -231,8 +238,9 @@ class _KeepAliveStream:
                 raise _StreamFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s") from None
             if isinstance(reply, BaseException):
                 raise reply
-            if reply.ID == lease_id:
-                return float(reply.TTL)
+            self._received += 1
+            if self._received == self._sent:  # the reply to this request (earlier ones' came late)
+                return float(reply.TTL) if reply.ID == lease_id else 0.0
 
     def close(self) -> None:
         if not self._closed:

@@ -265,3 +265,25 @@ def test_lease_keepalives_share_one_stream_and_a_silent_member_costs_one_beat(et
             assert client.refresh_lease(lease, timeout_s=2.0, attempts=1) <= 0  # gone, said on the stream
         finally:
             client.close()
+
+
+def test_a_late_keepalive_reply_is_skipped_and_the_stream_kept(etcd_host):
+    m = etcd_host.members[0]
+    with TcpProxy(m.host, m.client_port, listen_host=m.host) as proxy:
+        client = EtcdClient(EtcdConfig(endpoints=((m.host, proxy.port),)))
+        try:
+            lease = client.grant_lease(30)
+            assert client.refresh_lease(lease, timeout_s=2.0, attempts=1) > 0
+            started, received = _keepalive_counts(m)
+            proxy.cut("blackhole")  # the request waits in the proxy: late, not lost
+            with pytest.raises(EtcdUnavailableError, match="no answer within 1 s"):
+                client.refresh_lease(lease, timeout_s=1.0, attempts=1)
+            proxy.heal()
+            # the stalled request reaches etcd (it renews the lease) and its reply comes late; the next
+            # keep-alive, on the same stream, takes the reply to its own request
+            _poll(lambda: _keepalive_counts(m)[1] - received >= 1 or (_ for _ in ()).throw(AssertionError()))
+            client.revoke_lease(lease)
+            assert client.refresh_lease(lease, timeout_s=5.0, attempts=1) <= 0  # not the late "alive" reply
+            assert _keepalive_counts(m)[0] - started == 0  # no new stream
+        finally:
+            client.close()
