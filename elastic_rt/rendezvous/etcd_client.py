@@ -162,17 +162,14 @@ class _Endpoint:
             if stream is None or stream.metadata is not self.metadata:
                 if stream is not None:
                     stream.close()
-                stream = self.keepalive = _KeepAliveStream(self, self.label)
+                stream = self.keepalive = _KeepAliveStream(self)
             try:
                 return stream.beat(lease_id, timeout_s)
-            except _StreamFailure as exc:
-                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            except BaseException as exc:
+                late = isinstance(exc, _StreamFailure) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if not late:  # the stream broke (or this call did): the next keep-alive opens a new one
                     stream.close()
                     self.keepalive = None
-                raise
-            except BaseException:
-                stream.close()
-                self.keepalive = None
                 raise
 
     def close(self) -> None:
@@ -205,14 +202,14 @@ class _KeepAliveStream:
     request on the stream once, in order, so the reply to the n-th request is the n-th reply: replies
     to requests that timed out earlier are skipped."""
 
-    def __init__(self, ep: _Endpoint, label: str) -> None:
+    def __init__(self, ep: _Endpoint) -> None:
         self.metadata = ep.metadata
         self._requests: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
         self._closed = False
         self._sent = self._received = 0
         self._stream = ep.lease.LeaseKeepAlive(self._outgoing(), metadata=self.metadata)
-        self._reader = threading.Thread(target=self._read, name=f"elastic-rt-keepalive-{label}", daemon=True)
+        self._reader = threading.Thread(target=self._read, name=f"elastic-rt-keepalive-{ep.label}", daemon=True)
         self._reader.start()
 
     def _outgoing(self):

@@ -105,12 +105,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._clock = clock
         self._rng = rng
         self.health = EtcdHealth(node_id=settings.node_id, clock=clock)
+        self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock, alive_puts=False)
         self._lease = NodeLease(
             client, self.keys, settings.node_id, ttl_s=settings.lease_ttl_s, health=self.health,
             info={"addr": settings.local_addr}, local_addr=settings.local_addr, clock=clock,
-            on_beat=self._follow_failover, on_granted=lambda: self._view.changed(),
+            on_beat=self._follow_failover, on_granted=self._view.changed,
         )
-        self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock, alive_puts=False)
         self._started = False
         self._lease_started = False
         self._peer_watch: PeerWatch | None = None

@@ -11,8 +11,8 @@ the smallest alive/ key below its node's own id (one key: etcd applies the limit
 watches that one key for its deletion. The closer of a round is the smallest live node, and that is all
 a node that is not yet a member must know. Watching every deletion instead made each lease that lapsed
 an event at every node: at a first meeting of 1,024 simulated nodes on 2 cores, a few lapses woke 1,023
-nodes each, which made more keepalives late and more leases lapse (1,000-2,000 watch events per node; the
-meeting never formed). Now a lapse is an event at no node unless it is the smallest's; then each node
+nodes each, which made more keepalives late and more leases lapse (hundreds to thousands of watch
+events per node; the meeting never formed). Now a lapse is an event at no node unless it is the smallest's; then each node
 reads the next smallest (a small read and a new stream per node: the one fan-out left, for one node).
 A node that registers later with a smaller id is learnt by whoever acts as closer from its join, and
 refresh() makes the view read again (rounds.py). When a round forms, members_formed() counts every
@@ -117,12 +117,15 @@ class MembershipView:
         watches the smallest node only, the read finds it. Nothing to do for a view that follows
         every alive/ change."""
         with self.lock:
-            if not self._deletes_only():
-                return
-            self._reload_wanted = True
-            stream = self._stream
-        if stream is not None:
-            stream.close()
+            if self._deletes_only():
+                self._read_again()
+
+    def _read_again(self) -> None:
+        """Have the watch thread read again and reopen its stream (closing it ends the iteration).
+        Caller holds the lock."""
+        self._reload_wanted = True
+        if self._stream is not None:
+            self._stream.close()
 
     def members_formed(self, nodes: tuple[str, ...], revision: int) -> None:
         """A round of `nodes` formed at `revision` (its final's mod_revision): every member was alive then
@@ -246,16 +249,16 @@ class MembershipView:
 
     def _reload(self) -> None:
         with self.lock:
-            pred = self._deletes_only()
+            smallest_only = self._deletes_only()
         # while alive_puts is False: the smallest alive/ key if it is below this node's, without its value
-        ranges = [self._below if i in pred else r for i, r in enumerate(self._ranges)]
-        ranges, rev = self._client.read_ranges(ranges, keys_only=pred, first_only=pred)
+        ranges = [self._below if i in smallest_only else r for i, r in enumerate(self._ranges)]
+        ranges, rev = self._client.read_ranges(ranges, keys_only=smallest_only, first_only=smallest_only)
         now = self._clock()
         with self.lock:
-            if self._deletes_only() != pred:  # members_formed() came meanwhile: read again, every alive/ key
+            if self._deletes_only() != smallest_only:  # members_formed() came meanwhile: read again, every alive/ key
                 self._reload_wanted = True
                 return
-            if pred:
+            if smallest_only:
                 self._smallest = ranges[self._alive_index][0].key if ranges[self._alive_index] else None
             self.round, self.closed = None, False
             self.waiting, self.joins, self.finals = {}, {}, {}
@@ -330,9 +333,7 @@ class MembershipView:
                 # the smallest node left: until the next read finds the next smallest (the stream is closed and
                 # reopened after it), smallest_alive stays as it was: somebody smaller may still be alive
                 if kv.key == self._smallest:
-                    self._reload_wanted = True
-                    if self._stream is not None:
-                        self._stream.close()
+                    self._read_again()
             elif known and node == self.smallest_alive:
                 self.smallest_alive = min(self.alive) if self.alive else None
         elif kind == "waiting":

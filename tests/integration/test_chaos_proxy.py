@@ -281,7 +281,10 @@ def test_a_late_keepalive_reply_is_skipped_and_the_stream_kept(etcd_host):
             proxy.heal()
             # the stalled request reaches etcd (it renews the lease) and its reply comes late; the next
             # keep-alive, on the same stream, takes the reply to its own request
-            _poll(lambda: _keepalive_counts(m)[1] - received >= 1 or (_ for _ in ()).throw(AssertionError()))
+            def stalled_request_arrived():
+                assert _keepalive_counts(m)[1] - received >= 1
+
+            _poll(stalled_request_arrived)
             client.revoke_lease(lease)
             assert client.refresh_lease(lease, timeout_s=5.0, attempts=1) <= 0  # not the late "alive" reply
             assert _keepalive_counts(m)[0] - started == 0  # no new stream
