@@ -133,6 +133,7 @@ def _close(nodes: list[Node], kind: str) -> None:
 def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, args: dict) -> None:
     """Runs in a spawned process: create the handlers, then obey the parent's commands."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    sys.setswitchinterval(args["switch_interval_ms"] / 1000.0)  # see procs_for()
     import logging
 
     logging.getLogger("elastic_rt").setLevel(logging.WARNING)  # one line per node per event: 1,024 of them
@@ -149,7 +150,7 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
         conn.send(("error", f"creating handlers: {type(exc).__name__}: {exc}"))
         return
     stop, counts = threading.Event(), {"ticks": 0}
-    conn.send(("ready", None))
+    conn.send(("ready", sys.getswitchinterval()))
     while True:
         cmd, arg = conn.recv()
         if cmd == "meet":  # arg: deadline (monotonic, shared by all processes on this machine)
@@ -289,7 +290,16 @@ def procs_for(n: int, args) -> int:
     128 handlers a process, a thread that wakes to send a keepalive waits behind a hundred others
     (a real agent has the GIL nearly to itself), requests miss their deadline and leases lapse:
     the process, not the protocol, is what is measured. Splitting the same nodes over more
-    processes keeps that artifact out; the CPU seconds column counts every process either way."""
+    processes keeps that artifact out; the CPU seconds column counts every process either way.
+
+    The same artifact has a second face: a thread that waits for the GIL wakes every switch interval
+    (sys.setswitchinterval, 5 ms by default) to ask for it. With 32 handlers a process, 250 threads share
+    one GIL; once a few hundred of them wait at once (a burst of replies, a stall), the waiters' wake-ups
+    are 200,000 context switches a second and three quarters of the CPU in the kernel, work starves, more
+    threads wait: at 1,024 nodes on 2 cores the harness locked itself up in most runs with etcd idle
+    (3-10 CPU s of it in a 120 s meeting that never formed). The worker processes therefore use a longer
+    interval (--switch-interval-ms, 50 by default); the simulated nodes' own threads block on I/O and give
+    up the GIL long before any interval ends. An agent runs one handler in its own interpreter."""
     if args.procs:
         return min(args.procs, n)
     return min(n, max(8, -(-n // args.per_proc)))
@@ -303,15 +313,16 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
     if kind == "etcd-v3":
         conf.setdefault("last_call_timeout", str(int(args.timeout_s)))  # the first round waits for all N
     wargs = {"conf": conf, "run_id": f"scale-{kind}-{n}-{uuid.uuid4().hex[:6]}",
-             "etcd_endpoints": cluster.endpoints, "c10d_endpoint": f"127.0.0.1:{free_port()}"}
+             "etcd_endpoints": cluster.endpoints, "c10d_endpoint": f"127.0.0.1:{free_port()}",
+             "switch_interval_ms": args.switch_interval_ms}
     procs = procs_for(n, args)
     row = {"kind": kind, "n": n, "procs": procs, "loadavg_before": list(os.getloadavg()),
            "meet_s": None, "reform_s": None, "error": ""}
     t_setup = time.monotonic()
     run = Run(kind, n, procs, wargs)
     try:
-        for c in run.conns:  # every process has created its handlers
-            run._answer(c, args.timeout_s + 120)
+        switch = [run._answer(c, args.timeout_s + 120) for c in run.conns]  # every process created its handlers
+        row["worker_switch_interval_s"] = sorted(set(switch))
         row["setup_s"] = time.monotonic() - t_setup
         before = etcd_metrics(cluster)
         clients, members = [p.pid for p in run.procs], [m.proc.pid for m in cluster.members if m.proc]
@@ -409,6 +420,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="key=value,... given to every handler (default lease_ttl=10,read_timeout=30; "
                         "join_timeout defaults to --timeout-s)")
     p.add_argument("--no-reform", action="store_true", help="skip the node-loss phase")
+    p.add_argument("--switch-interval-ms", type=float, default=50.0,
+                   help="the worker processes' GIL switch interval (default 50; Python's own is 5): see procs_for()")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
     p.add_argument("--allow-dirty", action="store_true", help="run on a tree with uncommitted changes")
     p.add_argument("--quick", action="store_true",
@@ -422,6 +435,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ValueError:
         p.error("--rdzv-conf is key=value,...; --nodes is comma-separated integers")
     a.kinds = [k for k in a.kinds.split(",") if k]
+    if a.switch_interval_ms <= 0:
+        p.error("--switch-interval-ms must be > 0")
     if any(k not in KINDS for k in a.kinds) or not a.kinds or not a.nodes or a.procs < 0 or a.per_proc < 1:
         p.error(f"--kinds is a comma-separated list of {', '.join(KINDS)}; --nodes and --procs must be given")
     return a
@@ -455,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.date.today().isoformat()
     text = (f"rendezvous scale benchmark {stamp}: code {git['commit']}{' (dirty)' if git['dirty'] else ''}; "
             f"torch {torch.__version__}, {os.cpu_count()} CPU(s), 3-member etcd on loopback, handlers in "
-            f"{args.procs or f'max(8, N / {args.per_proc})'} processes (procs column), --rdzv-conf {args.rdzv_conf}, "
+            f"{args.procs or f'max(8, N / {args.per_proc})'} processes (procs column) with a GIL switch interval of "
+            f"{args.switch_interval_ms:g} ms, --rdzv-conf {args.rdzv_conf}, "
             f"nnodes N-1:N\n\n{table(rows, args)}\n\n"
             "reform s: etcd-v3: lease revoked -> every survivor met again, detected by the handlers' own "
             "membership watch. * torch's handlers never detect a dead peer themselves; the survivors are told "

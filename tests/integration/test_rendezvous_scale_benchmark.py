@@ -33,11 +33,13 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         result = json.load(f)
     assert result["provenance"]["allow_dirty"] is True and result["provenance"]["commit"]
     assert result["settings"]["rdzv_conf"]["lease_ttl"] == "10"
+    assert "with a GIL switch interval of 50 ms" in text
     rows = {(r["kind"], r["n"]): r for r in result["rows"]}
     assert set(rows) == {(k, n) for k in ("etcd-v3", "c10d") for n in (8, 16)}
     for (kind, n), r in rows.items():
         assert r["error"] == "" and r["meet_s"] > 0, r
         assert len(r["loadavg_before"]) == len(r["loadavg_after"]) == 3
+        assert r["worker_switch_interval_s"] == [pytest.approx(0.05)], r  # what every worker process runs with
     for n in (8, 16):
         r = rows[("etcd-v3", n)]
         assert r["reform_s"] > 0 and r["req_per_node_round"] > 0 and r["bytes_per_node_round"] > 0, r
@@ -57,3 +59,15 @@ def test_handlers_per_process_are_bounded_unless_procs_is_given():
     assert [bench.procs_for(n, args) for n in (4, 8, 256, 512, 1024, 2048)] == [4, 8, 8, 16, 32, 64]
     args = bench.parse_args(["--procs", "8"])
     assert [bench.procs_for(n, args) for n in (4, 1024)] == [4, 8]
+
+
+def test_switch_interval_option():
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import rendezvous_scale as bench
+    finally:
+        sys.path.remove(os.path.dirname(BENCH))
+    assert bench.parse_args([]).switch_interval_ms == 50.0
+    assert bench.parse_args(["--switch-interval-ms", "5"]).switch_interval_ms == 5.0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--switch-interval-ms", "0"])
