@@ -12,6 +12,8 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   bytes/node/round  etcd client gRPC bytes (received + sent, everything) per node in the round
   events/node/round watch events etcd sent (etcd_debugging_mvcc_events_total) per node in the round
   client/etcd CPU s CPU seconds (user + system) the handler processes and the etcd members used in the round
+  ctx switches/s    context switches a second on this machine while the round met (every process)
+  kernel CPU %      the kernel's share (system, irq, softirq) of this machine's CPU time meanwhile
   idle req/node/s   every etcd request per node per second over --idle-s after the round
   reform_s          one node's lease revoked (etcd-v3: handler.leave()) -> every survivor met again
 
@@ -223,6 +225,22 @@ def cpu_s(pids: list[int]) -> float:
     return total
 
 
+def host_counters() -> tuple[float, float, float]:
+    """This machine's (context switches, kernel CPU seconds, all CPU seconds) so far, every process."""
+    import psutil
+
+    t = psutil.cpu_times()
+    kernel = t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+    return float(psutil.cpu_stats().ctx_switches), kernel, sum(t)
+
+
+def host_delta(after: tuple[float, float, float], before: tuple[float, float, float], wall_s: float) -> dict:
+    """Context switches a second and the kernel's share of the CPU time between two host_counters()."""
+    cpu = after[2] - before[2]
+    return {"ctx_switches_per_s": (after[0] - before[0]) / max(wall_s, 1e-9),
+            "kernel_cpu_share": (after[1] - before[1]) / cpu if cpu > 0 else 0.0}
+
+
 class Run:
     """P processes holding the N handlers of one kind."""
 
@@ -326,13 +344,14 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         row["setup_s"] = time.monotonic() - t_setup
         before = etcd_metrics(cluster)
         clients, members = [p.pid for p in run.procs], [m.proc.pid for m in cluster.members if m.proc]
-        cpu0 = cpu_s(clients), cpu_s(members)
+        cpu0, host0 = (cpu_s(clients), cpu_s(members)), host_counters()
         t0 = time.monotonic()
         try:
             reports = run.ask_all("meet", t0 + args.timeout_s, timeout_s=args.timeout_s + 60)
         finally:
             row["meet_cpu_s"] = {"clients": cpu_s(clients) - cpu0[0], "etcd": cpu_s(members) - cpu0[1],
                                  "wall": time.monotonic() - t0}
+            row["meet_host"] = host_delta(host_counters(), host0, row["meet_cpu_s"]["wall"])
         row["meet_s"], row["error"] = _met(reports, t0, n)
         row["round"] = metrics_delta(etcd_metrics(cluster), before)
         row["events_per_node_round"] = row["round"]["events"] / n
@@ -381,8 +400,8 @@ def _f(v, fmt: str) -> str:
 
 def table(rows: list[dict], args) -> str:
     head = (f"| nodes | handler | procs | meet s | req/node/round | KiB/node/round | events/node/round | client CPU s "
-            f"| etcd CPU s | idle req/node/s | reform s | req/node/reform | load 1m | note |\n"
-            f"|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            f"| etcd CPU s | ctx switches/s | kernel CPU % | idle req/node/s | reform s | req/node/reform | load 1m "
+            f"| note |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         meet = _f(r["meet_s"], ".2f") if r["meet_s"] is not None else f"none<{args.timeout_s:g}"
@@ -398,6 +417,8 @@ def table(rows: list[dict], args) -> str:
             f"| {_f(r['bytes_per_node_round'] / 1024 if etcd and 'bytes_per_node_round' in r else None, '.1f')} "
             f"| {_f(r.get('events_per_node_round') if etcd else None, '.1f')} "
             f"| {_f(r.get('meet_cpu_s', {}).get('clients'), '.1f')} | {_f(r.get('meet_cpu_s', {}).get('etcd'), '.1f')} "
+            f"| {_f(r.get('meet_host', {}).get('ctx_switches_per_s'), '.0f')} "
+            f"| {_f(100 * r['meet_host']['kernel_cpu_share'] if 'meet_host' in r else None, '.0f')} "
             f"| {_f(r.get('idle_req_per_node_s') if etcd else None, '.2f')} | {reform} "
             f"| {_f(r.get('reform_req_per_node') if etcd else None, '.1f')} "
             f"| {r['loadavg_after'][0]:.1f} | {r['error'][:90]} |")

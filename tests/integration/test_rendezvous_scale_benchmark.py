@@ -40,6 +40,7 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         assert r["error"] == "" and r["meet_s"] > 0, r
         assert len(r["loadavg_before"]) == len(r["loadavg_after"]) == 3
         assert r["worker_switch_interval_s"] == [pytest.approx(0.05)], r  # what every worker process runs with
+        assert r["meet_host"]["ctx_switches_per_s"] > 0 and 0 < r["meet_host"]["kernel_cpu_share"] < 1, r
     for n in (8, 16):
         r = rows[("etcd-v3", n)]
         assert r["reform_s"] > 0 and r["req_per_node_round"] > 0 and r["bytes_per_node_round"] > 0, r
