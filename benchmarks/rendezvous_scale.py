@@ -14,7 +14,7 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   client/etcd CPU s CPU seconds (user + system) the handler processes and the etcd members used in the round
   ctx switches/s    context switches a second on this machine while the round met (every process)
   kernel CPU %      the kernel's share (system, irq, softirq) of this machine's CPU time meanwhile
-  idle req/node/s   every etcd request per node per second over --idle-s after the round
+  idle req/node/s   every etcd request per node per second over --idle-s, from --settle-s after the round
   reform_s          one node's lease revoked (etcd-v3: handler.leave()) -> every survivor met again
 
     python benchmarks/rendezvous_scale.py                          # 8 ... 1024, all three handlers
@@ -361,10 +361,17 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         if row["meet_s"] is None:
             return row
         run.ask_all("tick")
-        ticks0, before, t_idle = sum(run.ask_all("ticks")), etcd_metrics(cluster), time.monotonic()
+        before, t_settle = etcd_metrics(cluster), time.monotonic()
+        if args.settle_s > 0:  # the meeting's aftermath: neighbours' liveness connections, beats made late
+            time.sleep(args.settle_s)
+            after = etcd_metrics(cluster)
+            settle_s = time.monotonic() - t_settle
+            row["settle_req_per_node_s"] = sum(metrics_delta(after, before)["requests"].values()) / n / settle_s
+            before = after
+        ticks0, t_idle = sum(run.ask_all("ticks")), time.monotonic()
         time.sleep(args.idle_s)
         idle, ticks1 = metrics_delta(etcd_metrics(cluster), before), sum(run.ask_all("ticks"))
-        idle_s = time.monotonic() - t_idle
+        idle_s = row["idle_wall_s"] = time.monotonic() - t_idle
         row["idle"] = idle
         row["idle_req_per_node_s"] = sum(idle["requests"].values()) / n / idle_s
         row["idle_non_keepalive_req_per_node_s"] = sum(
@@ -436,7 +443,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=120.0,
                    help="per N: meet within this or the handler's series stops (default 120)")
     p.add_argument("--reform-timeout-s", type=float, default=90.0, help="per N: re-form within this (default 90)")
-    p.add_argument("--idle-s", type=float, default=10.0, help="idle window after the round (default 10)")
+    p.add_argument("--settle-s", type=float, default=10.0,
+                   help="after the round, wait this long before the idle window opens (default 10, one lease TTL); "
+                        "its requests are recorded apart (settle_req_per_node_s)")
+    p.add_argument("--idle-s", type=float, default=10.0, help="idle window after --settle-s (default 10)")
     p.add_argument("--rdzv-conf", default="lease_ttl=10,read_timeout=30",
                    help="key=value,... given to every handler (default lease_ttl=10,read_timeout=30; "
                         "join_timeout defaults to --timeout-s)")
@@ -450,6 +460,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.quick:
         a.nodes, a.kinds, a.procs, a.idle_s, a.timeout_s, a.reform_timeout_s = "8,16", "etcd-v3,c10d", 2, 2.0, 30.0, 20.0
+        a.settle_s = 1.0
     try:
         a.rdzv_conf = dict(item.split("=", 1) for item in a.rdzv_conf.split(",") if item)
         a.nodes = [int(x) for x in a.nodes.split(",") if x]
