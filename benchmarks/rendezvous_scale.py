@@ -361,17 +361,18 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         if row["meet_s"] is None:
             return row
         run.ask_all("tick")
-        before, t_settle = etcd_metrics(cluster), time.monotonic()
+        # each window's clock runs from the end of the scrape that opens it to the end of the one that closes it
+        before, t_open = etcd_metrics(cluster), time.monotonic()
         if args.settle_s > 0:  # the meeting's aftermath: neighbours' liveness connections, beats made late
             time.sleep(args.settle_s)
-            after = etcd_metrics(cluster)
-            settle_s = time.monotonic() - t_settle
-            row["settle_req_per_node_s"] = sum(metrics_delta(after, before)["requests"].values()) / n / settle_s
-            before = after
-        ticks0, t_idle = sum(run.ask_all("ticks")), time.monotonic()
+            after, now = etcd_metrics(cluster), time.monotonic()
+            row["settle_req_per_node_s"] = sum(metrics_delta(after, before)["requests"].values()) / n / (now - t_open)
+            before, t_open = after, now
+        ticks0 = sum(run.ask_all("ticks"))
         time.sleep(args.idle_s)
-        idle, ticks1 = metrics_delta(etcd_metrics(cluster), before), sum(run.ask_all("ticks"))
-        idle_s = row["idle_wall_s"] = time.monotonic() - t_idle
+        idle = metrics_delta(etcd_metrics(cluster), before)
+        idle_s = row["idle_wall_s"] = time.monotonic() - t_open
+        ticks1 = sum(run.ask_all("ticks"))
         row["idle"] = idle
         row["idle_req_per_node_s"] = sum(idle["requests"].values()) / n / idle_s
         row["idle_non_keepalive_req_per_node_s"] = sum(
