@@ -18,6 +18,7 @@ from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.agent.warm_start import warm_start
+from elastic_rt.checkpoint.fence import FencePublisher
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
 
@@ -95,6 +96,7 @@ class ElasticRTAgent(LocalElasticAgent):
         if add_listener is not None and hasattr(self.observer, "on_etcd"):
             add_listener(self.observer.on_etcd)
         self._warm_pool = warm_pool
+        self._fence: FencePublisher | None = None  # the round, for the workers' checkpoint commits
         if warm_pool is not None:
             warm_pool.log_prefix = self._prefix
 
@@ -143,6 +145,10 @@ class ElasticRTAgent(LocalElasticAgent):
             ENV_NODE_ID: self._node_id,
             ENV_ROUND: str(m.round if m else 0),
         })
+        if self._fence is None and hasattr(self._handler(), "fence_view"):
+            self._fence = FencePublisher(self._reports.directory, self._handler())
+        if self._fence is not None:
+            self._fence.start()  # the new round is in the file before a worker can read it
         with warm_start(self._warm_pool, ready=self._workers_stepped):
             pids = super()._start_workers(worker_group)
         self.diagnostics.on_workers_started(

@@ -111,8 +111,8 @@ def test_an_unreadable_root_is_an_error_not_a_fresh_start(tmp_path):
     """A root whose listing fails with anything but 'not found' (here ELOOP) must not read as 'no checkpoints'."""
     root = tmp_path / "loop"
     os.symlink(root, root)
-    with CheckpointManager(f"file://{root}") as mgr:
-        with pytest.raises(CheckpointError) as exc_info:
+    with pytest.raises(CheckpointError) as exc_info:
+        with CheckpointManager(f"file://{root}") as mgr:
             mgr.load_latest(empty_state())
     assert "\n" not in str(exc_info.value) and str(root) in str(exc_info.value)
 
