@@ -60,7 +60,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
         for rank in (0, 1):
             wait_for(f"{pause_file}.rank{rank}.paused")
         step_dir = tmp_path / "ckpt" / "step_00000002"
-        assert any(p.name.endswith(".distcp") for p in step_dir.iterdir())  # mid-save indeed
+        assert any(p.name.endswith(".distcp") for p in step_dir.glob("save-*/*"))  # mid-save indeed
         world.kill(1)  # SIGKILL
         os.remove(pause_file)  # let the survivor run into its dead peer
         survivor = world.results(ranks=[0], timeout_s=120)[0]
@@ -106,7 +106,7 @@ def corrupt_load_worker(rank: int, world_size: int, url: str) -> dict:
 def test_a_flipped_byte_in_one_ranks_shard_makes_every_rank_fall_back(tmp_path):
     url = f"file://{tmp_path}/ckpt"
     run_world(corrupt_save_worker, 2, url, timeout_s=120)
-    shards = sorted((tmp_path / "ckpt" / "step_00000002").glob("*.distcp"))
+    shards = sorted((tmp_path / "ckpt" / "step_00000002").glob("save-*/*.distcp"))
     victim = max(shards, key=lambda p: p.stat().st_size)  # the one holding the tensor
     data = bytearray(victim.read_bytes())
     data[len(data) - 100] ^= 0x40
