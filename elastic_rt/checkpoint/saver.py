@@ -94,6 +94,10 @@ def run_save(job: SaveJob, ctx: SaveContext) -> SaveStats:
     alike; nothing is committed then."""
     try:
         return _save_and_commit(job, ctx)
+    except ElasticRTError:
+        raise
+    except (Exception, CheckpointException) as exc:  # a collective failed: a peer died or timed out
+        raise _failed(job, ctx, describe_error(exc)) from exc
     finally:
         job.staged.set()
 
