@@ -30,6 +30,7 @@ from elastic_rt.checkpoint.user_state import optimizer_storage_ptrs, snapshot, s
 from elastic_rt.checkpoint.writer import ChecksumWriter
 from elastic_rt.checkpoint.writer_lease import WriterLease
 from elastic_rt.errors import CheckpointError, ElasticRTError
+from elastic_rt.worker_env import WorkerEnvironment
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class CheckpointManager:
         file_mode: int = 0o600,
         dir_mode: int = 0o700,
         writer_lease_ttl_s: float = 20.0,
-        writer_wait_s: float = 0.0,
+        writer_wait_s: float | None = None,
         fence_wait_s: float = 5.0,
         storage: Storage | None = None,
     ) -> None:
@@ -76,7 +77,9 @@ class CheckpointManager:
             file_mode=file_mode,
             dir_mode=dir_mode,
             writer_lease_ttl_s=writer_lease_ttl_s,
-            writer_wait_s=writer_wait_s,
+            # None: what the launcher's environment says (ELASTIC_RT_CHECKPOINT_WRITER_WAIT_S), else 0
+            writer_wait_s=writer_wait_s if writer_wait_s is not None else (
+                WorkerEnvironment.from_env().checkpoint_writer_wait_s or 0.0),
             fence_wait_s=fence_wait_s,
         )
         if keep_last == 1:
