@@ -77,9 +77,11 @@ class CheckpointManager:
             file_mode=file_mode,
             dir_mode=dir_mode,
             writer_lease_ttl_s=writer_lease_ttl_s,
-            # None: what the launcher's environment says (ELASTIC_RT_CHECKPOINT_WRITER_WAIT_S), else 0
+            # None: what the launcher's environment says (ELASTIC_RT_CHECKPOINT_WRITER_WAIT_S), else long
+            # enough for a crashed predecessor on another host to be taken over (its beat stands still for
+            # the TTL); a live holder is refused after that
             writer_wait_s=writer_wait_s if writer_wait_s is not None else (
-                WorkerEnvironment.from_env().checkpoint_writer_wait_s or 0.0),
+                WorkerEnvironment.from_env().checkpoint_writer_wait_s or 1.5 * writer_lease_ttl_s),
             fence_wait_s=fence_wait_s,
         )
         if keep_last == 1:

@@ -8,9 +8,10 @@ epoch's record, create-only (the same primitive as a commit: whoever creates epo
 the lease; the other gets FileExistsError and looks again). The holder rewrites its record every
 ttl_s / 3 (`beat`), and before each beat and each commit it checks that no newer epoch exists.
 
-A newcomer takes over at once when the newest record is released (its manager closed), or belongs
+A newcomer takes over at once when the newest record is released (its manager closed), belongs
 to the same run and launch at an older or the same round (the elastic agent re-formed the group;
-the round fence stops the old one). A record of another run or launch is in use while its beat
+the round fence stops the old one), or names a process on this host that no longer exists (a
+crashed predecessor). A record of another run or launch is in use while its beat
 moves: a record written less than ttl_s ago by the wall clock is refused at once (one line naming
 the holder), unless `wait_s` allows waiting for its release; one that looks older is taken over
 only after its beat did not move for ttl_s on this process's own monotonic clock (no clock skew
@@ -108,7 +109,7 @@ class WriterLease:
                     return self.epoch
                 continue
             holder = self._parse(data)
-            if holder is None or holder.released or self._same_job_newer(holder):
+            if holder is None or holder.released or self._same_job_newer(holder) or self._dead_here(holder):
                 if self._try_create(newest + 1):
                     return self.epoch
                 continue
@@ -129,6 +130,19 @@ class WriterLease:
                     f"lease beat {max(0.0, self._wall() - holder.beat_unix_s):.0f} s ago; one job per URL: "
                     "give this job another checkpoint URL, or stop that job")
             time.sleep(min(1.0, max(0.05, holder.ttl_s / 10)))
+
+    def _dead_here(self, holder: LeaseRecord) -> bool:
+        """The holder ran on this host and its process is gone (a crashed predecessor): no need to wait."""
+        if holder.host != self._record.host or holder.pid == os.getpid():
+            return False
+        try:
+            os.kill(holder.pid, 0)
+        except ProcessLookupError:
+            log.info("checkpoint writer lease under %s: %s is gone; taking over", self._storage.url, holder.describe())
+            return True
+        except OSError:
+            return False
+        return False
 
     def _same_job_newer(self, holder: LeaseRecord) -> bool:
         mine = self._record

@@ -17,7 +17,7 @@ def test_a_second_job_on_the_same_url_refuses_with_one_line_naming_the_holder(tm
         first.save(1, {"w": torch.ones(4)})
         monkeypatch.setenv(ENV_RUN_ID, "job-b")
         with pytest.raises(CheckpointError) as exc_info:
-            CheckpointManager(url)
+            CheckpointManager(url, writer_wait_s=0)
         text = str(exc_info.value)
         assert "\n" not in text and "run job-a" in text and "one job per URL" in text
         assert first.save(2, {"w": torch.ones(4)}) is True  # the holder is untouched
