@@ -128,7 +128,7 @@ class CheckpointManager:
         lease, outcome = None, None
         if self.rank == 0:
             lease = WriterLease(self._store.storage, token=token, ttl_s=self.options.writer_lease_ttl_s,
-                                wait_s=self.options.writer_wait_s)
+                                wait_s=self.options.writer_wait_s, fenced=fence is not None)
             try:
                 outcome = lease.acquire()
             except ElasticRTError as exc:

@@ -2,8 +2,10 @@
 
 Rules (docs/checkpoint.md, "Retention"):
 - Nothing is deleted unless the new commit's files have the sizes its manifest says.
-- keep_last counts verified checkpoints (committed, every file present with its size), newest
-  step first; the newest verified one is never deleted.
+- keep_last counts the new commit and the verified checkpoints (committed, every file present with
+  its size) below it, newest first; the new commit is never deleted. Steps above the new commit (a
+  fallback left a damaged newer one behind, or the job was rolled back) are neither counted nor
+  deleted: their files may not verify, so they never stand in for a checkpoint that does.
 - A step with a damaged manifest (any generation) is never deleted, and each run says so.
 - Only what older epochs (older rounds, launches, jobs) wrote is deleted, never anything of a
   newer epoch; a save folder that no manifest names is a leftover, deleted when its epoch is
@@ -48,12 +50,13 @@ def apply_retention(store: CheckpointStore, guard: WriterGuard, *, keep_last: in
                     newest_step, store.url, "; ".join(problems))
         return []
     mine = guard.epoch
-    kept: list[int] = []
+    kept = [newest_step]  # counted from the new commit down: what lies above it is not this run's to judge
     for entry in reversed(entries):
         if len(kept) >= keep_last:
             break
         manifest = entry.manifest
-        if manifest is not None and not store.check_sizes(entry.data_dir(manifest), manifest.files):
+        if (entry.step < newest_step and manifest is not None
+                and not store.check_sizes(entry.data_dir(manifest), manifest.files)):
             kept.append(entry.step)
     oldest_kept = min(kept)
     deleted = []

@@ -127,7 +127,7 @@ def _save_and_commit(job: SaveJob, ctx: SaveContext) -> SaveStats:
     outcome = None
     if rank == 0:
         outcome = _decide(job, ctx, step_path, plan, gathered)  # type: ignore[arg-type]
-    outcome = coll.broadcast(outcome, io_group)
+    outcome = _announce(job, ctx, outcome)
     if outcome is not None:
         raise _failed(job, ctx, outcome)
     now = time.monotonic()
@@ -144,6 +144,22 @@ def _save_and_commit(job: SaveJob, ctx: SaveContext) -> SaveStats:
         url=ctx.url,
         fence_check_s=ctx.guard.last_check_s if rank == 0 else 0.0,
     )
+
+
+def _announce(job: SaveJob, ctx: SaveContext, outcome: str | None) -> str | None:
+    """Broadcast rank 0's outcome. When that fails (the peers are gone: a stale rank 0 resumed after the
+    others were re-formed out of its group), rank 0 still says what it decided, not only the broken pipe."""
+    try:
+        return coll.broadcast(outcome, ctx.groups.io)
+    except (Exception, CheckpointException) as exc:
+        if ctx.groups.rank != 0:
+            raise
+        if outcome is None:
+            raise CheckpointError(
+                f"step {job.step} was committed under {ctx.url}, but telling the other ranks failed "
+                f"({describe_error(exc)})") from exc
+        # the collective's own text (gloo's, several sentences) adds nothing to rank 0's line: name it only
+        raise _failed(job, ctx, f"{outcome}; the other ranks are gone ({type(exc).__name__} telling them)") from exc
 
 
 def _prepare(job: SaveJob, ctx: SaveContext) -> dict[str, Any] | str:

@@ -1,6 +1,6 @@
 """One writer per checkpoint root: a lease kept beside the checkpoints, with epochs as fencing tokens.
 
-    <root>/writer-lease/00000012.json   {"epoch", "run_id", "launch_id", "round", "host", "pid",
+    <root>/writer-lease/00000012.json   {"epoch", "run_id", "launch_id", "round", "host", "pid", "pid_ns",
                                           "beat", "beat_unix_s", "ttl_s", "released"}
 
 Rank 0 of a CheckpointManager acquires the lease when the manager is created: it creates the next
@@ -9,9 +9,11 @@ the lease; the other gets FileExistsError and looks again). The holder rewrites 
 ttl_s / 3 (`beat`), and before each beat and each commit it checks that no newer epoch exists.
 
 A newcomer takes over at once when the newest record is released (its manager closed), belongs
-to the same run and launch at an older or the same round (the elastic agent re-formed the group;
-the round fence stops the old one), or names a process on this host that no longer exists (a
-crashed predecessor). A record of another run or launch is in use while its beat
+to the same job (under an elastic-rt agent: the same run and launch at an older or the same round,
+the agent re-formed the group and the round fence stops the old one; without one: the same named run,
+torchrun's --rdzv-id, whose next rank 0 may sit on another host after a node loss), or names a process on this host, in this PID namespace, that no
+longer exists (a crashed predecessor; containers that share a host name have PID namespaces of their
+own, where the same pid means another process). A record of another run or launch is in use while its beat
 moves: a record written less than ttl_s ago by the wall clock is refused at once (one line naming
 the holder), unless `wait_s` allows waiting for its release; one that looks older is taken over
 only after its beat did not move for ttl_s on this process's own monotonic clock (no clock skew
@@ -53,6 +55,7 @@ class LeaseRecord:
     round: int
     host: str
     pid: int
+    pid_ns: str = ""  # /proc/self/ns/pid's target: pids compare only within one namespace
     beat: int = 0
     beat_unix_s: float = 0.0
     ttl_s: float = 30.0
@@ -71,6 +74,14 @@ class LeaseRecord:
                 f"{self.host} pid {self.pid})")
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace ("pid:[4026531836]"), or "" where there is no /proc."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _record_name(epoch: int) -> str:
     return f"{epoch:08d}.json"
 
@@ -79,12 +90,14 @@ class WriterLease:
     """Rank 0's hold on a checkpoint root. acquire(), then check() before every commit and delete."""
 
     def __init__(self, storage: Storage, *, token: WriterToken, ttl_s: float, wait_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
-        self._storage, self._ttl_s, self._wait_s = storage, ttl_s, wait_s
+                 fenced: bool = False, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        """fenced: the token's launch and round come from an elastic-rt agent (checkpoint/fence.py)."""
+        self._storage, self._ttl_s, self._wait_s, self._fenced = storage, ttl_s, wait_s, fenced
         self._clock, self._wall = clock, wall
         self._dir = posixpath.join(storage.root, LEASE_DIR)
         self._record = LeaseRecord(epoch=0, run_id=token.run_id, launch_id=token.launch_id, round=token.round,
-                                   host=socket.gethostname(), pid=os.getpid(), ttl_s=ttl_s)
+                                   host=socket.gethostname(), pid=os.getpid(), pid_ns=_pid_namespace(), ttl_s=ttl_s)
         self._valid_until = 0.0
         self._lost: str | None = None
         self._lock = threading.Lock()
@@ -109,7 +122,10 @@ class WriterLease:
                     return self.epoch
                 continue
             holder = self._parse(data)
-            if holder is None or holder.released or self._same_job_newer(holder) or self._dead_here(holder):
+            if holder is None:
+                log.warning("checkpoint writer lease under %s: record %s is damaged (names no holder); taking over",
+                            self._storage.url, _record_name(newest))
+            if holder is None or holder.released or self._same_job(holder) or self._dead_here(holder):
                 if self._try_create(newest + 1):
                     return self.epoch
                 continue
@@ -132,8 +148,10 @@ class WriterLease:
             time.sleep(min(1.0, max(0.05, holder.ttl_s / 10)))
 
     def _dead_here(self, holder: LeaseRecord) -> bool:
-        """The holder ran on this host and its process is gone (a crashed predecessor): no need to wait."""
-        if holder.host != self._record.host or holder.pid == os.getpid():
+        """The holder ran on this host, in this PID namespace, and its process is gone (a crashed
+        predecessor): no need to wait."""
+        mine = self._record
+        if holder.host != mine.host or holder.pid_ns != mine.pid_ns or not mine.pid_ns or holder.pid == os.getpid():
             return False
         try:
             os.kill(holder.pid, 0)
@@ -144,10 +162,14 @@ class WriterLease:
             return False
         return False
 
-    def _same_job_newer(self, holder: LeaseRecord) -> bool:
+    def _same_job(self, holder: LeaseRecord) -> bool:
+        """The holder is an earlier writer of this job: this one succeeds it (the fence or the epoch stops it)."""
         mine = self._record
-        return (holder.run_id == mine.run_id and holder.launch_id == mine.launch_id and bool(mine.launch_id)
-                and holder.round <= mine.round)
+        if self._fenced:
+            return (holder.run_id == mine.run_id and holder.launch_id == mine.launch_id and bool(mine.launch_id)
+                    and holder.round <= mine.round)
+        # no agent tells launches apart: a named run is one job (torchrun's default id "none" names none)
+        return holder.run_id == mine.run_id and mine.run_id not in ("", "none")
 
     def _newest(self) -> tuple[int, bytes | None]:
         try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import uuid
 
 import pytest
@@ -12,7 +14,9 @@ from elastic_rt.checkpoint import CheckpointManager
 from elastic_rt.checkpoint.backends import ObjectStorage, open_storage
 from elastic_rt.checkpoint.storage import CheckpointStore
 from elastic_rt.errors import CheckpointError
-from tests.support.s3 import INTERNAL, SECRET_KEY, SLOW_DOWN, Fault, FaultShim, MotoServer, make_bucket, storage_options
+from tests.chaos.harness import EXAMPLE, Node
+from tests.support.s3 import (INTERNAL, SECRET_KEY, SLOW_DOWN, Fault, FaultShim, MotoServer, client_env, make_bucket,
+                              storage_options)
 
 pytest.importorskip("s3fs")
 
@@ -113,3 +117,28 @@ def test_credentials_never_reach_the_logs_of_a_save(s3, url, caplog):
             mgr.load_latest(empty())
     assert caplog.records  # botocore and s3fs did log at DEBUG
     assert not any(SECRET_KEY in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_the_example_job_saves_to_and_resumes_from_s3_under_elastic_rt_launch(s3, url):
+    """launch/train_example.py, unchanged, under `elastic-rt launch --checkpoint-url s3://...`: the credentials and
+    the endpoint reach s3fs through botocore's own variables. A worker is SIGKILLed after a save; the restarted
+    group resumes from S3 (nothing else holds the checkpoint: the host-memory copy is kept for local disks only)."""
+    job = ["--steps", "30", "--save-every", "10", "--dataset-size", "200", "--step-sleep", "0.2"]
+    node = Node(["--standalone", "--nproc-per-node", "2", "--metrics-port", "0", "--tee", "3",
+                 "--checkpoint-url", url, EXAMPLE, *job], name="s3-job", env=client_env(s3.endpoint))
+    try:
+        saved = int(node.wait_for(r"\]:checkpoint saved step=(\d+) ", 240).group(1))
+        os.kill(node.worker_pid(1), signal.SIGKILL)
+        resumed = int(node.wait_for(r"\]:start step=(\d+) world_size=2 .*restart=1", 180).group(1))
+        assert node.wait_exit(240) == 0, node.output[-3000:]
+    finally:
+        node.cleanup()
+    assert resumed >= saved and resumed % 10 == 0, node.output[-3000:]
+    assert node.matches(r"\]:done steps=30 world_size=2 ")
+    assert SECRET_KEY not in node.output
+    store = CheckpointStore(url, storage_options(s3.endpoint))
+    committed = {e.step: e for e in store.list() if e.committed}
+    assert resumed in committed and 30 in committed, sorted(committed)
+    for entry in committed.values():
+        assert not store.verify_files(entry.data_dir(entry.manifest), entry.manifest.files), entry.step

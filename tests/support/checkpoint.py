@@ -1,13 +1,13 @@
 """Pause points in a checkpoint save, for tests: a CheckpointManager whose writer stops where told.
 
 The package has no test hooks. PausingCheckpointManager overrides the manager's writer
-factory (`_make_writer`) and wraps each rank's DCP writer so that a hook runs at two phases:
+factory (`_make_writer`) and wraps each rank's DCP writer so that a hook runs at three phases:
 
   "staging"  the writer got this rank's plan (prepare_local_plan); the copy to host memory
              (async saves) has not started, nothing is written yet
   "written"  this rank's shard files are on storage (after write_data); nothing is committed
   "commit"   rank 0 only: every rank's files are written and gathered; the writer's token is about
-             to be checked and the manifest created
+             to be checked and the manifest created (not retention's own token check)
 
 A hook may block (to hold a save at that point), raise (to fail it) or return.
 """
@@ -39,7 +39,7 @@ class PauseHook(Protocol):
 
 
 class PausingWriter(ChecksumWriter):
-    """The package's writer, calling `hook` at the "staging" and "written" phases."""
+    """The package's writer, calling `hook` at the "staging" and "written" phases (the manager calls "commit")."""
 
     def __init__(self, *args: Any, hook: PauseHook, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -64,13 +64,22 @@ class PausingCheckpointManager(CheckpointManager):
         super().__init__(url, **kwargs)
         guard, check = self._guard, self._guard.check
         step = {"now": -1}
+        self._in_retention = threading.local()
 
         def check_after_hook() -> None:
-            self._pause_hook(rank=self.rank, step=step["now"], phase=PHASE_COMMIT)
+            if not getattr(self._in_retention, "active", False):
+                self._pause_hook(rank=self.rank, step=step["now"], phase=PHASE_COMMIT)
             check()
 
         guard.check = check_after_hook  # type: ignore[method-assign]
         self._step_box = step
+
+    def _apply_retention(self, newest_step: int) -> None:
+        self._in_retention.active = True
+        try:
+            super()._apply_retention(newest_step)
+        finally:
+            self._in_retention.active = False
 
     def save(self, step: int, state: Any) -> bool:
         self._step_box["now"] = step

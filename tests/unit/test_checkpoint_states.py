@@ -131,3 +131,27 @@ def test_saving_a_step_again_commits_the_new_state_or_says_it_did_not(tmp_path):
         target = empty_state()
         assert mgr.load_latest(target) == 5
     assert torch.equal(target["w"], state_at(6)["w"])
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_after_a_fallback_retention_keeps_the_new_commit_and_the_verified_ones_below_it(tmp_path, keep_last):
+    """Step 30's data is corrupt (a flipped byte: its sizes still match), so the job resumes from 20 and saves 25.
+    Retention counts from the new commit down: 30, above it, is neither counted nor deleted, and 25 (the only
+    checkpoint after 20 that verifies) is never deleted because a damaged one sits above it."""
+    url = f"file://{tmp_path}"
+    with CheckpointManager(url, keep_last=3) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, state_at(step))
+    shard = next(step_path(tmp_path, 30).glob("save-*/*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with CheckpointManager(url, keep_last=keep_last) as mgr:
+        assert mgr.load_latest(empty_state()) == 20
+        assert mgr.save(25, state_at(25)) is True
+        remaining = [e.step for e in mgr.list_checkpoints()]
+    assert remaining == ([20, 25, 30] if keep_last == 2 else [25, 30])
+    target = empty_state()
+    with CheckpointManager(url, keep_last=keep_last) as mgr:
+        assert mgr.load_latest(target) == 25
+    assert torch.equal(target["w"], state_at(25)["w"])
