@@ -237,9 +237,12 @@ class WriterLease:
 
     def _check_newest(self) -> None:
         newest, _ = self._newest()
-        if newest != self._record.epoch:
+        mine = self._record.epoch
+        if newest != mine:
             with self._lock:
-                self._lost = f"epoch {newest} was created after this writer's epoch {self._record.epoch}"
+                self._lost = (f"epoch {newest} was created after this writer's epoch {mine}" if newest > mine else
+                              f"this writer's record (epoch {mine}) is gone from {LEASE_DIR}/ (newest there: "
+                              f"{newest or 'none'}); something deleted the lease records")
             raise FencedError(f"this writer lost the checkpoint URL {self._storage.url}: {self._lost}")
 
     def check(self, *, local_only: bool = False) -> None:

@@ -1,12 +1,13 @@
 """A small DDP job that checkpoints with CheckpointManager every few steps, for the stale-rank-0 test.
 
 Its rank 0 can be held just before a commit (tests/support/checkpoint.py, phase "commit"): while
-the file --pause-file exists and holds this worker's rendezvous round (ELASTIC_RT_ROUND), rank 0's
-next commit waits, after creating PAUSE_FILE.rank0.paused with the step. Only that round's writer is
-held, so the group that re-forms without it saves freely.
+the file --pause-file exists and holds this job's world size, rank 0's next commit waits, after
+creating PAUSE_FILE.rank0.paused with the step and the rendezvous round (ELASTIC_RT_ROUND). Only a
+group of that size is held, so the group that re-forms without a node saves freely.
 
-Global rank 0 prints `checkpoint saved step=N round=R` after each commit, and `checkpoint refused:
-<the error's line>` when a save fails (then it exits 3); `done steps=N` at the end.
+Global rank 0 prints `start step=N world_size=W round=R`, `checkpoint saved step=N round=R` after each
+commit, and `checkpoint refused: <the error's line>` when a save fails (then it exits 3); `done
+steps=N` at the end.
 """
 
 import argparse
@@ -28,24 +29,26 @@ from tests.support.checkpoint import PHASE_COMMIT, PausingCheckpointManager  # n
 ROUND = os.environ.get("ELASTIC_RT_ROUND", "")
 
 
-class RoundPause:
-    """Hold rank 0's commit while the pause file names this worker's round."""
+class WorldPause:
+    """Hold rank 0's commit while the pause file names this job's world size."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, world_size: int) -> None:
+        self.path, self.world_size = path, world_size
 
     def _armed(self) -> bool:
         try:
             with open(self.path) as f:
-                return f.read().strip() == ROUND
+                return f.read().strip() == str(self.world_size)
         except FileNotFoundError:
             return False
 
     def __call__(self, *, rank: int, step: int, phase: str) -> None:
         if phase != PHASE_COMMIT or not self._armed():
             return
-        with open(f"{self.path}.rank{rank}.paused", "w") as f:
-            f.write(f"{step}\n")
+        marker = f"{self.path}.rank{rank}.paused"
+        with open(marker + ".tmp", "w") as f:
+            f.write(f"{step} {ROUND}\n")
+        os.replace(marker + ".tmp", marker)  # whole when it appears
         while self._armed():
             time.sleep(0.02)
 
@@ -64,7 +67,7 @@ def main() -> int:
     model = DDP(nn.Linear(64, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     # keep every checkpoint: the test checks that each one the new group saved is still there
-    mgr = PausingCheckpointManager(args.url, keep_last=1000, pause_hook=RoundPause(args.pause_file))
+    mgr = PausingCheckpointManager(args.url, keep_last=1000, pause_hook=WorldPause(args.pause_file, world))
     mgr.guard_optimizer(opt)
 
     def state(step: int) -> dict:
