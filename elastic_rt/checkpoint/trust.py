@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from typing import Any
 
 import torch
@@ -69,6 +70,20 @@ def load_metadata(data: bytes, where: str) -> Any:
         raise CheckpointError(f"{where}: refused to unpickle ({exc})") from exc
 
 
+_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def refused_type(what: str, exc: BaseException) -> CheckpointError:
+    """One line for torch's weights_only refusal (its own message is a page): the type and the fix."""
+    text = str(exc)
+    found = _UNSUPPORTED_GLOBAL.search(text)
+    named = found.group(1) if found else f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    return CheckpointError(
+        f"{what} holds a type the safe loader refuses ({named}); keep plain values (numbers, strings, lists, "
+        "dicts, tensors) in checkpoint state, or allow the type before loading with "
+        "torch.serialization.add_safe_globals([...]) if you trust whoever can write the checkpoint URL")
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, except that non-tensor values are unpickled with torch's weights_only loader
     (DCP's own uses weights_only=False: any object, any code)."""
@@ -77,11 +92,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise CheckpointError(
-                f"the value of {read_item.dest_index.fqn!r} in the checkpoint holds a type the safe loader "
-                f"refuses ({str(exc).splitlines()[0]}); keep plain values (numbers, strings, lists, dicts, "
-                "tensors) in checkpoint state, or allow the type with torch.serialization.add_safe_globals"
-            ) from exc
+            raise refused_type(f"the value of {read_item.dest_index.fqn!r} in the checkpoint", exc) from exc
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
