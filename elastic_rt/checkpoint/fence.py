@@ -4,7 +4,8 @@ Workers have no etcd client (they never hold its credentials); their agent has t
 watch-fed view of the run's `round` key. The agent keeps one small file current in its reports
 folder (`fence.json`, replaced atomically):
 
-    {"run_id", "launch_id", "round", "confirmed_until_monotonic", "lease_ttl_s", "agent_pid"}
+    {"run_id", "launch_id", "round", "confirmed_until_monotonic", "lease_ttl_s", "agent_pid",
+     "etcd_unreachable", "published_monotonic"}
 
 `confirmed_until_monotonic` is the agent's last lease renewal that etcd confirmed (the time the
 request was sent, on CLOCK_MONOTONIC, which every process of the host shares) plus the lease TTL:
@@ -15,7 +16,12 @@ agent is frozen with it (SIGSTOP, a hung host) stops confirming: the time passes
 refuses to commit when it resumes, before its agent has even noticed.
 
 A writer commits only while the file's round is the one it was started in and the confirmation
-holds (FenceCheck.check). What stays open: the time between that check and the one create-only
+holds (FenceCheck.check), or while its agent, alive (it rewrites the file every POLL_S meanwhile),
+reports that etcd does not answer it and has not found its lease gone: then the writer lease decides
+alone (WriterGuard: fresh, and no newer epoch on storage). etcd is needed to change membership, not to
+train: during an outage nobody can form a new round, and a node cut off from etcd alone is re-formed
+out by peers who first stop their workers, so its group's save fails in its next collective, and the
+new group's rank 0 holds a newer writer epoch before it loads or saves anything. What stays open: the time between that check and the one create-only
 write of the manifest (docs/failure-model.md says what the create-only commit and per-epoch save
 folders close of it), and the watch's delay in telling the agent of a newer round.
 """
@@ -37,6 +43,7 @@ log = logging.getLogger(__name__)
 
 FENCE_FILE = "fence.json"
 POLL_S = 0.1
+OUTAGE_FRESH_S = 1.0  # an outage report older than this (a frozen agent's last word) is not believed
 
 
 class FencedError(CheckpointError):
@@ -51,6 +58,8 @@ class FenceState:
     confirmed_until_monotonic: float
     lease_ttl_s: float
     agent_pid: int
+    etcd_unreachable: bool = False  # the agent's etcd does not answer it, and its lease was not found gone
+    published_monotonic: float = 0.0  # when the agent wrote this state (kept current during an outage)
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, sort_keys=True).encode()
@@ -60,7 +69,9 @@ class FenceState:
         body = json.loads(data.decode())
         return cls(run_id=str(body["run_id"]), launch_id=str(body["launch_id"]), round=int(body["round"]),
                    confirmed_until_monotonic=float(body["confirmed_until_monotonic"]),
-                   lease_ttl_s=float(body["lease_ttl_s"]), agent_pid=int(body["agent_pid"]))
+                   lease_ttl_s=float(body["lease_ttl_s"]), agent_pid=int(body["agent_pid"]),
+                   etcd_unreachable=bool(body.get("etcd_unreachable", False)),
+                   published_monotonic=float(body.get("published_monotonic", 0.0)))
 
 
 def write_fence(path: str, state: FenceState) -> None:
@@ -85,6 +96,7 @@ class FenceCheck:
 
     def __init__(self, path: str, *, round: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.path, self.round, self._clock = path, round, clock
+        self._outage_logged = False
         first = read_fence(path)
         self.run_id, self.launch_id = first.run_id, first.launch_id
 
@@ -99,8 +111,9 @@ class FenceCheck:
         return cls(path, round=int(rnd))
 
     def check(self, *, wait_s: float) -> None:
-        """Return while this round is current and confirmed; else wait up to `wait_s` for the agent to
-        confirm it (a late lease beat on a loaded host), then raise FencedError with one line."""
+        """Return while this round is current and confirmed, or while the agent reports an etcd outage (the
+        writer lease decides then); else wait up to `wait_s` for the agent to confirm it (a late lease beat on
+        a loaded host), then raise FencedError with one line."""
         deadline = self._clock() + wait_s
         while True:
             state = read_fence(self.path)
@@ -111,6 +124,13 @@ class FenceCheck:
                     "owns the checkpoints; not committing")
             now = self._clock()
             if now < state.confirmed_until_monotonic:
+                self._outage_logged = False
+                return
+            if state.etcd_unreachable and now - state.published_monotonic <= OUTAGE_FRESH_S:
+                if not self._outage_logged:
+                    self._outage_logged = True
+                    log.warning("round %d: etcd does not answer this node's agent; checkpoint commits go on while "
+                                "the writer lease holds (no newer writer took the URL)", self.round)
                 return
             if now >= deadline:
                 raise FencedError(
@@ -165,9 +185,11 @@ class FencePublisher:
             view = self._handler.fence_view()
         if view["reachable"]:
             self._confirmed_until = view["last_renewed"] + view["lease_ttl_s"]
+        outage = not view.get("etcd_up", True)  # rewritten at every call meanwhile: this agent is alive
         state = FenceState(run_id=view["run_id"], launch_id=view["launch_id"], round=view["round"],
                            confirmed_until_monotonic=self._confirmed_until, lease_ttl_s=view["lease_ttl_s"],
-                           agent_pid=os.getpid())
+                           agent_pid=os.getpid(), etcd_unreachable=outage,
+                           published_monotonic=self._clock() if outage else 0.0)
         if state != self._last:
             write_fence(self.path, state)
             self._last = state

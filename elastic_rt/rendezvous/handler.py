@@ -247,7 +247,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return {"run_id": self.settings.run_id, "launch_id": str(kv.create_revision) if kv else "",
                 "round": rnd if rnd is not None else -1, "last_renewed": last_renewed,
                 "renewals_lost": renewals_lost, "lease_ttl_s": self.settings.lease_ttl_s,
-                "reachable": self.etcd_reachable()}
+                "reachable": self.etcd_reachable(), "etcd_up": self.health.up}
 
     def _follow_failover(self) -> None:
         """After a beat: if the keepalive failed over to another endpoint, move the watch there too

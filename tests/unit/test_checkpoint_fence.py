@@ -19,13 +19,13 @@ class Handler:
     """What FencePublisher reads from the rendezvous handler (EtcdRendezvousHandler.fence_view, catch_up)."""
 
     def __init__(self) -> None:
-        self.round, self.last_renewed, self.lost, self.reachable = 3, 100.0, 0, True
+        self.round, self.last_renewed, self.lost, self.reachable, self.etcd_up = 3, 100.0, 0, True, True
         self.caught_up = True
         self.catch_ups = 0
 
     def fence_view(self) -> dict:
         return {"run_id": "job", "launch_id": "17", "round": self.round, "last_renewed": self.last_renewed,
-                "renewals_lost": self.lost, "lease_ttl_s": 3.0, "reachable": self.reachable}
+                "renewals_lost": self.lost, "lease_ttl_s": 3.0, "reachable": self.reachable, "etcd_up": self.etcd_up}
 
     def catch_up(self) -> bool:
         self.catch_ups += 1
@@ -63,7 +63,7 @@ def test_an_unconfirmed_lease_fences_the_writer_after_the_wait(setup):
         check.check(wait_s=0)
 
 
-def test_an_unreachable_etcd_confirms_nothing_new(setup):
+def test_an_unconfirmed_lease_without_an_outage_confirms_nothing_new(setup):
     handler, clock, publisher, check = setup
     handler.reachable, handler.last_renewed = False, 103.0
     publisher.publish()
@@ -83,4 +83,43 @@ def test_after_the_lease_was_found_gone_nothing_is_confirmed_until_the_view_caug
     publisher.publish()
     assert handler.catch_ups == 2
     with pytest.raises(FencedError, match="agent is in round 5"):
+        check.check(wait_s=0)
+
+
+def test_during_an_etcd_outage_reported_by_a_live_agent_the_writer_lease_decides(setup, caplog):
+    """etcd is needed to change membership, not to train: a save during an outage commits (the writer lease still
+    checks that no newer writer took the URL), once, with a warning."""
+    handler, clock, publisher, check = setup
+    handler.reachable, handler.etcd_up = False, False
+    clock.now = 110.0  # far past the last renewal (100.0) + TTL
+    publisher.publish()
+    with caplog.at_level("WARNING", logger="elastic_rt.checkpoint"):
+        check.check(wait_s=0)
+        clock.now += 0.5
+        publisher.publish()  # the live agent rewrites its report
+        check.check(wait_s=0)
+    assert len([r for r in caplog.records if "etcd does not answer" in r.getMessage()]) == 1
+
+
+def test_an_outage_report_that_stopped_being_rewritten_fences_the_writer(setup):
+    """The agent froze with its node during an outage (or died): its last report is not believed for long."""
+    handler, clock, publisher, check = setup
+    handler.reachable, handler.etcd_up = False, False
+    clock.now = 110.0
+    publisher.publish()
+    clock.now = 111.5  # no rewrite for 1.5 s
+    with pytest.raises(FencedError, match="has not confirmed round 3"):
+        check.check(wait_s=0)
+
+
+def test_once_the_lease_is_found_gone_an_outage_report_no_longer_counts(setup):
+    """etcd answered again and this node's lease had expired: the others may have re-formed meanwhile."""
+    handler, clock, publisher, check = setup
+    handler.reachable, handler.etcd_up = False, False
+    clock.now = 110.0
+    publisher.publish()
+    handler.lost, handler.caught_up = 1, False  # found gone; the read of `round` has not caught up yet
+    clock.now = 111.5
+    publisher.publish()
+    with pytest.raises(FencedError):
         check.check(wait_s=0)
