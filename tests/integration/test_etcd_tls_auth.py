@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from elastic_rt.chaos.etcd_server import EtcdCluster, EtcdTls
-from elastic_rt.errors import ConfigError, EtcdAccessError
+from elastic_rt.errors import ConfigError, EtcdAccessError, EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.registration import ENV_ETCD_PASSWORD, etcd_config_from_conf
 from tests.chaos.harness import EXAMPLE, ROOT
@@ -109,6 +109,44 @@ def test_tls_mistakes_fail_at_once_with_one_line(tls_etcd, pki, conf, message):
         assert "\n" not in str(err.value)
     finally:
         c.close()
+
+
+def test_plaintext_client_to_a_tls_etcd_fails_at_once_with_one_line(tls_etcd):
+    c = _client("http://" + tls_etcd.members[0].endpoint, {})
+    try:
+        with pytest.raises(EtcdAccessError, match="speaks TLS and this client does not: use https://") as err:
+            c.put("/x", b"1")
+        assert "\n" not in str(err.value)
+    finally:
+        c.close()
+
+
+def test_an_outage_of_a_tls_etcd_is_unavailable_not_a_tls_error(pki):
+    """The TLS checks never turn an etcd that is down (or killed under an open connection) into a
+    configuration error: those clients retry, and the same clients are refused again once it is back."""
+    tls = EtcdTls(ca_cert=str(pki / "ca.pem"), cert=str(pki / "server.pem"), key=str(pki / "server.key"),
+                  client_cert=str(pki / "client.pem"), client_key=str(pki / "client.key"))
+    with EtcdCluster(1, tls=tls) as cluster:
+        m = cluster.members[0]
+        good = _client(m.url, _tls_conf(pki))
+        no_cert = _client(m.url, _tls_conf(pki, client=None))
+        plain = _client("http://" + m.endpoint, {})
+        try:
+            good.put(f"/elastic-rt/{RUN_OK}/up", b"1")  # an open connection, then the server dies under it
+            cluster.kill_member(m)
+            for c in (good, no_cert, plain):
+                with pytest.raises(EtcdUnavailableError, match="is not reachable"):
+                    c.put(f"/elastic-rt/{RUN_OK}/down", b"1")
+            cluster.start_member(m)
+            cluster.wait_healthy(30.0)
+            with pytest.raises(EtcdAccessError, match="requires a client certificate"):
+                no_cert.put("/x", b"1")
+            with pytest.raises(EtcdAccessError, match="speaks TLS"):
+                plain.put("/x", b"1")
+            good.put(f"/elastic-rt/{RUN_OK}/up", b"2")
+        finally:
+            for c in (good, no_cert, plain):
+                c.close()
 
 
 def test_https_without_ca_uses_default_roots_and_says_so(tls_etcd):
@@ -207,13 +245,15 @@ def test_job_runs_over_tls_and_with_a_prefix_limited_user(tls_etcd, auth_etcd, p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["wrong-ca", "no-client-cert", "wrong-password", "no-permission"])
+@pytest.mark.parametrize("case", ["wrong-ca", "no-client-cert", "plaintext-to-tls", "wrong-password",
+                                  "no-permission"])
 def test_job_with_bad_credentials_fails_fast_with_one_line(tls_etcd, auth_etcd, pki, tmp_path, case):
     wrong_pw = tmp_path / "pw"
     wrong_pw.write_text("not-the-password\n")
     endpoint, conf, env = {
         "wrong-ca": (tls_etcd.members[0].url, _tls_conf(pki, ca="rogue-ca"), {}),
         "no-client-cert": (tls_etcd.members[0].url, _tls_conf(pki, client=None), {}),
+        "plaintext-to-tls": ("http://" + tls_etcd.members[0].endpoint, {}, {}),
         "wrong-password": (auth_etcd.members[0].url, {"user": "alice", "password_file": str(wrong_pw)}, {}),
         "no-permission": (auth_etcd.members[0].url, {"user": "bob"}, {ENV_ETCD_PASSWORD: "bob-pw"}),
     }[case]
