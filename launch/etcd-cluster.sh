@@ -8,7 +8,7 @@ set -euo pipefail
 PROG=${0##*/}
 usage() {
     cat <<EOF
-Usage: $PROG [options] start|stop|status|env|certs HOST...
+Usage: $PROG [options] start|stop|status|env|certs|auth HOST...
        $PROG [options] job-user HOST... -- RUN_ID
 
 Runs one etcd member on each HOST (3 or 5 hosts; 1 for a throwaway test). The
@@ -32,6 +32,8 @@ Commands:
            launch/systemd/elastic-rt-etcd.service (/etc/elastic-rt/etcd.env)
   certs    make the members' certificates and copy them to their hosts
            (start does it too; for the systemd unit)
+  auth     once the members run: user root and auth on (start does it too;
+           for the systemd unit)
   job-user make the user for run RUN_ID: a client certificate, a password and
            a role with readwrite on /elastic-rt/RUN_ID/ only, in PKI_DIR; prints
            the --rdzv-endpoint and --rdzv-conf of the job's agents (copy
@@ -280,6 +282,10 @@ case "$COMMAND" in
         [ "$PLAINTEXT" = 0 ] || die "certs: --insecure-plaintext uses none"
         install_certs
         ;;
+    auth)
+        [ "$PLAINTEXT" = 0 ] || die "auth: --insecure-plaintext has none"
+        pki auth-enable
+        ;;
     job-user)
         [ "$PLAINTEXT" = 0 ] || die "job-user: --insecure-plaintext has no users"
         [ -n "$RUN_ID" ] || die "job-user: give the run id after --: job-user HOST... -- RUN_ID"
@@ -307,5 +313,5 @@ case "$COMMAND" in
             echo
         done
         ;;
-    *) die "unknown command '$COMMAND': start, stop, status, env, certs or job-user" ;;
+    *) die "unknown command '$COMMAND': start, stop, status, env, certs, auth or job-user" ;;
 esac

@@ -362,6 +362,10 @@ def test_agent_unit_command_line_parses():
     assert Path(argv[0]).name == "elastic-rt"
     _args, cfg = parse_launch(["elastic-rt", *argv[1:]])
     assert cfg.rdzv_id == "job42" and cfg.node_id == "node1" and cfg.max_nodes > cfg.min_nodes
+    # the job's own etcd user over TLS, as etcd-cluster.sh job-user makes it
+    assert all(e.startswith("https://") for e in cfg.rdzv_endpoint.split(","))
+    assert {"ca_cert", "cert", "key", "user", "password_file"} <= set(cfg.conf) and cfg.conf["user"] == "job42"
+    assert "password" not in cfg.conf
     assert cfg.script == env["ELASTIC_RT_SCRIPT"] and list(cfg.script_args) == env["ELASTIC_RT_SCRIPT_ARGS"].split()
     assert svc["KillMode"] == "mixed" and svc["KillSignal"] == "SIGTERM"
     assert int(svc["TimeoutStopSec"]) >= cfg.grace_period_s + 10, "systemd must not SIGKILL inside the grace period"
