@@ -48,7 +48,7 @@ Options:
 
 Kubernetes (k8s-etcd, k8s-job-user) reads: POD_NAMESPACE, ETCD_STATEFULSET (etcd),
 ETCD_PEER_SERVICE (etcd-peer), ETCD_CLIENT_SERVICE (etcd-client), ETCD_REPLICAS (3),
-ETCD_WAIT_S (600), ETCD_ENDPOINTS (default: every member by its DNS name), PKI_SECRETS
+ETCD_WAIT_S (600: how long to wait for etcd), ETCD_ENDPOINTS (default: every member by its DNS name), PKI_SECRETS
 (where k8s-job-user finds ca.pem, ca.key, root.pem, root.key; /etc/etcd-pki), KUBECTL.
 
 Example (bare metal; launch/etcd-cluster.sh does this for you):
@@ -219,6 +219,8 @@ key_prefix() {
 
 # ---- Kubernetes ----------------------------------------------------------------
 KUBECTL=${KUBECTL:-kubectl}
+WAIT_S=${ETCD_WAIT_S:-600}
+[[ $WAIT_S =~ ^[0-9]+$ ]] || die "ETCD_WAIT_S must be a number of seconds"
 
 secret_exists() { "$KUBECTL" get secret "$1" -o name >/dev/null 2>&1; }
 
@@ -239,8 +241,8 @@ secret_file() {
 k8s_etcd() {
     local ns=${POD_NAMESPACE:?POD_NAMESPACE must be set (downward API)} sts=${ETCD_STATEFULSET:-etcd}
     local peer=${ETCD_PEER_SERVICE:-etcd-peer} client=${ETCD_CLIENT_SERVICE:-etcd-client} n=${ETCD_REPLICAS:-3}
-    local wait_s=${ETCD_WAIT_S:-600} i sans=() have=0 s
-    [[ $n =~ ^[0-9]+$ && $wait_s =~ ^[0-9]+$ ]] || die "ETCD_REPLICAS and ETCD_WAIT_S must be numbers"
+    local i sans=() have=0 s
+    [[ $n =~ ^[0-9]+$ ]] || die "ETCD_REPLICAS must be a number"
     for s in etcd-ca etcd-tls etcd-root; do secret_exists "$s" && have=$((have + 1)); done
     if [ "$have" = 0 ]; then
         for ((i = 0; i < n; i++)); do
@@ -270,13 +272,18 @@ k8s_etcd() {
     if [ -z "$ENDPOINTS" ]; then
         for ((i = 0; i < n; i++)); do ENDPOINTS+="${ENDPOINTS:+,}https://$sts-$i.$peer.$ns.svc:2379"; done
     fi
-    log "waiting up to ${wait_s}s for etcd at $ENDPOINTS"
-    local deadline=$((SECONDS + wait_s))
+    wait_healthy "$WAIT_S"
+    auth_enable
+}
+
+# Wait until every endpoint answers (members still starting, images still pulling).
+wait_healthy() {
+    local deadline=$((SECONDS + $1))
+    log "waiting up to ${1}s for etcd at $ENDPOINTS"
     until ctl endpoint health >/dev/null 2>&1; do
-        [ $SECONDS -lt $deadline ] || die "etcd at $ENDPOINTS not healthy within ${wait_s}s"
+        [ $SECONDS -lt $deadline ] || die "etcd at $ENDPOINTS not healthy within ${1}s"
         sleep 2
     done
-    auth_enable
 }
 
 k8s_job_user() {
@@ -295,6 +302,7 @@ k8s_job_user() {
         secret_file "$secret" client.pem "$DIR/$job.pem"
         secret_file "$secret" client.key "$DIR/$job.key"
     fi
+    wait_healthy "$WAIT_S"
     RUNS_NAMED="${job}_"
     job_user "$job" "$(key_prefix "")"
     put_secret "$secret" ca.pem="$DIR/ca.pem" client.pem="$DIR/$job.pem" client.key="$DIR/$job.key" \

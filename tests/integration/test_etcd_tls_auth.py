@@ -222,6 +222,59 @@ def test_expired_token_is_renewed_without_a_restart(auth_etcd, caplog):
         c.close()
 
 
+def test_expired_jwt_is_renewed_without_a_restart(tmp_path, caplog):
+    """The shipped recipes sign tokens as JWTs (--auth-token jwt,...,ttl=10m): one past its TTL is renewed
+    like a simple token. A member started here with the same kind of token and a 2 s TTL."""
+    from elastic_rt.chaos.etcd_server import find_etcd_binary, find_etcdctl, free_port
+
+    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "jwt.key", cwd=tmp_path)
+    _openssl("pkey", "-in", "jwt.key", "-pubout", "-out", "jwt.pub", cwd=tmp_path)
+    binary = find_etcd_binary()
+    client_port, peer_port = free_port(), free_port()
+    url, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    log = open(tmp_path / "etcd.log", "wb")
+    proc = subprocess.Popen([binary, "--data-dir", str(tmp_path / "data"), "--listen-client-urls", url,
+                             "--advertise-client-urls", url, "--listen-peer-urls", peer,
+                             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"default={peer}",
+                             "--auth-token", f"jwt,pub-key={tmp_path}/jwt.pub,priv-key={tmp_path}/jwt.key,"
+                                             "sign-method=ES256,ttl=2s"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def etcdctl(*args: str, password: str | None = None) -> None:
+            subprocess.run([find_etcdctl(binary), "--endpoints", url, "--dial-timeout", "10s", *args], check=True,
+                           capture_output=True, input=password and password + "\n", text=True, timeout=60)
+
+        deadline = time.monotonic() + 30
+        while True:  # etcd answers once it has elected itself
+            try:
+                etcdctl("endpoint", "health")
+                break
+            except subprocess.CalledProcessError:
+                assert time.monotonic() < deadline, (tmp_path / "etcd.log").read_text()[-2000:]
+                time.sleep(0.2)
+        etcdctl("user", "add", "root", "--interactive=false", password="root-pw")
+        etcdctl("user", "grant-role", "root", "root")
+        etcdctl("user", "add", "alice", "--interactive=false", password=ALICE_PW)
+        etcdctl("role", "add", "alice")
+        etcdctl("role", "grant-permission", "alice", "--prefix=true", "readwrite", f"/elastic-rt/{RUN_OK}/")
+        etcdctl("user", "grant-role", "alice", "alice")
+        etcdctl("auth", "enable")
+        c = _client(url, {"user": "alice"}, env={ENV_ETCD_PASSWORD: ALICE_PW})
+        try:
+            c.put(f"/elastic-rt/{RUN_OK}/jwt", b"1")
+            token = c._endpoints[0].metadata
+            time.sleep(3.0)  # past the token's 2 s TTL; there is no event to wait for
+            with caplog.at_level(logging.INFO, logger="elastic_rt.rendezvous.etcd_client"):
+                c.put(f"/elastic-rt/{RUN_OK}/jwt", b"2")
+            assert "expired; authenticating again" in caplog.text
+            assert c._endpoints[0].metadata != token
+        finally:
+            c.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
 # ---- a real job ---------------------------------------------------------------------------
 
 def _launch(endpoint: str, conf: dict[str, str], run_id: str, *, env: dict[str, str] | None = None,
