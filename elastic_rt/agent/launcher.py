@@ -118,11 +118,11 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     """Run this node's agent until the job ends. Returns the process exit code."""
     if not cfg.no_python and not cfg.run_as_module and not os.path.isfile(cfg.script):
         raise ConfigError(f"training script {cfg.script!r} not found")
+    bound = check_binding(cfg.numa_binding, cfg.nproc_per_node) if cfg.numa_binding else {}
     install_signal_handlers()
     preflight(cfg, cfg.sysfs_root)
     raise_open_files_limit(needed_open_files(max_nodes=cfg.max_nodes, nproc_per_node=cfg.nproc_per_node))
     apply_worker_env(cfg)
-    bound = check_binding(cfg.numa_binding, cfg.nproc_per_node) if cfg.numa_binding else {}
     handler = build_handler(cfg)
     node_id = getattr(getattr(handler, "settings", None), "node_id", None) or cfg.node_id or f"node-{os.getpid()}"
     for note in cfg.notes:
