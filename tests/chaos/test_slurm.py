@@ -21,7 +21,7 @@ from tests.support.tools import needs_tool, require_tool
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "launch" / "slurm" / "elastic-rt.sbatch"
 EXAMPLE = REPO / "launch" / "train_example.py"
-STEPS = 40
+STEPS = 24
 
 pytestmark = [needs_tool("slurm", not missing_tools(), f"{HOW}; missing: {', '.join(missing_tools())}"),
               pytest.mark.slow]
@@ -102,7 +102,7 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(slurm, etcd_endpoint
     stopped = re.search(r"^stopped steps=(\d+) world_size=1", first, re.M)
     assert stopped and saved and saved[-1] == int(stopped.group(1)), "the workers save when preempted"
     assert "requeueing job" in first and state["Restarts"] == "1" and state["ExitCode"] == "0:0"
-    resumed = re.search(r"^start step=(\d+) world_size=2", second, re.M)
+    resumed = re.search(r"^start step=(\d+) world_size=\d", second, re.M)  # its first start, at any size
     assert resumed and int(resumed.group(1)) == saved[-1], "the requeued run resumes from the preemption save"
     assert re.search(rf"^done steps={STEPS} world_size=2 ", second, re.M)
     assert "elastic-rt-slurm: the training finished" in second
