@@ -86,7 +86,7 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(slurm, etcd_endpoint
                         "--metrics-port", "0", "--warm-workers", "off", "--probe-bytes", "0",
                         str(EXAMPLE), "--steps", str(STEPS), "--step-sleep", "0.25", "--save-every", "3"], env=env)
     try:
-        _wait_output(out, r"^step=\d+ .*world_size=2$", 240)
+        _wait_output(out, r"^checkpoint saved step=\d+ world_size=2 ", 240)
         _agent(job, "n2").kill()  # a task killed: its node is left behind
         _wait_output(out, r"^elastic-rt-slurm: n2 exit 137$", 60)
         one = _wait_output(out, r"^step=\d+ .*world_size=1$", 120)
@@ -98,6 +98,9 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(slurm, etcd_endpoint
         print(f"---- job {job} output ----\n{transcript}")
     first, second = transcript[:requeued.start()], transcript[requeued.start():]
     assert "elastic-rt-slurm: agents exited with: 137 143" in first  # killed, then preempted
+    at_two = [int(s) for s in re.findall(r"^checkpoint saved step=(\d+) world_size=2", first, re.M)]
+    alone = re.search(r"^start step=(\d+) world_size=1", first, re.M)
+    assert at_two and alone and int(alone.group(1)) >= at_two[0], "n1 went on alone from the last checkpoint"
     saved = [int(s) for s in re.findall(r"^checkpoint saved step=(\d+) world_size=1", first, re.M)]
     stopped = re.search(r"^stopped steps=(\d+) world_size=1", first, re.M)
     assert stopped and saved and saved[-1] == int(stopped.group(1)), "the workers save when preempted"
