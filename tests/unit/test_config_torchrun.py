@@ -134,6 +134,19 @@ def test_numa_binding_is_a_torch_mode():
         cfg("--numa-binding", "everything")
 
 
+def test_numa_binding_that_torch_cannot_do_is_one_config_error():
+    """Without CUDA torch cannot tell which NUMA node a GPU is on: the launch stops at start in one line (under
+    torchrun each worker fails with a traceback)."""
+    import torch
+
+    from elastic_rt.agent.numa import check_binding
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: torch can bind here")
+    with pytest.raises(ConfigError, match=r"--numa-binding node: torch cannot bind local rank 0 \(.+\); it binds"):
+        check_binding("node", 1)
+
+
 def test_nproc_per_node_words_as_torchrun():
     import torch
 
