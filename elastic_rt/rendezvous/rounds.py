@@ -116,6 +116,13 @@ class Rounds:
                 c.compare_and_put(k.round, str(rnd + 1).encode(), expected_mod_revision=rnd_kv.mod_revision)
                 v.wait_for(lambda: v.current_round() != rnd, 1.0)
                 continue
+            if self._abandoned(final):
+                # Every member of round rnd is gone (the whole job was stopped and is started again, e.g. a
+                # requeued batch job): no member is left to open the next round, so a waiting node does.
+                log.info("node %s: no member of round %d is alive; opening round %d", s.node_id, rnd, rnd + 1)
+                c.compare_and_put(k.round, str(rnd + 1).encode(), expected_mod_revision=rnd_kv.mod_revision)
+                v.wait_for(lambda: v.current_round() != rnd, 1.0)
+                continue
             # Round rnd runs without us: ask its members to make room, wait for rnd + 1.
             if waiting is None or waiting.lease != self._lease_id():
                 c.put(k.waiting(s.node_id), b"", lease=self._lease_id())
@@ -123,6 +130,17 @@ class Rounds:
                 said_waiting = rnd
                 log.info("node %s: round %d is running; waiting for the next round", s.node_id, rnd)
             v.wait(version, max(0.0, min(deadline - self._clock(), 5.0)))
+
+    def _abandoned(self, final: KeyValue) -> bool:
+        """No member of the round `final` lists is alive: each one's alive key is gone, or was put again by
+        another incarnation of its node (its agent restarted). One read of the members' alive keys."""
+        data = _decode_json(final, "round membership")
+        nodes = [str(n) for n in data.get("nodes", ())]
+        incs = data.get("incarnations")
+        incs = incs if isinstance(incs, list) and len(incs) == len(nodes) else [None] * len(nodes)
+        found, _, _ = self._client.read_many([self.keys.alive(n) for n in nodes], [])
+        return bool(nodes) and not any(kv is not None and (inc is None or incarnation(kv) in (None, inc))
+                                       for inc, kv in zip(incs, found))
 
     def _join_and_wait(self, rnd: int, deadline: float) -> Membership | None:
         """Join round rnd and wait for its final (or for the round to end without us).
