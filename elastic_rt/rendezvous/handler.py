@@ -82,6 +82,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_rt.decisions import RestartReason
 from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError
+from elastic_rt.interfaces import MembershipHandler
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.health import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
@@ -95,8 +96,9 @@ from elastic_rt.rendezvous.view import MembershipView
 log = logging.getLogger(__name__)
 
 
-class EtcdRendezvousHandler(RendezvousHandler):
-    """torch.distributed.elastic RendezvousHandler backed by etcd v3 leases and watches."""
+class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
+    """torch.distributed.elastic RendezvousHandler backed by etcd v3 leases and watches, with the
+    MembershipHandler extras the agent uses."""
 
     def __init__(self, client: EtcdClient, settings: RendezvousSettings, *,
                  clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random) -> None:
