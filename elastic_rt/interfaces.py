@@ -12,7 +12,8 @@ from elastic_rt.decisions import RestartReason
 
 if TYPE_CHECKING:
     from elastic_rt.agent.hang import HangVerdict
-    from elastic_rt.rendezvous.rounds import Membership, RendezvousSettings
+    from elastic_rt.rendezvous.decide import Membership
+    from elastic_rt.rendezvous.rounds import RendezvousSettings
 
 
 class MembershipHandler(ABC):
