@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.utils import macros
 
-from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
+from elastic_rt.agent.agent import ElasticRTAgent
 from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.limits import needed_open_files, raise_open_files_limit
@@ -36,6 +36,7 @@ from elastic_rt.agent.config import AgentConfig
 from elastic_rt.agent.host_memory import make_host_cache
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
+from elastic_rt.interfaces import AgentObserver, MembershipHandler
 from elastic_rt.metrics.health import liveness_threshold_s
 from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
 from elastic_rt.goodput.stragglers import StragglerSettings
@@ -124,7 +125,8 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     raise_open_files_limit(needed_open_files(max_nodes=cfg.max_nodes, nproc_per_node=cfg.nproc_per_node))
     apply_worker_env(cfg)
     handler = build_handler(cfg)
-    node_id = getattr(getattr(handler, "settings", None), "node_id", None) or cfg.node_id or f"node-{os.getpid()}"
+    extras = handler if isinstance(handler, MembershipHandler) else None  # the etcd-v3 handler's
+    node_id = (extras.settings.node_id if extras else None) or cfg.node_id or f"node-{os.getpid()}"
     for note in cfg.notes:
         log.warning("[%s] %s", node_id, note)
     if bound:
@@ -194,19 +196,18 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         restart_grace_s=cfg.restart_grace_s,
         shutdown_grace_s=cfg.grace_period_s,
         # a lost peer shows within its lease TTL (the handler's validated setting, not a second default)
-        peer_loss_wait_s=getattr(getattr(handler, "settings", None), "lease_ttl_s", 3.0) + 1.0,
+        peer_loss_wait_s=(extras.settings.lease_ttl_s if extras else 3.0) + 1.0,
         observer=observer,
         policy=policy,
         round_listeners=(round_checks.on_round, goodput.exchange.on_round) if round_checks else (),
         diagnostics=diagnostics,
         warm_pool=warm_pool,
     )
-    leave = getattr(handler, "leave", None)
+    leave = extras.leave if extras else None
     try:
         if warm_pool is not None:
             warm_pool.start()
-            if hasattr(observer, "track_warm_workers"):
-                observer.track_warm_workers(lambda: len(warm_pool.idle_pids(ready_only=True)))
+            observer.track_warm_workers(lambda: len(warm_pool.idle_pids(ready_only=True)))
         return _run(agent, cfg, node_id, log_dir, handler, leave)
     finally:
         if warm_pool is not None:
@@ -215,8 +216,9 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
             shutil.rmtree(host_cache, ignore_errors=True)
         stop.set()
         diagnostics.close()
-        getattr(observer, "close", lambda: None)()
-        getattr(handler, "close", lambda: None)()
+        observer.close()
+        if extras is not None:
+            extras.close()
 
 
 def build_diagnostics(cfg: AgentConfig, log_dir: str, reports_dir: str, metrics) -> FailureDiagnostics:
@@ -295,7 +297,7 @@ def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) ->
         if leave:
             leave()
         return 1
-    if hasattr(handler, "set_closed") and leave:
+    if leave:
         try:
             handler.set_closed()  # the job is done: late joiners exit instead of waiting
         except RendezvousConnectionError as exc:  # the workers succeeded: that is the job's result
