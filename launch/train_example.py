@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from functools import partial
 import hashlib
 import os
 import signal
@@ -41,7 +42,7 @@ from elastic_rt.worker_env import WorkerEnvironment
 EXIT_PEER_PREEMPTED = 75  # EX_TEMPFAIL: stopped because a peer was preempted; restart me
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=100, help="optimizer steps to run in total")
     p.add_argument("--batch-size", type=int, default=8,
@@ -68,7 +69,11 @@ def parse_args(argv=None):
     p.add_argument("--async-save", action="store_true", help="upload checkpoints in the background")
     p.add_argument("--final-params", default=None,
                    help="rank 0 writes the final parameters here (torch.save of one flat tensor)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def make_dataset(size: int, seed: int, dtype: torch.dtype = torch.float32) -> TensorDataset:
@@ -83,29 +88,54 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def per_rank_steps(ddp, loader, world: int, device):
-    """One step per DataLoader batch of --batch-size on each rank. Yields, with the gradients
-    ready: the step's indices on this rank, this rank's share of the step's mean loss, None."""
-    for idx, x, y in loader:
-        loss = nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
-        loss.backward()
-        yield idx.tolist(), loss.detach() / world, None
+def build(args, device: torch.device, local_rank: int):
+    """(model, its DDP wrapper, optimizer, dataset, sampler, GlobalBatchSampler or None), the same on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(args.seed)
+    model = nn.Sequential(nn.Linear(16, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1)).to(device, dtype)
+    ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    dataset = make_dataset(args.dataset_size, args.seed, dtype)
+    sampler = ElasticDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    batches = None
+    if args.global_batch_size is not None:  # raises at B < world size
+        batches = GlobalBatchSampler(sampler, global_batch_size=args.global_batch_size,
+                                     micro_batch_size=args.micro_batch_size or args.batch_size)
+    return model, ddp, opt, dataset, sampler, batches
 
 
-def planned_steps(ddp, batches: GlobalBatchSampler, loader, device):
-    """One step per fixed global batch: this rank's micro-batches, all but the last under
-    no_sync, each loss scaled so that DDP's all-reduce is the mean over the global batch.
-    Yields like per_rank_steps, with the step to commit after optimizer.step()."""
-    for step in batches.steps(loader):
-        indices, share = [], torch.zeros((), device=device)
-        for micro, (idx, x, y) in step:
-            with micro.accumulate(ddp):
+def training_steps(ddp, dataset, sampler: ElasticDistributedSampler, batches: GlobalBatchSampler | None,
+                   per_rank_batch: int, device: torch.device):
+    """Optimizer steps from the sampler's progress on, epoch after epoch. Yields, with the step's
+    gradients ready: (the indices this rank trained, this rank's share of the step's mean loss,
+    the epoch, what to call after optimizer.step() to record the step in the sampler)."""
+    world = sampler.num_replicas
+    epoch = sampler.epoch
+    while True:
+        sampler.set_epoch(epoch)  # the restored epoch keeps its progress
+        fresh, trained = sampler.consumed == 0, False
+        if batches is None:  # per-rank batches: the global batch is per_rank_batch x world size
+            for idx, x, y in DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler):
                 loss = nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
-                (loss * micro.loss_scale).backward()
-            share = share + loss.detach() * micro.weight
-            if not micro.padding:
-                indices += idx.tolist()
-        yield indices, share, step
+                loss.backward()
+                trained = True
+                yield idx.tolist(), loss.detach() / world, epoch, partial(sampler.advance, per_rank_batch * world)
+        else:  # the fixed global batch: micro-batches, each rank's last one all-reduces
+            for step in batches.steps(DataLoader(dataset, batch_sampler=batches)):
+                indices, share = [], torch.zeros((), device=device)
+                for micro, (idx, x, y) in step:
+                    with micro.accumulate(ddp):
+                        loss = nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
+                        (loss * micro.loss_scale).backward()
+                    share = share + loss.detach() * micro.weight
+                    if not micro.padding:
+                        indices += idx.tolist()
+                trained = True
+                yield indices, share, epoch, step.commit
+        if fresh and not trained:
+            return  # an empty dataset
+        epoch += 1
 
 
 def save_params(path: str, params: torch.Tensor) -> None:
@@ -131,22 +161,10 @@ def main(argv=None) -> int:
 
 
 def train(args, device: torch.device, local_rank: int, backend: str) -> int:
-    use_cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     sigterm: list[int] = []
     signal.signal(signal.SIGTERM, lambda s, _f: sigterm.append(s))
-    dtype = getattr(torch, args.dtype)
-
-    torch.manual_seed(args.seed)
-    model = nn.Sequential(nn.Linear(16, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1)).to(device, dtype)
-    ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-    dataset = make_dataset(args.dataset_size, args.seed, dtype)
-    sampler = ElasticDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    batches = None
-    if args.global_batch_size is not None:  # raises at B < world size
-        batches = GlobalBatchSampler(sampler, global_batch_size=args.global_batch_size,
-                                     micro_batch_size=args.micro_batch_size or args.batch_size)
+    model, ddp, opt, dataset, sampler, batches = build(args, device, local_rank)
 
     url = args.ckpt_url or WorkerEnvironment.from_env().checkpoint_url
     mgr = None
@@ -185,46 +203,34 @@ def train(args, device: torch.device, local_rank: int, backend: str) -> int:
         return args.lr * min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else args.lr
 
     stop = False
-    epoch = sampler.epoch
-    while step < args.steps and not stop:
-        sampler.set_epoch(epoch)  # the restored epoch keeps its progress
-        if batches is None:
-            loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
-            steps = per_rank_steps(ddp, loader, world, device)
-        else:
-            steps = planned_steps(ddp, batches, DataLoader(dataset, batch_sampler=batches), device)
-        for idx, loss_share, planned in steps:
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if planned is not None:
-                planned.commit()
-            else:
-                sampler.advance(args.batch_size * world)
-            step += 1
-            report_step(step)
-            if args.log_indices:
-                gathered: list = [None] * world
-                dist.all_gather_object(gathered, idx)
-                if rank == 0:
-                    print(f"indices step={step} epoch={epoch} "
-                          f"idx={','.join(str(i) for part in gathered for i in part)}", flush=True)
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
-            # One all-reduce: any rank's SIGTERM (every rank stops at the same step) and the mean loss.
-            sync = torch.stack([torch.tensor(float(bool(sigterm)), device=device, dtype=torch.float64),
-                                loss_share.to(torch.float64)])
-            dist.all_reduce(sync)
-            stop = bool(sync[0].item())
-            if rank == 0 and step % args.log_every == 0:
-                print(f"step={step} loss={sync[1].item()!r} world_size={world}", flush=True)
-            if mgr is not None and (step % args.save_every == 0 or stop):
-                mgr.save(step, checkpoint_state(step))
-            if step >= args.steps or stop:
-                break
-        else:
-            epoch += 1
+    steps = training_steps(ddp, dataset, sampler, batches, args.batch_size, device) if step < args.steps else iter(())
+    for idx, loss_share, epoch, commit in steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        commit()  # the sampler's progress now includes this step
+        step += 1
+        report_step(step)
+        if args.log_indices:
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, idx)
+            if rank == 0:
+                print(f"indices step={step} epoch={epoch} "
+                      f"idx={','.join(str(i) for part in gathered for i in part)}", flush=True)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        # One all-reduce: any rank's SIGTERM (every rank stops at the same step) and the mean loss.
+        sync = torch.stack([torch.tensor(float(bool(sigterm)), device=device, dtype=torch.float64),
+                            loss_share.to(torch.float64)])
+        dist.all_reduce(sync)
+        stop = bool(sync[0].item())
+        if rank == 0 and step % args.log_every == 0:
+            print(f"step={step} loss={sync[1].item()!r} world_size={world}", flush=True)
+        if mgr is not None and (step % args.save_every == 0 or stop):
+            mgr.save(step, checkpoint_state(step))
+        if step >= args.steps or stop:
+            break
     if mgr is not None:
         mgr.close()  # waits for a background upload; raises if it failed
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
