@@ -97,12 +97,15 @@ def curves(args: argparse.Namespace, dtype: str, log: list[str]) -> dict:
         }
         final = {k: torch.load(p, weights_only=True) for k, p in params.items()}
     ref = {s: loss for s, loss, _ in runs["uninterrupted"]}
-    out = {"runs": {k: [list(r) for r in v] for k, v in runs.items()}}
+    eps = torch.finfo(getattr(torch, dtype)).eps  # differences also in units of the dtype's epsilon
+    out = {"runs": {k: [list(r) for r in v] for k, v in runs.items()}, "eps": eps}
     for k in ("plan", "per_rank"):
         diffs = [abs(loss - ref[s]) / abs(ref[s]) for s, loss, _ in runs[k]]
         out[f"{k}_max_rel_loss_diff"] = max(diffs)
         out[f"{k}_median_rel_loss_diff"] = statistics.median(diffs)
         out[f"{k}_final_params_rel_diff"] = rel_diff(final[k], final["uninterrupted"])
+        for name in ("max_rel_loss_diff", "median_rel_loss_diff", "final_params_rel_diff"):
+            out[f"{k}_{name}_eps"] = out[f"{k}_{name}"] / eps
         out[f"{k}_last10_mean_loss"] = statistics.fmean(loss for _, loss, _ in runs[k][-10:])
     out["uninterrupted_last10_mean_loss"] = statistics.fmean(loss for _, loss, _ in runs["uninterrupted"][-10:])
     return out
@@ -212,14 +215,16 @@ def table(results: dict) -> str:
     lines = [f"same math: torch {torch.__version__}, {os.cpu_count()} CPU(s), load {results['loadavg_start'][0]:.1f} "
              f"at start, {results['loadavg_end'][0]:.1f} at end, code {results['provenance']['commit'][:10]}"
              f"{' (dirty)' if results['provenance']['dirty'] else ''}", "",
-             "| dtype | run | max rel. loss diff | median rel. loss diff | final params rel. diff | last-10 loss |",
-             "|---|---|---|---|---|---|"]
+             "| dtype | run | max rel. loss diff | median rel. loss diff | final params rel. diff | "
+             "the same in epsilons of the dtype | last-10 loss |",
+             "|---|---|---|---|---|---|---|"]
     for dtype, c in results["curves"].items():
-        lines.append(f"| {dtype} | uninterrupted | - | - | - | {c['uninterrupted_last10_mean_loss']:.6f} |")
+        lines.append(f"| {dtype} | uninterrupted | - | - | - | - | {c['uninterrupted_last10_mean_loss']:.6f} |")
         for k, label in (("plan", "resized, fixed global batch"), ("per_rank", "resized, per-rank batches")):
             lines.append(f"| {dtype} | {label} | {c[f'{k}_max_rel_loss_diff']:.3e} | "
                          f"{c[f'{k}_median_rel_loss_diff']:.3e} | {c[f'{k}_final_params_rel_diff']:.3e} | "
-                         f"{c[f'{k}_last10_mean_loss']:.6f} |")
+                         f"{c[f'{k}_max_rel_loss_diff_eps']:.3g} / {c[f'{k}_median_rel_loss_diff_eps']:.3g} / "
+                         f"{c[f'{k}_final_params_rel_diff_eps']:.3g} | {c[f'{k}_last10_mean_loss']:.6f} |")
     s = results["step_cost"]
     lines += ["", f"cost per step, tight loop, {s['world']} gloo ranks, {s['per_rank_batch']} samples per rank, "
               f"{s['trials']} interleaved trials of {s['steps_per_trial']} steps (wall: slowest rank; CPU: mean of ranks):"]
