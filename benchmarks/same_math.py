@@ -16,7 +16,7 @@ Part 2 (cost). A tight loop, no sleep, in a spawned gloo world of --cost-world r
 same samples and compute per step: one micro-batch per rank), trials interleaved; medians, and
 each variant's own spread across trials as the noise (after one unrecorded warm-up trial of each).
 
-    PYTHONPATH=. python benchmarks/same_math.py [--steps 200] [--segments 4,2,3,4] [--out benchmarks/results]
+    PYTHONPATH=. python benchmarks/same_math.py [--steps 200] [--segments 4,2,3,4] [--out benchmarks/results] [--plot-dir docs]
 """
 
 from __future__ import annotations
@@ -251,6 +251,7 @@ def main() -> None:
     p.add_argument("--cost-steps", type=int, default=300)
     p.add_argument("--cost-trials", type=int, default=10)
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--plot-dir", default=os.path.join(REPO, "docs"), help="where same-math-DATE.png goes")
     p.add_argument("--allow-dirty", action="store_true", help="run on uncommitted changes (recorded)")
     args = p.parse_args()
     args.segments = [int(w) for w in args.segments.split(",")]
@@ -262,8 +263,9 @@ def main() -> None:
     results["loadavg_end"] = list(os.getloadavg())
     stamp = datetime.date.today().isoformat()
     path = write_results(args.out, "same-math", stamp, results, table(results))
-    plot(path + ".png", results, args)
-    print(f"plot: {path}.png")
+    png = os.path.join(args.plot_dir, os.path.basename(path) + ".png")  # the results' name: which run it shows
+    plot(png, results, args)
+    print(f"plot: {png}")
 
 
 if __name__ == "__main__":
