@@ -122,20 +122,41 @@ def default_node_id() -> str:
     return f"{host}-{os.getpid()}"
 
 
+# RendezvousParameters.config keys the launcher sets (not --rdzv-conf): where the agent serves /metrics.
+METRICS_HOST_KEY = "metrics_host"
+METRICS_PORT_KEY = "metrics_port"
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def advertised_metrics_addr(local_addr: str, host: str | None, port: object) -> str | None:
+    """host:port at which the other nodes and `elastic-rt status` reach this agent's /metrics: the bind
+    address, or this node's address when the server binds every interface; None when it is off (port 0)."""
+    try:
+        number = int(port)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+    if not 0 < number < 65536:
+        return None
+    target = local_addr if (host or "") in _WILDCARD_HOSTS else str(host)
+    return f"[{target}]:{number}" if ":" in target else f"{target}:{number}"
+
+
 def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
     node_id = str(params.get("node_id") or default_node_id())
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", node_id):
         raise ConfigError(f"invalid node id {node_id!r}: use letters, digits, '.', '_' or '-'")
+    local_addr = params.local_addr or socket.getfqdn()
     return RendezvousSettings(
         run_id=params.run_id,
         node_id=node_id,
-        local_addr=params.local_addr or socket.getfqdn(),
+        local_addr=local_addr,
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
         lease_ttl_s=_float(params, "lease_ttl", 3.0),
         join_timeout_s=_float(params, "join_timeout", 600.0),
         last_call_timeout_s=_float(params, "last_call_timeout", 10.0),
         store_timeout_s=_float(params, "store_timeout", 300.0),
+        metrics_addr=advertised_metrics_addr(local_addr, params.get(METRICS_HOST_KEY), params.get(METRICS_PORT_KEY)),
     )
 
 
