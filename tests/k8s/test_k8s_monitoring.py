@@ -23,7 +23,8 @@ RULES = K8S / "monitoring" / "prometheusrule.yaml"
 DASHBOARD = K8S / "monitoring" / "dashboards" / "elastic-rt.json"
 ALERTS_TEST = Path(__file__).parent / "data" / "alerts_test.yaml"
 FIXTURE_SYSFS = REPO / "tests" / "fixtures" / "sysfs"
-METRIC = re.compile(r"\belastic_rt_[a-z0-9_]+")
+METRIC = re.compile(r"(?<![:\w])elastic_rt_[a-z0-9_]+")  # not the middle of a recorded name (level:metric:ops)
+RECORDED = re.compile(r"\b[a-z_]+:elastic_rt_[a-z0-9_]+:[a-z0-9_]+\b")
 
 NEED_PROMTOOL = needs_tool("promtool", shutil.which("promtool") is not None,
                            "apt-get install --no-install-recommends prometheus")
@@ -47,6 +48,10 @@ def rule_groups() -> list[dict]:
 
 def alerts() -> list[dict]:
     return [r for g in rule_groups() for r in g["rules"] if "alert" in r]
+
+
+def recording_rules() -> list[dict]:
+    return [r for g in rule_groups() for r in g["rules"] if "record" in r]
 
 
 def write_rules(directory: Path, *, annotations: bool = True) -> Path:
@@ -133,9 +138,9 @@ def exported_names(tmp: Path) -> set[str]:
 
 def referenced_names() -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
-    for a in alerts():
+    for a in alerts() + recording_rules():
         for n in METRIC.findall(a["expr"]):
-            out.setdefault(n, set()).add(f"alert {a['alert']}")
+            out.setdefault(n, set()).add(f"rule {a.get('alert') or a['record']}")
     dash = json.loads(DASHBOARD.read_text())
     for p in dash["panels"]:
         for t in p.get("targets", []):
@@ -158,6 +163,16 @@ def test_metric_names_are_exported_and_documented(tmp_path):
     assert not undocumented, f"not in docs/metrics.md: {undocumented}"
 
 
+def test_recorded_series_the_dashboard_reads_are_recorded():
+    recorded = {r["record"] for r in recording_rules()}
+    assert all(RECORDED.fullmatch(name) for name in recorded), sorted(recorded)
+    used = {(m, p["title"]) for p in json.loads(DASHBOARD.read_text())["panels"] for t in p.get("targets", [])
+            for m in RECORDED.findall(t["expr"])}
+    assert used, "the dashboard reads no recorded series"
+    missing = sorted((m, title) for m, title in used if m not in recorded)
+    assert not missing, f"panels read series no rule records: {missing}"
+
+
 def test_dashboard_is_shipped_by_the_monitoring_kustomization():
     k = load_docs(K8S / "monitoring" / "kustomization.yaml")[0]
     gens = k["configMapGenerator"]
@@ -171,7 +186,7 @@ def test_promtool_check_rules(tmp_path):
     path = write_rules(tmp_path)
     proc = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"SUCCESS: {len(alerts())} rules found" in proc.stdout, proc.stdout
+    assert f"SUCCESS: {len(alerts()) + len(recording_rules())} rules found" in proc.stdout, proc.stdout
 
 
 @NEED_PROMTOOL
