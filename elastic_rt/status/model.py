@@ -10,6 +10,8 @@ from elastic_rt.status.agents import AgentReading
 from elastic_rt.status.etcd_state import NodeRecord, RunState
 
 # Restarts of one group happen at every node within the time it takes them to notice: a lease TTL or two.
+# The last failure is the most recent restart of any node with the most recent restarts of the others
+# within this window.
 SAME_EVENT_S = 10.0
 # Of the reasons the nodes give for one restart, the first here says what happened (round_advanced is
 # what the other nodes see of a failure elsewhere).
@@ -145,8 +147,11 @@ def _node(rec: NodeRecord, run: RunState, reading: AgentReading | None) -> NodeS
 
 
 def _last_failure(readings: Mapping[str, AgentReading], lost: tuple[str, ...], now: float) -> LastFailure | None:
-    restarts = [(v, labels.get("reason", "?"), node) for node, r in readings.items() if r.answered
-                for labels, v in r.values("elastic_rt_last_restart_timestamp_seconds")]
+    restarts = []  # each node's most recent restart: (time, reason, node)
+    for node, r in readings.items():
+        stamps = [(v, labels.get("reason", "?")) for labels, v in r.values("elastic_rt_last_restart_timestamp_seconds")]
+        if r.answered and stamps:
+            restarts.append((*max(stamps), node))
     if not restarts:
         return None
     latest = max(t for t, _, _ in restarts)

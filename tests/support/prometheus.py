@@ -26,13 +26,13 @@ def prometheus_binary() -> str | None:
     return shutil.which("prometheus")
 
 
-def wait_until(what: str, check: Callable[[], T | None], timeout_s: float, *, poll_s: float = 0.5,
+def wait_until(what: str, check: Callable[[], T], timeout_s: float, *, poll_s: float = 0.5,
                detail: Callable[[], str] = lambda: "") -> T:
-    """check() until it returns something other than None or False, polling; TimeoutError naming `what`."""
+    """check() until it returns something true (which is returned), polling; TimeoutError naming `what`."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = check()
-        if result is not None and result is not False:
+        if result:
             return result
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{what}: not within {timeout_s:g} s. {detail()}")
