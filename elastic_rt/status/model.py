@@ -28,6 +28,7 @@ class NodeState(str, Enum):
     SPARE = "spare"  # alive, the round runs without it at --nnodes MAX: a hot spare
     LOST = "lost"  # a member of the current or the previous round whose lease is gone
     FINISHED = "finished"  # the run is closed and the agent left
+    UNKNOWN = "unknown"  # its alive/ key holds what elastic-rt did not write
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +92,8 @@ class JobStatus:
 def node_state(rec: NodeRecord, run: RunState, reading: AgentReading | None) -> NodeState:
     if not rec.alive:
         return NodeState.FINISHED if run.closed_by is not None else NodeState.LOST
+    if rec.problem:
+        return NodeState.UNKNOWN
     if run.formed and rec.node in run.members:
         standby = reading.value("elastic_rt_standby") if reading is not None and reading.answered else None
         return NodeState.RESTARTING if standby == 1 else NodeState.TRAINING
