@@ -1,8 +1,8 @@
 """A real Prometheus scraping the agents of a real job on real etcd, with the shipped scrape config and rules.
 
-Three nodes train (node b slow: a straggler); node a's worker crashes five times, then node c is killed. The
+Three nodes train (node b slow: a straggler); node c is killed, then node a's worker crashes five times. The
 alerts ElasticRTAgentDown and ElasticRTRestartStorm reach `firing`, the recording rules give values, every
-expression of the shipped dashboard returns data, and `elastic-rt status` tells the same story.
+expression of the shipped dashboard returns data, and `elastic-rt status` tells the same story at each step.
 
 The shipped rules wait minutes before firing (`for: 5m` for a dead agent): production values, kept. A
 Prometheus evaluates `for:` on its wall clock, which no flag speeds up, so two servers scrape the same agents:
@@ -68,7 +68,8 @@ class Live:
     started: float  # Unix time the agents were started
     killed: float = 0.0  # Unix time node c was killed
     before: dict | None = None  # `elastic-rt status --json` while all three train, b flagged as a straggler
-    after_crashes: dict | None = None  # after the crashes, before the node loss
+    after_loss: dict | None = None  # once a and b re-formed without c
+    after_crashes: dict | None = None  # after a's worker crashed WORKER_CRASHES times
 
 
 def _metric(prom: PrometheusServer, expr: str) -> float | None:
@@ -126,8 +127,14 @@ def _wait_training(live: Live) -> None:
 
 
 def _faults(live: Live) -> None:
-    """Node a's worker is SIGKILLed WORKER_CRASHES times, then node c dies (the survivors re-form)."""
+    """Node c dies (a and b re-form), then node a's worker is SIGKILLed WORKER_CRASHES times."""
     a = live.nodes["a"]
+    since = time.monotonic()
+    live.killed = time.time()
+    live.nodes["c"].kill_node()
+    a.wait_for(r"node a round \d+: rank \d of 2 nodes", 120, after=since)
+    live.after_loss = wait_until("status shows a and b training again", lambda: (st := status_json(live)) and all(
+        n["state"] == "training" for n in st["nodes"] if n["node"] in "ab") and st, 120)
     restarts = lambda: read_agent(f"127.0.0.1:{live.ports['a']}", timeout_s=5).value(  # noqa: E731
         "elastic_rt_restarts_total", reason="worker_failure")
     for crash in range(1, WORKER_CRASHES + 1):
@@ -137,10 +144,6 @@ def _faults(live: Live) -> None:
                    lambda: restarts() == crash and a.worker_pid(0, timeout_s=120) != pid, 120,
                    detail=lambda: a.output[-2000:])
     live.after_crashes = status_json(live)
-    since = time.monotonic()
-    live.killed = time.time()
-    live.nodes["c"].kill_node()
-    a.wait_for(r"node a round \d+: rank \d of 2 nodes", 120, after=since)
 
 
 @pytest.fixture(scope="module")
@@ -199,13 +202,13 @@ RECORDED = ("worker:elastic_rt_steps_per_second:rate1m", "node:elastic_rt_steps_
 
 
 def test_recording_rules_give_values(live):
-    def values():
+    def values():  # the step rate is 0 while the crashed workers restart: wait for training to go on
         out = {name: [float(r["value"][1]) for r in live.shipped.query(f'{name}{{run_id="{live.run_id}"}}')]
                for name in RECORDED}
-        return out if all(v and all(math.isfinite(x) for x in v) for v in out.values()) else None
+        ok = all(v and all(math.isfinite(x) for x in v) for v in out.values())
+        return out if ok and all(v > 0 for v in out["run_id:elastic_rt_steps_per_second:rate1m"]) else None
 
-    found = wait_until("every recording rule gives a value", values, 60)
-    assert all(v > 0 for v in found["run_id:elastic_rt_steps_per_second:rate1m"]), found
+    found = wait_until("every recording rule gives a value, a step rate above 0", values, 120)
     assert {len(found["node:elastic_rt_steps_per_second:rate1m"])} <= {2, 3}, found  # a and b (c while it lasts)
     for name in ("run_id:elastic_rt_goodput:ratio1h", "run_id:elastic_rt_goodput_ratio:avg"):
         assert all(0 < v <= 1 for v in found[name]), (name, found)
@@ -240,23 +243,14 @@ def test_status_before_the_faults(live):
     assert {n["node"]: n["state"] for n in s["nodes"]} == dict.fromkeys("abc", "training"), s["nodes"]
     assert s["formed"] and s["members"] == ["a", "b", "c"] and s["world_size"] == 3 and s["answering"] == 3, s
     nodes = {n["node"]: n for n in s["nodes"]}
-    assert nodes["a"]["steps_per_s"] > nodes["b"]["steps_per_s"] > 0, nodes  # b sleeps 0.3 s a step, a 0.05 s
+    assert nodes["b"]["step_time_s"] >= 0.3 and all(n["steps_per_s"] > 0 for n in nodes.values()), nodes  # b sleeps
     assert [(x["node"], x["local_rank"]) for x in s["stragglers"]] == [("b", 0)] and s["stragglers"][0]["ratio"] > 1.5
     assert s["last_failure"] is None and s["restarts"] == {}, s
     assert s["checkpoint_step"] >= 40 and s["checkpoint_age_s"] is not None and 0 < s["goodput"] <= 1, s
 
 
-def test_status_names_the_crashing_worker(live):
-    s = live.after_crashes
-    failure = s["last_failure"]
-    assert failure["reason"] == "worker_failure" and failure["failed_node"] == "a", failure
-    assert failure["cause"] == "killed" and set(failure["seen_by"]) == {"a", "b", "c"}, failure
-    assert s["restarts"] == {"worker_failure": WORKER_CRASHES}, s["restarts"]
-    assert {n["node"]: n["state"] for n in s["nodes"]} == dict.fromkeys("abc", "training"), s["nodes"]
-
-
 def test_status_shows_the_node_loss(live):
-    s = status_json(live)
+    s = live.after_loss
     states = {n["node"]: n for n in s["nodes"]}
     assert {n: v["state"] for n, v in states.items()} == {"a": "training", "b": "training", "c": "lost"}, states
     assert s["formed"] and s["members"] == ["a", "b"] and s["world_size"] == 2 and s["answering"] == 2, s
@@ -264,7 +258,16 @@ def test_status_shows_the_node_loss(live):
     failure = s["last_failure"]
     assert failure["reason"] == "peer_lost" and failure["lost"] == ["c"], failure
     assert set(failure["seen_by"]) == {"a", "b"}, failure
+    assert s["restarts"] == {"peer_lost": 1}, s["restarts"]
+
+
+def test_status_names_the_crashing_worker(live):
+    s = live.after_crashes
+    failure = s["last_failure"]
+    assert failure["reason"] == "worker_failure" and failure["failed_node"] == "a", failure
+    assert failure["cause"] == "killed" and set(failure["seen_by"]) == {"a", "b"}, failure
     assert s["restarts"] == {"worker_failure": WORKER_CRASHES, "peer_lost": 1}, s["restarts"]
+    assert {n["node"]: n["state"] for n in s["nodes"] if n["node"] != "c"} == {"a": "training", "b": "training"}
 
 
 def test_status_cli_watch_redraws_until_interrupted(live):
@@ -288,6 +291,6 @@ def test_status_cli_watch_redraws_until_interrupted(live):
             proc.kill()
     first = frames[0]
     assert first[0].startswith(f"run {live.run_id}: round ") and "2 node(s), world size 2" in first[0], first
-    assert any(line.startswith("last failure") and "lost now: c" in line for line in first), first
-    rows = {line.split()[0]: line.split() for line in first if line.split()[0] in ("a", "b", "c")}
-    assert rows["a"][1] == rows["b"][1] == "training" and rows["c"][1] == "lost", first
+    assert any(line.startswith("last failure") and "worker failure on a (cause: killed)" in line for line in first)
+    rows = {line.split()[0]: line.split() for line in first if line.split()[0] in ("a", "b")}
+    assert rows["a"][1] == rows["b"][1] == "training", first
