@@ -38,7 +38,8 @@ from results_file import write_results  # noqa: E402
 
 from elastic_rt.chaos.etcd_server import EtcdCluster, free_port  # noqa: E402
 from elastic_rt.status.agents import read_agent  # noqa: E402
-from elastic_rt.status.command import StatusOptions, show  # noqa: E402
+from elastic_rt.status.command import StatusOptions, show, snapshot  # noqa: E402
+from elastic_rt.status.render import render_text  # noqa: E402
 from tests.chaos.harness import Node  # noqa: E402
 from tests.support.monitoring import (  # noqa: E402
     AGENT_JOB, agent_args, config_differences, healthy_sysfs, rendered_config, shipped_rules, write_targets)
@@ -75,6 +76,21 @@ class AlertWatch:
 def status_text(endpoint: str, run_id: str) -> str:
     out = io.StringIO()
     show(StatusOptions(endpoint=endpoint, run_id=run_id, timeout_s=10), out=out)
+    return out.getvalue()
+
+
+def settled_status(endpoint: str, run_id: str, timeout_s: float = 120) -> str:
+    """The status text once every member trains and reports a step again (after a restart), or at timeout_s."""
+    out = io.StringIO()
+    opts = StatusOptions(endpoint=endpoint, run_id=run_id, timeout_s=10)
+    deadline = time.time() + timeout_s
+    while True:
+        status = snapshot(opts)
+        members = [n for n in status.nodes if n.node in status.members]
+        if time.time() > deadline or all(n.state.value == "training" and n.step is not None for n in members):
+            break
+        time.sleep(1)
+    print(render_text(status), file=out)
     return out.getvalue()
 
 
@@ -131,7 +147,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         c_killed = mark("node c killed")
         nodes["c"].kill_node()
         a.wait_for(r"node a round \d+: rank \d of 2 nodes", 120, after=since)
-        statuses["c lost"] = status_text(etcd.endpoints, run_id)
+        statuses["c lost"] = settled_status(etcd.endpoints, run_id)
         deadline = time.time() + args.second_loss_after_s
         while time.time() < deadline:
             watch.poll()
@@ -159,7 +175,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
             os.kill(pid, signal.SIGKILL)
             wait_until(f"a restarted after crash {crash}", lambda: restarts() == crash and a.worker_pid(0) != pid, 120)
             watch.poll()
-        statuses["after the crashes"] = status_text(etcd.endpoints, run_id)
+        statuses["after the crashes"] = settled_status(etcd.endpoints, run_id)
         expected = {
             "ElasticRTAgentDown c": ("ElasticRTAgentDown", {"instance": f"127.0.0.1:{ports['c']}"}, c_killed,
                                      "node c killed"),
@@ -176,7 +192,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
             time.sleep(1)
         ended = time.time()
         empty = render(prom.url, run_id=run_id, start=started, end=ended, out=args.png, marks=events,
-                       title=f"elastic-rt dashboard (shipped), a node-loss run: {', '.join(e[1] for e in events)}")
+                       title=f"The shipped elastic-rt dashboard during a node-loss run (minutes since the agents "
+                             f"started; scrape every {args.interval_s} s)")
         alerts = {}
         for key, (name, labels, fault_at, fault) in expected.items():
             pending, firing = watch.first(name, "pending", **labels), watch.first(name, "firing", **labels)

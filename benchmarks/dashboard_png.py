@@ -31,7 +31,7 @@ MAIN_PANELS = (
     "Steps per second (job and slowest worker per node)", "Seconds since last step (worst worker)",
     "Recovery time p50 / p95",
     "Goodput ratio: per node (live), job (last hour)", "Median step time per worker", "Stragglers",
-    "Checkpoint age", "Worker state", "Health checks (1 = passing)",
+    "Checkpoint age", "Worker state", "Rendezvous round",
 )
 UNITS = {"Checkpoint age": "s", "Seconds since last step (worst worker)": "s", "Recovery time p50 / p95": "s",
          "Median step time per worker": "s"}
@@ -79,10 +79,10 @@ def render(prometheus: str, *, run_id: str, start: float, end: float, out: str,
         if not drawn:
             empty.append(panel.title)
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
-        for at, label in marks:
+        for at, _ in marks:
             ax.axvline((at - start) / 60, color="black", linestyle=":", linewidth=0.9)
         unit = UNITS.get(panel.title)
-        ax.set_title(panel.title + (f" ({unit})" if unit else ""), fontsize=9.5, loc="left")
+        ax.set_title(panel.title + (f" ({unit})" if unit else ""), fontsize=9.5, loc="left", pad=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         if drawn:
@@ -91,13 +91,14 @@ def render(prometheus: str, *, run_id: str, start: float, end: float, out: str,
         ax.set_xlabel("minutes", fontsize=8)
     for ax in axes.flat[len(chosen):]:
         ax.set_visible(False)
-    top = axes[0]
-    for ax in top:
-        for at, label in marks:
-            ax.annotate(label, ((at - start) / 60, 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                        fontsize=7, va="top", ha="right", color="black")
-    fig.suptitle(title or f"elastic-rt dashboard, run {run_id}, from {datetime.fromtimestamp(start):%Y-%m-%d %H:%M:%S}",
-                 fontsize=11)
+    for ax in axes[0]:  # the marks, numbered above the first row (their meaning in the title)
+        for i, (at, _) in enumerate(marks, 1):
+            ax.annotate(str(i), ((at - start) / 60, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 1),
+                        textcoords="offset points", fontsize=7, ha="center", va="bottom", color="black")
+    heading = title or f"elastic-rt dashboard, run {run_id}, from {datetime.fromtimestamp(start):%Y-%m-%d %H:%M:%S}"
+    if marks:
+        heading += "\n" + "; ".join(f"{i}: {label}" for i, (_, label) in enumerate(marks, 1))
+    fig.suptitle(heading, fontsize=10.5)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=80)

@@ -73,6 +73,19 @@ def collect(client: EtcdClient, opts: StatusOptions, *, now: Callable[[], float]
     return build(run, readings, now=now())
 
 
+def snapshot(opts: StatusOptions) -> JobStatus:
+    """collect() with a client of its own."""
+    client = _client(opts)
+    try:
+        return collect(client, opts)
+    finally:
+        client.close()
+
+
+def _client(opts: StatusOptions) -> EtcdClient:
+    return EtcdClient(etcd_config_from_conf(opts.endpoint, dict(opts.conf), timeout_s=opts.timeout_s))
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return show(options_from_args(args), out=sys.stdout if out is None else out)
 
@@ -83,12 +96,12 @@ def show(opts: StatusOptions, *, out: TextIO, sleep: Callable[[float], None] = t
 
     Once: an unreachable etcd raises (one line, exit code 1). Watching: it is one line on the screen
     and the next refresh tries again."""
-    client = EtcdClient(etcd_config_from_conf(opts.endpoint, dict(opts.conf), timeout_s=opts.timeout_s))
+    if opts.watch_s is None:
+        status = snapshot(opts)
+        print(render_json(status) if opts.as_json else render_text(status), file=out)
+        return 0
+    client = _client(opts)
     try:
-        if opts.watch_s is None:
-            status = collect(client, opts)
-            print(render_json(status) if opts.as_json else render_text(status), file=out)
-            return 0
         return _watch(client, opts, out, sleep, frames)
     finally:
         client.close()

@@ -42,6 +42,7 @@ class RunState:
     members: tuple[str, ...]  # of the current round if formed, else of the last round that formed
     members_round: int | None
     earlier_members: tuple[str, ...]  # of the round that formed before members_round (etcd keeps two)
+    earlier_round: int | None
     closed_by: str | None  # the node that marked the run finished, "" if unknown; None while it runs
     nodes: dict[str, NodeRecord]
     problems: tuple[str, ...] = ()  # keys of the run that could not be read
@@ -106,7 +107,8 @@ def read_run_state(client: EtcdClient, run_id: str) -> RunState:
     numbers = sorted(formed_rounds, reverse=True)
     formed = rnd is not None and rnd in formed_rounds
     members_round = numbers[0] if numbers else None
-    earlier = formed_rounds[numbers[1]] if len(numbers) > 1 else ()
+    earlier_round = numbers[1] if len(numbers) > 1 else None
+    earlier = formed_rounds[earlier_round] if earlier_round is not None else ()
     records: dict[str, NodeRecord] = {}
     for kv in alive:
         _, _, node = k.parse(kv.key)
@@ -127,5 +129,5 @@ def read_run_state(client: EtcdClient, run_id: str) -> RunState:
             closed_by = ""
     return RunState(run_id=run_id, revision=revision, round=rnd, formed=formed,
                     members=formed_rounds.get(members_round, ()), members_round=members_round,
-                    earlier_members=earlier, closed_by=closed_by, nodes=dict(sorted(records.items())),
+                    earlier_members=earlier, earlier_round=earlier_round, closed_by=closed_by, nodes=dict(sorted(records.items())),
                     problems=tuple(problems))

@@ -78,6 +78,8 @@ class JobStatus:
     finished: bool
     world_size: int | None
     members: tuple[str, ...]
+    nnodes: tuple[int, int] | None  # --nnodes MIN:MAX, as the live agents advertise it
+    alive: int  # nodes with a lease
     nodes: tuple[NodeStatus, ...]
     answering: int  # agents that answered
     goodput: float | None  # (productive + uncommitted) / wall time, node-seconds of the answering agents
@@ -107,9 +109,8 @@ def node_state(rec: NodeRecord, run: RunState, reading: AgentReading | None) -> 
 def _gone(rec: NodeRecord, run: RunState) -> str:
     if run.closed_by is not None:
         return "left: the run is finished"
-    rnd = run.members_round if rec.node in run.members else None
-    was = f"a member of round {rnd}" if rnd is not None else "a member of the round before"
-    return f"its lease is gone (the agent died, stopped or lost etcd); was {was}"
+    rnd = run.members_round if rec.node in run.members else run.earlier_round
+    return f"its lease is gone (the agent died, stopped or lost etcd); was a member of round {rnd}"
 
 
 def _int(value: float | None) -> int | None:
@@ -203,10 +204,12 @@ def build(run: RunState, readings: Mapping[str, AgentReading], *, now: float) ->
                   ratio=answered[n.node].value("elastic_rt_step_time_ratio", local_rank=str(rank)))
         for n in nodes for rank in n.stragglers)
     lost = tuple(n.node for n in nodes if n.state is NodeState.LOST)
+    advertised = [rec.nnodes for rec in run.nodes.values() if rec.alive and rec.nnodes]
     return JobStatus(
         run_id=run.run_id, generated_at=now, etcd_revision=run.revision, round=run.round, formed=run.formed,
         finished=run.closed_by is not None, world_size=_int(max((w for w in world if w is not None), default=None)),
-        members=run.members, nodes=nodes, answering=len(answered), goodput=_goodput(list(answered.values())),
+        members=run.members, nnodes=max(set(advertised), key=advertised.count) if advertised else None,
+        alive=sum(rec.alive for rec in run.nodes.values()), nodes=nodes, answering=len(answered), goodput=_goodput(list(answered.values())),
         checkpoint_step=_int(max(steps, default=None)),
         checkpoint_age_s=max(0.0, now - max(commit_times)) if commit_times else None,
         restarts=dict(sorted(busiest.items(), key=lambda kv: -kv[1])), last_failure=_last_failure(answered, lost, now),

@@ -75,9 +75,12 @@ def render_text(s: JobStatus) -> str:
     elif s.round is None:
         head = f"run {s.run_id}: no round yet"
     else:
-        size = f", {len(s.members)} node(s)" + (f", world size {s.world_size}" if s.world_size is not None else "")
-        head = f"run {s.run_id}: round {s.round} " + (f"formed{size}" if s.formed else "forming" + (
-            f" (last formed: {len(s.members)} node(s))" if s.members else ""))
+        limits = f" of --nnodes {s.nnodes[0]}:{s.nnodes[1]}" if s.nnodes else ""
+        if s.formed:
+            head = f"run {s.run_id}: round {s.round} formed, {len(s.members)} node(s){limits}" + (
+                f", world size {s.world_size}" if s.world_size is not None else "")
+        else:
+            head = f"run {s.run_id}: round {s.round} forming, {s.alive} node(s) alive{limits}"
     lines = [f"{head}; {s.answering} of {len(s.nodes)} agent(s) answer; {when}"]
     facts = []
     if s.goodput is not None:

@@ -290,7 +290,8 @@ def test_status_cli_watch_redraws_until_interrupted(live):
         if proc.poll() is None:
             proc.kill()
     first = frames[0]
-    assert first[0].startswith(f"run {live.run_id}: round ") and "2 node(s), world size 2" in first[0], first
+    assert first[0].startswith(f"run {live.run_id}: round "), first
+    assert "formed, 2 node(s) of --nnodes 2:3, world size 2" in first[0], first
     assert any(line.startswith("last failure") and "worker failure on a (cause: killed)" in line for line in first)
     rows = {line.split()[0]: line.split() for line in first if line.split()[0] in ("a", "b")}
     assert rows["a"][1] == rows["b"][1] == "training", first

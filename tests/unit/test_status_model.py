@@ -26,7 +26,7 @@ NOW = 1_800_000_000.0
 
 def run_state(*, members=("a", "b"), formed=True, rnd=4, closed=False, **records: NodeRecord) -> RunState:
     return RunState(run_id="job42", revision=99, round=rnd, formed=formed, members=tuple(members),
-                    members_round=rnd if formed else rnd - 1, earlier_members=(), closed_by="a" if closed else None,
+                    members_round=rnd if formed else rnd - 1, earlier_members=(), earlier_round=None, closed_by="a" if closed else None,
                     nodes=dict(sorted(records.items())))
 
 
@@ -135,11 +135,16 @@ def test_render_text_and_json():
                            checkpoint_step=40)}
     s = build(run_state(members=("a",), a=alive("a"), c=NodeRecord(node="c")), readings, now=NOW)
     text = render_text(s).splitlines()
-    assert text[0].startswith("run job42: round 4 formed, 1 node(s), world size 2; 1 of 2 agent(s) answer")
+    assert text[0].startswith("run job42: round 4 formed, 1 node(s) of --nnodes 2:3, world size 2; 1 of 2 agent(s) "
+                              "answer")
     assert "checkpoint step 40, committed 30 s ago" in text[1] and "restarts 1 (worker failure 1)" in text[1]
     assert text[2] == "last failure 5 s ago: worker failure on a (cause: exception); restarted by a; lost now: c"
     header = next(i for i, line in enumerate(text) if line.startswith("NODE"))
     assert text[header + 1].split()[:3] == ["a", "training", "0"] and text[header + 2].split()[:2] == ["c", "lost"]
+    forming = build(run_state(formed=False, members=("a", "c"), a=alive("a"), c=NodeRecord(node="c")), readings,
+                    now=NOW)
+    assert render_text(forming).startswith("run job42: round 4 forming, 1 node(s) alive of --nnodes 2:3;")
+    assert "its lease is gone (the agent died, stopped or lost etcd); was a member of round 3" in render_text(forming)
     data = json.loads(render_json(s))
     assert data["version"] == 1 and data["nodes"][1]["state"] == "lost" and data["last_failure"]["cause"] == "exception"
 
