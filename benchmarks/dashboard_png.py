@@ -38,7 +38,8 @@ UNITS = {"Checkpoint age": "s", "Seconds since last step (worst worker)": "s", "
 
 
 def query_range(prometheus: str, expr: str, start: float, end: float, step_s: float) -> list[dict]:
-    params = urllib.parse.urlencode({"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step_s:g}"})
+    params = urllib.parse.urlencode({"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
+                                     "step": f"{step_s:g}"})
     with urllib.request.urlopen(f"{prometheus}/api/v1/query_range?{params}", timeout=60) as resp:
         body = json.loads(resp.read())
     if body.get("status") != "success":

@@ -8,7 +8,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 MAX_BODY_BYTES = 8 << 20
 DEFAULT_PARALLEL = 32
 
-Labels = Mapping[str, str]
 
 
 @dataclass(frozen=True)
@@ -122,6 +121,3 @@ def read_agents(addresses: Mapping[str, str], *, timeout_s: float, parallel: int
                    for node, addr in addresses.items()}
         return {node: f.result() for node, f in futures.items()}
 
-
-def first(items: Iterable[Check], name: str) -> Check | None:
-    return next((c for c in items if c.name == name), None)

@@ -15,7 +15,7 @@ from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.keys import validate_run_id
 from elastic_rt.rendezvous.registration import etcd_config_from_conf
 from elastic_rt.status.agents import DEFAULT_PARALLEL, read_agents
-from elastic_rt.status.etcd_state import RunNotFoundError, read_run_state
+from elastic_rt.status.etcd_state import RunNotFoundError, RunState, read_run_state
 from elastic_rt.status.model import JobStatus, build
 from elastic_rt.status.render import render_json, render_text
 
@@ -65,9 +65,25 @@ def options_from_args(args: argparse.Namespace) -> StatusOptions:
                          watch_s=args.watch, as_json=bool(args.json))
 
 
+def read_state(client: EtcdClient, opts: StatusOptions, *, clock: Callable[[], float] = time.monotonic,
+               sleep: Callable[[float], None] = time.sleep) -> RunState:
+    """The run's keys. A call that fails at once (a connection being set up, a leader election) is tried again
+    until --timeout has passed: 'not reachable' means no answer within it."""
+    deadline = clock() + opts.timeout_s
+    pause = 0.05
+    while True:
+        try:
+            return read_run_state(client, opts.run_id)
+        except EtcdUnavailableError:
+            if clock() + pause >= deadline:
+                raise
+            sleep(pause)
+            pause = min(2 * pause, 1.0)
+
+
 def collect(client: EtcdClient, opts: StatusOptions, *, now: Callable[[], float] = time.time) -> JobStatus:
     """One snapshot: the run's keys, then every advertised agent, in parallel."""
-    run = read_run_state(client, opts.run_id)
+    run = read_state(client, opts)
     addresses = {n: rec.metrics for n, rec in run.nodes.items() if rec.alive and rec.metrics}
     readings = read_agents(addresses, timeout_s=opts.timeout_s, parallel=opts.parallel)
     return build(run, readings, now=now())

@@ -129,5 +129,6 @@ def read_run_state(client: EtcdClient, run_id: str) -> RunState:
             closed_by = ""
     return RunState(run_id=run_id, revision=revision, round=rnd, formed=formed,
                     members=formed_rounds.get(members_round, ()), members_round=members_round,
-                    earlier_members=earlier, earlier_round=earlier_round, closed_by=closed_by, nodes=dict(sorted(records.items())),
+                    earlier_members=earlier, earlier_round=earlier_round, closed_by=closed_by,
+                    nodes=dict(sorted(records.items())),
                     problems=tuple(problems))

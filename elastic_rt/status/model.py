@@ -35,19 +35,19 @@ class NodeState(str, Enum):
 class NodeStatus:
     node: str
     state: NodeState
-    rank: int | None  # group rank in the current round
-    address: str | None  # where its agent serves /metrics
-    answered: bool
-    error: str | None  # why its agent gave no numbers
-    activity: str | None  # the agent's own words (/livez check `monitor`)
-    workers: int | None
-    step: int | None
-    step_time_s: float | None  # the slowest local rank's median step time (last window)
-    steps_per_s: float | None
-    goodput: float | None
-    restarts: int | None
-    stragglers: tuple[int, ...]  # flagged local ranks
-    failing: tuple[str, ...]  # "check: reason" of each failing /livez or /readyz check
+    rank: int | None = None  # group rank in the current round
+    address: str | None = None  # where its agent serves /metrics
+    answered: bool = False
+    error: str | None = None  # why its agent gave no numbers
+    activity: str | None = None  # the agent's own words (/livez check `monitor`), or why it is gone
+    workers: int | None = None
+    step: int | None = None
+    step_time_s: float | None = None  # the slowest local rank's median step time (last window)
+    steps_per_s: float | None = None
+    goodput: float | None = None
+    restarts: int | None = None
+    stragglers: tuple[int, ...] = ()  # flagged local ranks
+    failing: tuple[str, ...] = ()  # "check: reason" of each failing /livez or /readyz check
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,17 +125,14 @@ def _sum(reading: AgentReading, name: str, **match: str) -> float | None:
 def _node(rec: NodeRecord, run: RunState, reading: AgentReading | None) -> NodeStatus:
     state = node_state(rec, run, reading)
     rank = run.members.index(rec.node) if run.formed and rec.node in run.members else None
-    if reading is None:
-        error = rec.problem or (None if not rec.alive else "no /metrics address in its alive/ key "
-                                "(--metrics-port 0, or an agent older than elastic-rt status)")
-        return NodeStatus(node=rec.node, state=state, rank=rank, address=rec.metrics, answered=False, error=error,
-                          activity=_gone(rec, run) if not rec.alive else None, workers=None, step=None, step_time_s=None, steps_per_s=None,
-                          goodput=None, restarts=None, stragglers=(), failing=())
-    if not reading.answered:
-        return NodeStatus(node=rec.node, state=state, rank=rank, address=reading.address, answered=False,
-                          error=f"not answering: {reading.error}", activity=None, workers=None, step=None,
-                          step_time_s=None, steps_per_s=None, goodput=None, restarts=None, stragglers=(),
-                          failing=())
+    if reading is None or not reading.answered:
+        if reading is not None:
+            address, error = reading.address, f"not answering: {reading.error}"
+        else:
+            address, error = rec.metrics, rec.problem or (None if not rec.alive else (
+                "no /metrics address in its alive/ key (--metrics-port 0, or an agent older than elastic-rt status)"))
+        return NodeStatus(node=rec.node, state=state, rank=rank, address=address, error=error,
+                          activity=None if rec.alive else _gone(rec, run))
     step_time = reading.value("elastic_rt_step_time_seconds")
     monitor = next((c for c in reading.liveness if c.name == "monitor"), None)
     workers = {labels.get("local_rank") for labels, _ in reading.values("elastic_rt_worker_state")}
@@ -153,7 +150,8 @@ def _node(rec: NodeRecord, run: RunState, reading: AgentReading | None) -> NodeS
 def _last_failure(readings: Mapping[str, AgentReading], lost: tuple[str, ...], now: float) -> LastFailure | None:
     restarts = []  # each node's most recent restart: (time, reason, node)
     for node, r in readings.items():
-        stamps = [(v, labels.get("reason", "?")) for labels, v in r.values("elastic_rt_last_restart_timestamp_seconds")]
+        stamps = [(v, labels.get("reason", "?"))
+                  for labels, v in r.values("elastic_rt_last_restart_timestamp_seconds")]
         if r.answered and stamps:
             restarts.append((*max(stamps), node))
     if not restarts:
@@ -192,7 +190,8 @@ def build(run: RunState, readings: Mapping[str, AgentReading], *, now: float) ->
     members = [answered[n] for n in run.members if n in answered]
     world = [r.value("elastic_rt_world_size") for r in members
              if run.members_round is not None and r.value("elastic_rt_rendezvous_round") == run.members_round]
-    commit_times = [t for r in answered.values() if (t := r.value("elastic_rt_checkpoint_last_commit_timestamp_seconds"))]
+    commit_times = [t for r in answered.values()
+                    if (t := r.value("elastic_rt_checkpoint_last_commit_timestamp_seconds"))]
     steps = [s for r in answered.values() if (s := r.value("elastic_rt_checkpoint_last_committed_step")) is not None]
     busiest: dict[str, int] = {}
     for r in answered.values():
@@ -209,7 +208,8 @@ def build(run: RunState, readings: Mapping[str, AgentReading], *, now: float) ->
         run_id=run.run_id, generated_at=now, etcd_revision=run.revision, round=run.round, formed=run.formed,
         finished=run.closed_by is not None, world_size=_int(max((w for w in world if w is not None), default=None)),
         members=run.members, nnodes=max(set(advertised), key=advertised.count) if advertised else None,
-        alive=sum(rec.alive for rec in run.nodes.values()), nodes=nodes, answering=len(answered), goodput=_goodput(list(answered.values())),
+        alive=sum(rec.alive for rec in run.nodes.values()), nodes=nodes, answering=len(answered),
+        goodput=_goodput(list(answered.values())),
         checkpoint_step=_int(max(steps, default=None)),
         checkpoint_age_s=max(0.0, now - max(commit_times)) if commit_times else None,
         restarts=dict(sorted(busiest.items(), key=lambda kv: -kv[1])), last_failure=_last_failure(answered, lost, now),

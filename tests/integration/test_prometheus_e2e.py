@@ -23,53 +23,51 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from elastic_rt.chaos.etcd_server import free_port
 from elastic_rt.status.agents import read_agent
 from elastic_rt.status.command import StatusOptions, show
-from tests.chaos.harness import ROOT, Node
+from tests.chaos.harness import ROOT
 from tests.support.monitoring import (
     AGENT_JOB,
-    agent_args,
-    config_differences,
-    dashboard_panels,
-    grafana_expand,
-    healthy_sysfs,
-    rendered_config,
+    MonitoredJob,
+    empty_panels,
+    monitored_job,
     rule_differences,
     shipped_rules,
     with_short_for,
-    write_targets,
 )
+from tests.support.node_loss import NodeLossSettings, run_node_loss
 from tests.support.prometheus import INSTALL_HINT, PrometheusServer, prometheus_binary, wait_until
 from tests.support.tools import needs_tool
-from tests.unit.test_collectors_clock import LoopbackNtpServer
 
 pytestmark = [pytest.mark.slow, needs_tool("prometheus", prometheus_binary() is not None, INSTALL_HINT)]
 
 SHORT_FOR = "2s"
 WORKER_CRASHES = 5  # with the node loss, 6 restarts at node a: more than ElasticRTRestartStorm's 5
-RULE_FILE = "elastic-rt-rules.yml"
 
 
 @dataclass
 class Live:
-    run_id: str
-    endpoint: str
-    shipped: PrometheusServer  # the rule file unchanged
-    fast: PrometheusServer  # the same rules with for: 2s
-    nodes: dict[str, Node]
-    ports: dict[str, int]
-    started: float  # Unix time the agents were started
+    job: MonitoredJob
     killed: float = 0.0  # Unix time node c was killed
     before: dict | None = None  # `elastic-rt status --json` while all three train, b flagged as a straggler
     after_loss: dict | None = None  # once a and b re-formed without c
     after_crashes: dict | None = None  # after a's worker crashed WORKER_CRASHES times
+
+    @property
+    def shipped(self) -> PrometheusServer:  # the rule file unchanged
+        return self.job.servers["shipped"]
+
+    @property
+    def fast(self) -> PrometheusServer:  # the same rules with for: 2s
+        return self.job.servers["fast"]
+
+    @property
+    def run_id(self) -> str:
+        return self.job.run_id
 
 
 def _metric(prom: PrometheusServer, expr: str) -> float | None:
@@ -77,44 +75,16 @@ def _metric(prom: PrometheusServer, expr: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-def _start_job(stack: contextlib.ExitStack, etcd_endpoint: str, tmp: Path) -> Live:
-    run_id = "prom-" + uuid.uuid4().hex[:8]
-    ports = {n: free_port() for n in "abc"}
-    sd = tmp / "sd"
-    sd.mkdir()
-    write_targets(sd / "elastic-rt-agents.json", [f"127.0.0.1:{p}" for p in ports.values()])
-    write_targets(sd / "elastic-rt-etcd.json", etcd_endpoint.split(","))
-    rules = shipped_rules()
-    servers = []
-    for name, rule_doc in (("shipped", rules), ("fast", with_short_for(rules, SHORT_FOR))):
-        cfg = rendered_config(interval_s=1, rule_file=RULE_FILE, sd_dir=sd)
-        assert config_differences(cfg) == []
-        servers.append(stack.enter_context(PrometheusServer(config=cfg, rule_files={RULE_FILE: rule_doc},
-                                                            workdir=tmp / name)))
-    ntp = stack.enter_context(LoopbackNtpServer(shift_s=0.02))
-    sysfs = healthy_sysfs(tmp / "sysfs")
-    nodes: dict[str, Node] = {}
-    stack.callback(lambda: [n.cleanup() for n in nodes.values()])
-    started = time.time()
-    for name, port in ports.items():
-        nodes[name] = Node(agent_args(
-            endpoint=etcd_endpoint, run_id=run_id, node=name, metrics_port=port, nnodes="2:3",
-            checkpoint_url=f"file://{tmp}/ck", sysfs_root=sysfs, ntp_server=ntp.addr, log_dir=tmp / f"log-{name}",
-            step_sleep_s=0.3 if name == "b" else 0.05), name=name)
-    return Live(run_id=run_id, endpoint=etcd_endpoint, shipped=servers[0], fast=servers[1], nodes=nodes, ports=ports,
-                started=started)
-
-
 def status_json(live: Live) -> dict:
-    """`elastic-rt status --json`, in this process (the CLI itself runs in the tests below)."""
+    """`elastic-rt status --json`, in this process (the CLI itself runs in the last test)."""
     out = io.StringIO()
-    assert show(StatusOptions(endpoint=live.endpoint, run_id=live.run_id, as_json=True, timeout_s=10), out=out) == 0
+    assert show(StatusOptions(endpoint=live.job.endpoint, run_id=live.run_id, as_json=True, timeout_s=10),
+                out=out) == 0
     return json.loads(out.getvalue())
 
 
 def _wait_training(live: Live) -> None:
-    prom, sel = live.shipped, f'run_id="{live.run_id}"'
-    log = lambda: "\n".join(f"--- {n.name}\n{n.output[-1500:]}" for n in live.nodes.values())  # noqa: E731
+    prom, sel, log = live.shipped, f'run_id="{live.run_id}"', live.job.logs
     wait_until("three agents scraped", lambda: _metric(prom, f'count(up{{job="{AGENT_JOB}"}} == 1)') == 3, 240,
                detail=log)
     wait_until("node b flagged as a straggler", lambda: _metric(prom, f'elastic_rt_straggler{{{sel},node="b"}}') == 1,
@@ -128,14 +98,14 @@ def _wait_training(live: Live) -> None:
 
 def _faults(live: Live) -> None:
     """Node c dies (a and b re-form), then node a's worker is SIGKILLed WORKER_CRASHES times."""
-    a = live.nodes["a"]
+    a = live.job.nodes["a"]
     since = time.monotonic()
     live.killed = time.time()
-    live.nodes["c"].kill_node()
+    live.job.nodes["c"].kill_node()
     a.wait_for(r"node a round \d+: rank \d of 2 nodes", 120, after=since)
     live.after_loss = wait_until("status shows a and b training again", lambda: (st := status_json(live)) and all(
         n["state"] == "training" for n in st["nodes"] if n["node"] in "ab") and st, 120)
-    restarts = lambda: read_agent(f"127.0.0.1:{live.ports['a']}", timeout_s=5).value(  # noqa: E731
+    restarts = lambda: read_agent(f"127.0.0.1:{live.job.ports['a']}", timeout_s=5).value(  # noqa: E731
         "elastic_rt_restarts_total", reason="worker_failure")
     for crash in range(1, WORKER_CRASHES + 1):
         pid = a.worker_pid(0, timeout_s=120)
@@ -149,10 +119,17 @@ def _faults(live: Live) -> None:
 @pytest.fixture(scope="module")
 def live(etcd_server, tmp_path_factory):
     with contextlib.ExitStack() as stack:
-        job = _start_job(stack, etcd_server.endpoints, tmp_path_factory.mktemp("prometheus-e2e"))
-        _wait_training(job)
-        _faults(job)
-        yield job
+        rules = shipped_rules()
+        job = monitored_job(stack, etcd_endpoint=etcd_server.endpoints, tmp=tmp_path_factory.mktemp("prometheus-e2e"),
+                            rule_sets={"shipped": rules, "fast": with_short_for(rules, SHORT_FOR)}, interval_s=1,
+                            prefix="prom")
+        job.targets("abc")
+        for name in "abc":
+            job.start(name, step_sleep_s=0.3 if name == "b" else 0.05)
+        live = Live(job)
+        _wait_training(live)
+        _faults(live)
+        yield live
 
 
 def _rule(prom: PrometheusServer, alert: str) -> dict:
@@ -171,7 +148,7 @@ def test_the_fast_copy_differs_from_the_shipped_rules_only_in_for():
 
 
 def test_agent_down_and_restart_storm_fire(live):
-    c = f"127.0.0.1:{live.ports['c']}"
+    c = f"127.0.0.1:{live.job.ports['c']}"
     storm = {"run_id": live.run_id}
     expected = (("ElasticRTAgentDown", {"instance": c}), ("ElasticRTRestartStorm", storm))
 
@@ -192,8 +169,9 @@ def test_agent_down_and_restart_storm_fire(live):
         assert rule["health"] == "ok", rule
         active = _active(rule, **labels)
         assert active and active[0]["state"] in ("pending", "firing"), (name, rule)
-    print(f"\nfault (node c killed) to ElasticRTAgentDown firing with for: {SHORT_FOR}: at most "
-          f"{seen - live.killed:.1f} s; shipped rule pending since {_active(_rule(live.shipped, expected[0][0]), instance=c)[0]['activeAt']}")
+    pending_since = _active(_rule(live.shipped, "ElasticRTAgentDown"), instance=c)[0]["activeAt"]
+    print(f"\nnode c killed -> ElasticRTAgentDown firing (for: {SHORT_FOR}) within {seen - live.killed:.1f} s; "
+          f"the unchanged rule pending since {pending_since}")
 
 
 RECORDED = ("worker:elastic_rt_steps_per_second:rate1m", "node:elastic_rt_steps_per_second:rate1m",
@@ -214,23 +192,11 @@ def test_recording_rules_give_values(live):
         assert all(0 < v <= 1 for v in found[name]), (name, found)
 
 
-def _empty_panels(live: Live) -> list[str]:
-    end = time.time()
-    empty = []
-    for panel in dashboard_panels():
-        for expr in panel.exprs:
-            query = grafana_expand(expr, run_id=live.run_id, range_s=end - live.started)
-            series = live.shipped.query_range(query, live.started, end, 1)
-            if not any(math.isfinite(float(v)) for s in series for _, v in s["values"]):
-                empty.append(f"{panel.title!r}: {query}")
-    return empty
-
-
 def test_every_dashboard_panel_draws(live):
     empty: list[str] = []
 
     def all_draw():
-        empty[:] = _empty_panels(live)
+        empty[:] = empty_panels(live.shipped, run_id=live.run_id, start=live.job.started, end=time.time())
         return not empty
 
     with contextlib.suppress(TimeoutError):
@@ -272,7 +238,7 @@ def test_status_names_the_crashing_worker(live):
 
 def test_status_cli_watch_redraws_until_interrupted(live):
     """The command itself, as an operator runs it: text frames on a pipe, Ctrl-C ends it with exit code 0."""
-    proc = subprocess.Popen([sys.executable, "-m", "elastic_rt.cli", "status", "--rdzv-endpoint", live.endpoint,
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_rt.cli", "status", "--rdzv-endpoint", live.job.endpoint,
                              "--rdzv-id", live.run_id, "--watch", "0.5", "--timeout", "10"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
     frames: list[list[str]] = []
@@ -295,3 +261,19 @@ def test_status_cli_watch_redraws_until_interrupted(live):
     assert any(line.startswith("last failure") and "worker failure on a (cause: killed)" in line for line in first)
     rows = {line.split()[0]: line.split() for line in first if line.split()[0] in ("a", "b")}
     assert rows["a"][1] == rows["b"][1] == "training", first
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1500)
+def test_the_unchanged_rules_fire_during_a_node_loss(tmp_path):
+    """The shipped rules and scrape config as they are (for: 5m, 15 s intervals): two node losses, a replacement
+    130 s late, four worker crashes (tests/support/node_loss.py). About 10 minutes; benchmarks/alert_latency.py
+    runs the same and records the times."""
+    def panels(prom, run_id, started, ended, _events):
+        return empty_panels(prom, run_id=run_id, start=started, end=ended)
+
+    result = run_node_loss(NodeLossSettings(), tmp_path, panels)
+    not_firing = {key: a for key, a in result["alerts"].items() if a["firing_at"] is None}
+    assert not not_firing, (not_firing, result["status"])
+    assert result["panels_without_data"] == [], result["panels_without_data"]
+    assert result["recovery_after_second_loss_s"] > 120, result

@@ -1,18 +1,27 @@
 """The shipped monitoring (k8s/monitoring) made runnable by a test Prometheus, and the job it watches: the rule
 file a plain Prometheus loads, the scrape config rendered for test ports and intervals (and what may differ),
-the dashboard's panels as PromQL, the agents' command lines. Used by tests/integration/test_prometheus_e2e.py
-and benchmarks/alert_latency.py."""
+the dashboard's panels as PromQL, the agents of a local-SGD job scraped by real Prometheus servers. Used by
+tests/integration/test_prometheus_e2e.py, tests/support/node_loss.py and benchmarks/alert_latency.py."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import math
 import re
 import shutil
-from dataclasses import dataclass
+import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from elastic_rt.chaos.etcd_server import free_port
+from tests.chaos.harness import Node
+from tests.support.prometheus import PrometheusServer
+from tests.unit.test_collectors_clock import LoopbackNtpServer
 
 REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "k8s" / "monitoring"
@@ -48,7 +57,8 @@ def rule_differences(a: dict, b: dict) -> list[str]:
     ia, ib = index(a), index(b)
     out = [f"{name}: only in one" for name in sorted(set(ia) ^ set(ib))]
     for name in sorted(set(ia) & set(ib)):
-        out += [f"{name}: {key}" for key in sorted(set(ia[name]) | set(ib[name])) if ia[name].get(key) != ib[name].get(key)]
+        out += [f"{name}: {key}" for key in sorted(set(ia[name]) | set(ib[name]))
+                if ia[name].get(key) != ib[name].get(key)]
     return out
 
 
@@ -115,6 +125,19 @@ def grafana_expand(expr: str, *, run_id: str, range_s: float) -> str:
     return expr.replace("$__range", f"{max(1, int(range_s))}s")
 
 
+def empty_panels(prom: PrometheusServer, *, run_id: str, start: float, end: float) -> list[str]:
+    """'title: query' of every dashboard expression that has no finite value between start and end, as Grafana
+    would query it for this run."""
+    empty = []
+    for panel in dashboard_panels():
+        for expr in panel.exprs:
+            query = grafana_expand(expr, run_id=run_id, range_s=end - start)
+            series = prom.query_range(query, start, end, max(1.0, (end - start) / 500))
+            if not any(math.isfinite(float(v)) for s in series for _, v in s["values"]):
+                empty.append(f"{panel.title!r}: {query}")
+    return empty
+
+
 # ---- the job ----------------------------------------------------------------------------------------
 def healthy_sysfs(dest: Path) -> Path:
     """The RDMA sysfs fixture with its healthy port only (an agent refuses to join with a port down)."""
@@ -135,3 +158,64 @@ def agent_args(*, endpoint: str, run_id: str, node: str, metrics_port: int, nnod
         str(LOCAL_SGD), "--steps", "100000000", "--sync-every", "5", "--save-every", "20",
         "--step-sleep", f"{step_sleep_s:g}",
     ]
+
+
+RULE_FILE = "elastic-rt-rules.yml"
+
+
+@dataclass
+class MonitoredJob:
+    """Agents of the monitored job on real etcd, and Prometheus servers scraping them through file_sd."""
+
+    run_id: str
+    endpoint: str
+    tmp: Path
+    servers: dict[str, PrometheusServer]
+    ntp_addr: str
+    sysfs: Path
+    ports: dict[str, int] = field(default_factory=dict)
+    nodes: dict[str, Node] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    def targets(self, names: str) -> None:
+        """Scrape the agents of these nodes (their metrics ports are chosen here)."""
+        for name in names:
+            self.ports.setdefault(name, free_port())
+        write_targets(self.tmp / "sd" / "elastic-rt-agents.json",
+                      [f"127.0.0.1:{self.ports[n]}" for n in sorted(self.ports)])
+
+    def start(self, name: str, step_sleep_s: float) -> Node:
+        self.targets(name)
+        self.nodes[name] = Node(agent_args(
+            endpoint=self.endpoint, run_id=self.run_id, node=name, metrics_port=self.ports[name], nnodes="2:3",
+            checkpoint_url=f"file://{self.tmp}/ck", sysfs_root=self.sysfs, ntp_server=self.ntp_addr,
+            log_dir=self.tmp / f"log-{name}", step_sleep_s=step_sleep_s), name=name)
+        return self.nodes[name]
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n.name}\n{n.output[-1500:]}" for n in self.nodes.values())
+
+
+def monitored_job(stack: contextlib.ExitStack, *, etcd_endpoint: str, tmp: Path, rule_sets: dict[str, dict],
+                  interval_s: int, prefix: str = "mon") -> MonitoredJob:
+    """One Prometheus per rule set (name -> rule file), each with the shipped scrape config rendered for
+    interval_s (checked: nothing else differs), scraping the agents and etcd; an SNTP server and a sysfs with
+    a healthy RDMA port for the agents. Nodes are started with MonitoredJob.start(); all of it is stopped
+    when `stack` closes."""
+    sd = tmp / "sd"
+    sd.mkdir()
+    write_targets(sd / "elastic-rt-agents.json", [])
+    write_targets(sd / "elastic-rt-etcd.json", etcd_endpoint.split(","))
+    servers = {}
+    for name, rules in rule_sets.items():
+        cfg = rendered_config(interval_s=interval_s, rule_file=RULE_FILE, sd_dir=sd)
+        differences = config_differences(cfg)
+        if differences:
+            raise AssertionError(f"the rendered scrape config differs from the shipped one: {differences}")
+        servers[name] = stack.enter_context(PrometheusServer(config=cfg, rule_files={RULE_FILE: rules},
+                                                             workdir=tmp / name))
+    ntp = stack.enter_context(LoopbackNtpServer(shift_s=0.02))
+    job = MonitoredJob(run_id=f"{prefix}-{uuid.uuid4().hex[:8]}", endpoint=etcd_endpoint, tmp=tmp, servers=servers,
+                       ntp_addr=ntp.addr, sysfs=healthy_sysfs(tmp / "sysfs"))
+    stack.callback(lambda: [n.cleanup() for n in job.nodes.values()])
+    return job

@@ -26,7 +26,8 @@ NOW = 1_800_000_000.0
 
 def run_state(*, members=("a", "b"), formed=True, rnd=4, closed=False, **records: NodeRecord) -> RunState:
     return RunState(run_id="job42", revision=99, round=rnd, formed=formed, members=tuple(members),
-                    members_round=rnd if formed else rnd - 1, earlier_members=(), earlier_round=None, closed_by="a" if closed else None,
+                    members_round=rnd if formed else rnd - 1, earlier_members=(), earlier_round=None,
+                    closed_by="a" if closed else None,
                     nodes=dict(sorted(records.items())))
 
 
@@ -199,3 +200,30 @@ def test_bad_options_are_one_line_errors(argv, message):
                                         watch=None, json=False), **argv})
     with pytest.raises(ConfigError, match=message):
         options_from_args(args)
+
+
+def test_etcd_that_fails_at_once_is_asked_again_until_the_timeout(monkeypatch):
+    from elastic_rt.errors import EtcdUnavailableError
+    from elastic_rt.status import command
+
+    answers: list = []
+
+    def read(_client, run_id):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(command, "read_run_state", read)
+    opts = command.StatusOptions(endpoint="h:2379", run_id="job42", timeout_s=2.0)
+    refused = EtcdUnavailableError("etcd at h:2379 is not reachable (h:2379: unavailable)")
+    for replies, expected in (([refused, refused, "state"], "state"), ([refused] * 100, None)):
+        now = [0.0]
+        answers[:] = replies
+        clock, sleep = (lambda: now[0]), (lambda s: now.__setitem__(0, now[0] + s))
+        if expected is None:
+            with pytest.raises(EtcdUnavailableError):
+                command.read_state(object(), opts, clock=clock, sleep=sleep)
+            assert 1.0 <= now[0] <= 2.0  # it gave up within --timeout, having tried for most of it
+        else:
+            assert command.read_state(object(), opts, clock=clock, sleep=sleep) == expected and not answers
