@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"alert latency {stamp}: code {git['commit']}{' (dirty)' if git['dirty'] else ''}, shipped rules and "
              f"scrape config, scrape and evaluation every {settings.interval_s} s; load average "
              f"{load_start[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs)", "",
-             f"{'alert':<24} {'fault':<70} {'to pending':>11} {'to firing':>10}"]
+             f"{'alert':<24} {'fault':<86} {'to active':>10} {'to firing':>10}"]
     for key, a in result["alerts"].items():
         fmt = lambda v: "-" if v is None else f"{v:.1f} s"  # noqa: E731
-        lines.append(f"{key:<24} {a['fault']:<70} {fmt(a['fault_to_pending_s']):>11} "
+        lines.append(f"{key:<24} {a['fault']:<86} {fmt(a['fault_to_active_s']):>10} "
                      f"{fmt(a['fault_to_firing_s']):>10}")
     lines += ["", f"recovery after the second node loss: {result['recovery_after_second_loss_s']} s "
               f"(replacement started after {result['replacement_started_after_s']} s)",

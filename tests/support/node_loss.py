@@ -15,9 +15,11 @@ for:), ElasticRTRestartStorm (for: 1m).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,33 +47,61 @@ class NodeLossSettings:
 
 
 class AlertWatch:
-    """First time each alert (name and key labels) was seen pending and firing in /api/v1/alerts."""
+    """Polls /api/v1/alerts every second in a thread, for the whole run. Each alert (name and key labels) has
+    episodes: from Prometheus's activeAt (pending, or firing at once without for:) to the first poll that saw
+    it firing. (A target that is not up yet when the agents start is a short episode of its own.)"""
 
     KEYS = ("alertname", "instance", "run_id", "node")
 
     def __init__(self, prom: PrometheusServer) -> None:
         self.prom = prom
-        self.seen: dict[tuple, dict[str, float]] = {}
+        self.episodes: dict[tuple, dict[float, float | None]] = {}  # key -> activeAt -> first seen firing
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="alert-watch", daemon=True)
 
-    def poll(self) -> None:
-        now = time.time()
-        for a in self.prom.alerts():
-            key = tuple((k, a["labels"][k]) for k in self.KEYS if k in a["labels"])
-            self.seen.setdefault(key, {}).setdefault(a["state"], now)
+    def __enter__(self) -> "AlertWatch":
+        self._thread.start()
+        return self
 
-    def first(self, alertname: str, state: str, **labels: str) -> float | None:
-        for key, states in self.seen.items():
-            d = dict(key)
-            if d["alertname"] == alertname and all(d.get(k) == v for k, v in labels.items()) and state in states:
-                return states[state]
-        return None
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
 
-    def wait(self, seconds: float, also: Callable[[], None] = lambda: None) -> None:
-        deadline = time.time() + seconds
-        while time.time() < deadline:
-            self.poll()
-            also()
-            time.sleep(1)
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                alerts = self.prom.alerts()
+            except (OSError, RuntimeError):
+                continue  # one missed poll; the next second tries again
+            now = time.time()
+            with self._lock:
+                for a in alerts:
+                    key = tuple((k, a["labels"][k]) for k in self.KEYS if k in a["labels"])
+                    episode = self.episodes.setdefault(key, {})
+                    active = _unix(a["activeAt"])
+                    episode.setdefault(active, None)
+                    if a["state"] == "firing" and episode[active] is None:
+                        episode[active] = now
+
+    def after(self, since: float, alertname: str, **labels: str) -> tuple[float | None, float | None]:
+        """(activeAt, first seen firing) of the first episode of the alert that began at or after `since`."""
+        with self._lock:
+            found = [(active, firing) for key, episode in self.episodes.items()
+                     if (d := dict(key))["alertname"] == alertname and all(d.get(k) == v for k, v in labels.items())
+                     for active, firing in episode.items() if active >= since - 1.0]
+        return min(found) if found else (None, None)
+
+    def firing(self) -> set[str]:
+        with self._lock:
+            return {dict(k)["alertname"] for k, e in self.episodes.items() if any(v is not None for v in e.values())}
+
+
+def _unix(rfc3339: str) -> float:
+    """Prometheus's activeAt (2026-12-01T18:23:46.123456789Z) as Unix time."""
+    head, _, frac = rfc3339.rstrip("Z").partition(".")
+    base = datetime.datetime.strptime(head, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=datetime.timezone.utc).timestamp()
+    return base + (float("0." + frac) if frac else 0.0)
 
 
 def status_text(job: MonitoredJob, *, settled: bool = False, timeout_s: float = 120) -> str:
@@ -103,14 +133,14 @@ def run_node_loss(settings: NodeLossSettings, tmp: Path, on_done: OnDone,
         job.targets("abc")
         for name in "abc":
             job.start(name, 0.3 if name == "b" else 0.05)
-        watch = AlertWatch(prom)
+        watch = stack.enter_context(AlertWatch(prom))
         wait_until("three agents scraped", lambda: len(prom.query(f'up{{job="{AGENT_JOB}"}} == 1')) == 3, 300,
                    detail=job.logs)
         wait_until("b flagged as a straggler", lambda: prom.query(f'elastic_rt_straggler{{{sel},node="b"}} == 1'), 300,
                    detail=job.logs)
         wait_until("two checkpoints", lambda: prom.query(f"elastic_rt_checkpoint_last_committed_step{{{sel}}} >= 40"),
                    300, detail=job.logs)
-        watch.wait(s.baseline_s)
+        time.sleep(s.baseline_s)
         statuses["training"] = status_text(job)
 
         def mark(label: str) -> float:
@@ -125,15 +155,13 @@ def run_node_loss(settings: NodeLossSettings, tmp: Path, on_done: OnDone,
         job.nodes["c"].kill_node()
         a.wait_for(r"node a round \d+: rank \d of 2 nodes", 120, after=since)
         statuses["c lost"] = status_text(job, settled=True)
-        watch.wait(max(0.0, c_killed + s.second_loss_after_s - time.time()))
+        time.sleep(max(0.0, c_killed + s.second_loss_after_s - time.time()))
         b_killed = mark("node b killed")
         job.nodes["b"].kill_node()
 
-        def waiting_screen() -> None:
-            if "b lost, a waiting" not in statuses and time.time() > b_killed + 15:
-                statuses["b lost, a waiting"] = status_text(job)
-
-        watch.wait(s.replace_after_s, also=waiting_screen)
+        time.sleep(15)
+        statuses["b lost, a waiting"] = status_text(job)
+        time.sleep(max(0.0, b_killed + s.replace_after_s - time.time()))
         d_started = mark("node d started")
         since = time.monotonic()
         job.start("d", 0.05)
@@ -147,7 +175,6 @@ def run_node_loss(settings: NodeLossSettings, tmp: Path, on_done: OnDone,
             crash_times.append(mark(f"a's worker crash {crash}") if crash in (1, s.crashes) else time.time())
             os.kill(pid, signal.SIGKILL)
             wait_until(f"a restarted after crash {crash}", lambda: restarts() == crash and a.worker_pid(0) != pid, 120)
-            watch.poll()
         statuses["after the crashes"] = status_text(job, settled=True)
         expected = {
             "ElasticRTAgentDown c": ("ElasticRTAgentDown", {"instance": f"127.0.0.1:{job.ports['c']}"}, c_killed,
@@ -157,23 +184,22 @@ def run_node_loss(settings: NodeLossSettings, tmp: Path, on_done: OnDone,
             "ElasticRTRecoverySlow": ("ElasticRTRecoverySlow", {"run_id": job.run_id}, b_killed,
                                       f"node b killed; below MIN until a replacement started {s.replace_after_s:g} s "
                                       "later"),
-            "ElasticRTRestartStorm": ("ElasticRTRestartStorm", {"run_id": job.run_id}, crash_times[-1],
-                                      f"a's worker crash {s.crashes}, the restart that made more than 5 in 15 min"),
+            "ElasticRTRestartStorm": ("ElasticRTRestartStorm", {"run_id": job.run_id}, crash_times[0],
+                                      f"a's worker crashes {s.crashes} times (from the first): with the two losses, "
+                                      f"{s.crashes + 2} restarts"),
         }
         deadline = time.time() + s.max_wait_s
-        while time.time() < deadline and not all(watch.first(n, "firing", **lb) for n, lb, _, _ in expected.values()):
-            watch.poll()
+        while time.time() < deadline and not all(watch.after(t, n, **lb)[1] for n, lb, t, _ in expected.values()):
             time.sleep(1)
         ended = time.time()
         empty = on_done(prom, job.run_id, job.started, ended, events)
         alerts = {}
         for key, (name, labels, fault_at, fault) in expected.items():
-            pending, firing = watch.first(name, "pending", **labels), watch.first(name, "firing", **labels)
-            alerts[key] = {"fault": fault, "fault_at": fault_at, "pending_at": pending, "firing_at": firing,
-                           "fault_to_pending_s": None if pending is None else round(pending - fault_at, 1),
+            pending, firing = watch.after(fault_at, name, **labels)
+            alerts[key] = {"fault": fault, "fault_at": fault_at, "active_at": pending, "firing_at": firing,
+                           "fault_to_active_s": None if pending is None else round(pending - fault_at, 1),
                            "fault_to_firing_s": None if firing is None else round(firing - fault_at, 1)}
-        others = sorted({dict(k)["alertname"] for k, v in watch.seen.items() if "firing" in v} -
-                        {v[0] for v in expected.values()})
+        others = sorted(watch.firing() - {v[0] for v in expected.values()})
         return {"run_id": job.run_id, "started": job.started, "ended": ended, "events": events, "alerts": alerts,
                 "other_alerts_firing": others, "recovery_after_second_loss_s": round(recovered - b_killed, 1),
                 "replacement_started_after_s": round(d_started - b_killed, 1), "panels_without_data": empty,
