@@ -33,6 +33,7 @@ from tests.chaos.harness import ROOT
 from tests.support.monitoring import (
     AGENT_JOB,
     MonitoredJob,
+    dashboard_variables,
     empty_panels,
     monitored_job,
     rule_differences,
@@ -202,6 +203,15 @@ def test_every_dashboard_panel_draws(live):
     with contextlib.suppress(TimeoutError):
         wait_until("every panel draws", all_draw, 30, poll_s=2)
     assert not empty, "panels that draw nothing:\n" + "\n".join(empty)
+
+
+def test_the_run_variable_lists_this_run(live):
+    """The dashboard's run selector (label_values); its namespace selector is empty outside Kubernetes,
+    where Grafana's "All" (.*) stands for it."""
+    selector, label = dashboard_variables()["run_id"]
+    series = live.shipped.api("series", **{"match[]": selector.replace("$namespace", ".*"),
+                                           "start": f"{live.job.started:.3f}", "end": f"{time.time():.3f}"})
+    assert live.run_id in {s.get(label) for s in series}, series
 
 
 def test_status_before_the_faults(live):

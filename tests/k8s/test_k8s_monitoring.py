@@ -203,3 +203,41 @@ def test_every_alert_has_a_promtool_test():
     tested = set(re.findall(r"alertname: (\w+)", ALERTS_TEST.read_text()))
     missing = {a["alert"] for a in alerts()} - tested
     assert not missing, f"alerts without a case in {ALERTS_TEST.name}: {sorted(missing)}"
+
+
+# ---- a Prometheus without the Operator (k8s/monitoring/prometheus/) ------------------------------------
+PLAIN = K8S / "monitoring" / "prometheus"
+
+
+def test_plain_prometheus_config_scrapes_the_jobs_the_alerts_select():
+    cfg = yaml.safe_load((PLAIN / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert set(jobs) == {"elastic-rt-agent", "elastic-rt-etcd"}
+    selectors = {a["alert"]: re.search(r'job=~"([^"]+)"', a["expr"]) for a in alerts()}
+    for alert in ("ElasticRTAgentDown", "ElasticRTEtcdNoLeader", "ElasticRTEtcdMembersDown"):
+        pattern = selectors[alert].group(1)
+        assert any(re.fullmatch(pattern, name) for name in jobs), (alert, pattern)
+        assert re.fullmatch(pattern, f"ml/{pattern.split('?')[-1]}"), (alert, pattern)  # the Operator's names
+    example = json.loads((PLAIN / "elastic-rt-agents.example.json").read_text())
+    assert all(set(group) <= {"targets", "labels"} and group["targets"] for group in example)
+
+
+def test_the_test_scrape_config_may_change_intervals_and_paths_only(tmp_path):
+    from tests.support.monitoring import config_differences, rendered_config
+
+    cfg = rendered_config(interval_s=1, rule_file="rules.yml", sd_dir=tmp_path)
+    assert config_differences(cfg) == []
+    cfg["scrape_configs"][0]["job_name"] = "agents"
+    assert config_differences(cfg) != []
+
+
+@NEED_PROMTOOL
+def test_promtool_check_plain_config(tmp_path):
+    from tests.support.monitoring import rendered_config
+
+    write_rules(tmp_path)
+    cfg = rendered_config(interval_s=15, rule_file=str(tmp_path / "rules.yaml"), sd_dir=tmp_path)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -118,6 +118,16 @@ def dashboard_panels() -> list[Panel]:
             for p in dash["panels"] if p["type"] != "row"]
 
 
+def dashboard_variables() -> dict[str, tuple[str, str]]:
+    """name -> (series selector, label) of each label_values(...) variable of the dashboard."""
+    out = {}
+    for v in json.loads(DASHBOARD.read_text())["templating"]["list"]:
+        m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", v.get("definition", ""))
+        if m:
+            out[v["name"]] = (m.group(1), m.group(2))
+    return out
+
+
 def grafana_expand(expr: str, *, run_id: str, range_s: float) -> str:
     """The query Grafana sends: $namespace All (.*), $run_id this run (regex-escaped, as Grafana does for
     a =~ matcher), $__range the dashboard's time range."""
