@@ -15,10 +15,17 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from elastic_rt.chaos.etcd_server import free_port
 from elastic_rt.cli import main
 from elastic_rt.metrics.observer import MetricsObserver
+from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.keys import RunKeys
-from elastic_rt.rendezvous.registration import METRICS_HOST_KEY, METRICS_PORT_KEY, create_etcd_v3_handler
+from elastic_rt.rendezvous.registration import (
+    METRICS_HOST_KEY,
+    METRICS_PORT_KEY,
+    create_etcd_v3_handler,
+    etcd_config_from_conf,
+)
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.status.command import StatusOptions, show
+from tests.integration.test_etcd_tls_auth import ALICE_PW, RUN_OK, _tls_conf, auth_etcd, pki, tls_etcd  # noqa: F401
 from tests.support.prometheus import wait_until
 
 
@@ -127,3 +134,29 @@ def test_a_finished_run(etcd_endpoint, run_id, as_json):
         assert s["finished"] and {n["node"]: n["state"] for n in s["nodes"]} == {"a": "finished", "b": "finished"}
     else:
         assert out.getvalue().startswith(f"run {run_id}: finished (closed)")
+
+
+def test_over_tls_and_with_a_user_as_launch_takes_them(tls_etcd, auth_etcd, pki, tmp_path, capsys):  # noqa: F811
+    """--rdzv-endpoint https://... with the TLS files, and a user whose role grants the run's prefix only."""
+    pw = tmp_path / "pw"
+    pw.write_text(ALICE_PW + "\n")
+    tls, user = _tls_conf(pki), {"user": "alice", "password_file": str(pw)}
+    for cluster, conf, run in ((tls_etcd, tls, "tls-status"), (auth_etcd, user, RUN_OK)):
+        client = EtcdClient(etcd_config_from_conf(cluster.members[0].url, conf, timeout_s=5))
+        try:
+            client.put(RunKeys(run).round, b"0")
+            client.put(RunKeys(run).alive("a"), json.dumps({"addr": "127.0.0.1", "nnodes": [1, 2]}).encode())
+        finally:
+            client.close()
+        flags = ",".join(f"{k}={v}" for k, v in conf.items())
+        assert main(["status", "--rdzv-endpoint", cluster.members[0].url, "--rdzv-id", run, "--rdzv-conf", flags,
+                     "--json"]) == 0
+        s = json.loads(capsys.readouterr().out)
+        assert s["round"] == 0 and [n["node"] for n in s["nodes"]] == ["a"] and s["nnodes"] == [1, 2], s
+    # bob's role does not cover alice's run: one line, exit 2
+    bob = tmp_path / "bob"
+    bob.write_text("bob-pw")
+    assert main(["status", "--rdzv-endpoint", auth_etcd.members[0].url, "--rdzv-id", RUN_OK,
+                 "--rdzv-conf", f"user=bob,password_file={bob}"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("elastic-rt status: error: ") and "permission" in line.lower(), line
