@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
 from elastic_rt.config import parse_rdzv_conf
-from elastic_rt.errors import ConfigError, EtcdUnavailableError
+from elastic_rt.errors import ConfigError, EtcdUnavailableError, RunNotFoundError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.keys import validate_run_id
 from elastic_rt.rendezvous.registration import etcd_config_from_conf
 from elastic_rt.status.agents import DEFAULT_PARALLEL, read_agents
-from elastic_rt.status.etcd_state import RunNotFoundError, RunState, read_run_state
+from elastic_rt.status.etcd_state import RunState, read_run_state
 from elastic_rt.status.model import JobStatus, build
 from elastic_rt.status.render import render_json, render_text
 

@@ -5,15 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from elastic_rt.errors import ConfigError, ElasticRTError
+from elastic_rt.errors import ConfigError, ElasticRTError, RunNotFoundError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
 from elastic_rt.rendezvous.keys import RunKeys
-
-
-class RunNotFoundError(ElasticRTError):
-    """No key of the run exists under /elastic-rt/<run_id>/."""
-
-    exit_code = 3
 
 
 @dataclass(frozen=True, kw_only=True)
