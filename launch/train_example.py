@@ -211,7 +211,6 @@ def train(args, device: torch.device, local_rank: int, backend: str) -> int:
         opt.zero_grad(set_to_none=True)
         commit()  # the sampler's progress now includes this step
         step += 1
-        report_step(step)
         if args.log_indices:
             gathered: list = [None] * world
             dist.all_gather_object(gathered, idx)
@@ -225,6 +224,7 @@ def train(args, device: torch.device, local_rank: int, backend: str) -> int:
                             loss_share.to(torch.float64)])
         dist.all_reduce(sync)
         stop = bool(sync[0].item())
+        report_step(step)  # after the step's last collective: every rank has finished it, none is ahead
         if rank == 0 and step % args.log_every == 0:
             print(f"step={step} loss={sync[1].item()!r} world_size={world}", flush=True)
         if mgr is not None and (step % args.save_every == 0 or stop):
