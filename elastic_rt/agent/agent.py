@@ -7,48 +7,23 @@ import logging
 import os
 import signal
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.exit_aborts import forgive_teardown_exits
-from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.agent.warm_start import warm_start
 from elastic_rt.checkpoint.fence import FencePublisher
+from elastic_rt.decisions import Response, RestartReason
+from elastic_rt.interfaces import AgentObserver, MembershipHandler, RestartPolicy
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
 
 log = logging.getLogger(__name__)
-
-
-class AgentObserver(Protocol):
-    """What the agent reports as it goes (metrics, logs). It decides nothing."""
-
-    def on_rendezvous_started(self) -> None: ...
-    def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None: ...
-    def on_restart(self, reason: str) -> None: ...
-    def on_recovered(self, duration_s: float) -> None: ...
-    def on_workers_started(self, pids: dict[int, int]) -> None: ...
-    def on_workers_finished(self, state: str) -> None: ...
-    def on_tick(self) -> None: ...
-    def on_etcd(self, up: bool) -> None: ...
-    def on_failures(self, causes: dict[int, str]) -> None: ...  # global rank -> "cause=...: detail"
-
-
-class NullObserver:
-    def on_rendezvous_started(self) -> None: ...
-    def on_rendezvous(self, **_: Any) -> None: ...
-    def on_restart(self, reason: str) -> None: ...
-    def on_recovered(self, duration_s: float) -> None: ...
-    def on_workers_started(self, pids: dict[int, int]) -> None: ...
-    def on_workers_finished(self, state: str) -> None: ...
-    def on_tick(self) -> None: ...
-    def on_etcd(self, up: bool) -> None: ...
-    def on_failures(self, causes: dict[int, str]) -> None: ...
 
 
 RoundListener = Callable[..., None]  # called with round, store, group_rank, group_world_size, master_addr
@@ -78,23 +53,24 @@ class ElasticRTAgent(LocalElasticAgent):
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout_s,
-            log_line_prefix_template=log_line_prefix_template, shutdown_timeout=int(shutdown_grace_s),
+            log_line_prefix_template=log_line_prefix_template, shutdown_timeout=shutdown_grace_s,  # type: ignore[arg-type]  # torch adds it to time.monotonic(): a float keeps 0.5 s as 0.5, int() made it 0
         )
         self._node_id = node_id
         self._reports = reports
         self._restart_grace_s = restart_grace_s
         self._shutdown_grace_s = shutdown_grace_s
         self._peer_loss_wait_s = peer_loss_wait_s
-        self.observer: AgentObserver = observer or NullObserver()
-        self.policy: RestartPolicy = policy or NeverRestart()
+        self.observer: AgentObserver = observer or AgentObserver()
+        self.policy: RestartPolicy = policy or RestartPolicy()
         self._round_listeners = tuple(round_listeners)
         self.diagnostics = diagnostics or FailureDiagnostics(
             log_dir=os.path.dirname(reports.directory.rstrip(os.sep)), reports_dir=reports.directory)
-        self.restarts: dict[str, int] = {}
+        self.restarts: dict[RestartReason, int] = {}
         self._broken_group = False
-        add_listener = getattr(spec.rdzv_handler, "add_etcd_listener", None)
-        if add_listener is not None and hasattr(self.observer, "on_etcd"):
-            add_listener(self.observer.on_etcd)
+        # the handler's extras (etcd-v3); None: torch's RendezvousHandler API only (c10d, --standalone)
+        self._extras = spec.rdzv_handler if isinstance(spec.rdzv_handler, MembershipHandler) else None
+        if self._extras is not None:
+            self._extras.add_etcd_listener(self.observer.on_etcd)
         self._warm_pool = warm_pool
         self._fence: FencePublisher | None = None  # the round, for the workers' checkpoint commits
         if warm_pool is not None:
@@ -105,13 +81,12 @@ class ElasticRTAgent(LocalElasticAgent):
         return self._worker_group.spec.rdzv_handler
 
     def _membership(self):
-        return getattr(self._handler(), "membership", None)
+        return self._extras.membership if self._extras is not None else None
 
-    def _membership_change(self) -> str | None:
-        handler = self._handler()
-        if hasattr(handler, "membership_change"):
-            return handler.membership_change()
-        return "scale_up" if handler.num_nodes_waiting() > 0 else None
+    def _membership_change(self) -> RestartReason | None:
+        if self._extras is not None:
+            return self._extras.membership_change()
+        return RestartReason.SCALE_UP if self._handler().num_nodes_waiting() > 0 else None
 
     def _prefix(self) -> str:
         m = self._membership()
@@ -120,7 +95,7 @@ class ElasticRTAgent(LocalElasticAgent):
     # ---- worker lifecycle --------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         t0 = time.monotonic()
-        getattr(self.observer, "on_rendezvous_started", lambda: None)()
+        self.observer.on_rendezvous_started()
         super()._rendezvous(worker_group)
         m = self._membership()
         self.observer.on_rendezvous(
@@ -145,8 +120,8 @@ class ElasticRTAgent(LocalElasticAgent):
             ENV_NODE_ID: self._node_id,
             ENV_ROUND: str(m.round if m else 0),
         })
-        if self._fence is None and hasattr(self._handler(), "fence_view"):
-            self._fence = FencePublisher(self._reports.directory, self._handler())
+        if self._fence is None and self._extras is not None:
+            self._fence = FencePublisher(self._reports.directory, self._extras)
         if self._fence is not None:
             self._fence.start()  # the new round is in the file before a worker can read it
         with warm_start(self._warm_pool, ready=self._workers_stepped):
@@ -186,18 +161,18 @@ class ElasticRTAgent(LocalElasticAgent):
         else:
             self._shutdown(signal.SIGTERM, timeout=self._restart_grace_s)
 
-    def _restart(self, reason: str, detected_at: float) -> None:
+    def _restart(self, reason: RestartReason, detected_at: float) -> None:
         self.restarts[reason] = self.restarts.get(reason, 0) + 1
         self.observer.on_restart(reason)
-        log.warning("%s restarting the worker group: %s", self._prefix(), reason.replace("_", " "))
+        log.warning("%s restarting the worker group: %s", self._prefix(), reason.words)
         before = self._membership()
-        self._broken_group = reason in ("worker_failure", "peer_lost")
+        self._broken_group = reason.broken
         try:
             self._restart_workers(self._worker_group)
         finally:
             self._broken_group = False
         after = self._membership()
-        if reason == "worker_failure" and before and after and set(before.nodes) - set(after.nodes):
+        if reason is RestartReason.WORKER_FAILURE and before and after and set(before.nodes) - set(after.nodes):
             # The failure was a symptom of a lost peer: give the restart back.
             self._remaining_restarts += 1
             log.info("%s peer(s) %s left; restart not counted", self._prefix(),
@@ -206,8 +181,7 @@ class ElasticRTAgent(LocalElasticAgent):
 
     def _etcd_answers(self) -> bool:
         """The rendezvous handler can reach etcd (one without that notion, e.g. --standalone's, always can)."""
-        reachable = getattr(self._handler(), "etcd_reachable", None)
-        return reachable is None or reachable()
+        return self._extras is None or self._extras.etcd_reachable()
 
     def _exit_barrier(self) -> None:
         """torch's exit barrier keeps every agent until all finished, through the rendezvous store (etcd
@@ -221,11 +195,10 @@ class ElasticRTAgent(LocalElasticAgent):
     def _await_etcd(self, what: str) -> None:
         """Membership decisions need etcd: while it does not answer, wait (saying so every 10 s) rather
         than guess; then let the view catch up with what the other nodes did meanwhile."""
-        if self._etcd_answers():
+        if self._extras is None or self._etcd_answers():
             return
-        handler = self._handler()
         t0 = time.monotonic()
-        limit_s = getattr(getattr(handler, "settings", None), "join_timeout_s", 600.0)
+        limit_s = self._extras.settings.join_timeout_s
         said = None
         while not self._etcd_answers() and time.monotonic() - t0 < limit_s:
             if said is None or time.monotonic() - said >= 10.0:
@@ -234,10 +207,10 @@ class ElasticRTAgent(LocalElasticAgent):
                             self._prefix(), what, said - t0)
             time.sleep(0.2)
         if self._etcd_answers():
-            handler.catch_up()
+            self._extras.catch_up()
             log.info("%s etcd answers again after %.1f s; handling: %s", self._prefix(), time.monotonic() - t0, what)
 
-    def _wait_for_peer_loss(self) -> str | None:
+    def _wait_for_peer_loss(self) -> RestartReason | None:
         """A worker failure with no restarts left: was it caused by a peer dying?"""
         deadline = time.monotonic() + self._peer_loss_wait_s
         while time.monotonic() < deadline:
@@ -267,43 +240,36 @@ class ElasticRTAgent(LocalElasticAgent):
                 self._log_failures(result)
                 self._await_etcd("worker(s) failed")
                 change = self._membership_change()
-                if change in ("round_advanced", "peer_lost"):
+                if change in (RestartReason.ROUND_ADVANCED, RestartReason.PEER_LOST):
                     self._restart(change, now)
                 elif self._remaining_restarts > 0:
                     self._remaining_restarts -= 1
-                    self._restart("worker_failure", now)
+                    self._restart(RestartReason.WORKER_FAILURE, now)
                 else:
                     change = self._wait_for_peer_loss()
                     if change:
                         self._restart(change, now)
                         continue
-                    log.error("%s worker group failed and no restarts are left (--max-restarts %d)",
-                              self._prefix(), spec.max_restarts)
-                    self._stop_workers(self._worker_group)
-                    self._worker_group.state = WorkerState.FAILED
+                    self._out_of_restarts(RestartReason.WORKER_FAILURE)
                     return result
             elif state == WorkerState.HEALTHY:
                 self.observer.on_tick()
                 change = self._membership_change() or self.policy.check()
-                if change in ("probe_failure", "straggler"):
-                    log.error("%s %s: leaving the job so that the others re-form without this node (--%s-action leave)",
-                              self._prefix(), "collective probe failed" if change == "probe_failure"
-                              else "a local worker is a straggler", change.replace("_", "-"))
+                if change is not None and change.response is Response.LEAVE:
+                    log.error("%s %s: leaving the job so that the others re-form without this node (%s)",
+                              self._prefix(), change.summary, change.hint)
                     self._stop_workers(self._worker_group)
                     self._worker_group.state = WorkerState.FAILED
                     return RunResult(state=WorkerState.FAILED)
-                if change == "hang":
+                if change is RestartReason.HANG:
                     change = self._peer_restart_explains_hang() or change
-                if change == "hang":
+                if change is RestartReason.HANG:
                     self.diagnostics.on_hang(self._prefix(), self.policy.hang_verdict())
                     self.observer.on_failures(dict(self.diagnostics.last_failures))
                     self.policy.on_hang_restart()
+                if change is not None and change.counted:
                     if self._remaining_restarts <= 0:
-                        log.error("%s workers hung and no restarts are left (--max-restarts %d; with the auto "
-                                  "hang timeout, long pauses between steps may need --hang-timeout)",
-                                  self._prefix(), spec.max_restarts)
-                        self._stop_workers(self._worker_group)
-                        self._worker_group.state = WorkerState.FAILED
+                        self._out_of_restarts(change)
                         return RunResult(state=WorkerState.FAILED)
                     self._remaining_restarts -= 1
                 if change:
@@ -311,7 +277,14 @@ class ElasticRTAgent(LocalElasticAgent):
             else:
                 raise RuntimeError(f"{self._prefix()} worker group in unexpected state {state.name}")
 
-    def _peer_restart_explains_hang(self) -> str | None:
+    def _out_of_restarts(self, reason: RestartReason) -> None:
+        """A counted restart is due and none are left: say why in one line, stop the workers, fail."""
+        log.error("%s %s and no restarts are left (--max-restarts %d%s)", self._prefix(), reason.summary,
+                  self._worker_group.spec.max_restarts, f"; {reason.hint}" if reason.hint else "")
+        self._stop_workers(self._worker_group)
+        self._worker_group.state = WorkerState.FAILED
+
+    def _peer_restart_explains_hang(self) -> RestartReason | None:
         """Local workers that all merely wait (none stopped or in uninterruptible sleep) are most
         likely stuck in a collective with a peer that is the culprit: give that node's restart a
         moment to arrive, so that the hang counts against the node that caused it."""
@@ -320,7 +293,7 @@ class ElasticRTAgent(LocalElasticAgent):
         change = self._wait_for_peer_loss()
         if change:
             log.info("%s local workers stalled while another node restarted: following it (%s), not counted "
-                     "as a hang here", self._prefix(), change.replace("_", " "))
+                     "as a hang here", self._prefix(), change.words)
         return change
 
     def _log_failures(self, result: RunResult) -> None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import psutil
 from prometheus_client import CollectorRegistry
 
+from elastic_rt.decisions import DetectionAction, RestartReason
 from elastic_rt.goodput.events import EventLog, journal_path
+from elastic_rt.interfaces import AgentObserver, RestartPolicy
 from elastic_rt.goodput.ledger import GoodputLedger, LostProgress
 from elastic_rt.goodput.steptime import StepTimer
 from elastic_rt.goodput.stragglers import SpeedExchange, StragglerBoard, StragglerSettings, Verdict
@@ -33,8 +35,8 @@ def process_start_monotonic(clock: Callable[[], float] = time.monotonic) -> floa
     return clock() - age
 
 
-class GoodputObserver:
-    """AgentObserver (plus the round listener `exchange.on_round`); decides nothing itself."""
+class GoodputObserver(AgentObserver):
+    """An AgentObserver (plus the round listener `exchange.on_round`); decides nothing itself."""
 
     def __init__(self, *, run_id: str, node: str, reports: WorkerReports, log_dir: str,
                  settings: StragglerSettings = StragglerSettings(), registry: CollectorRegistry | None = None,
@@ -73,7 +75,7 @@ class GoodputObserver:
         self.events.write("rendezvous", round=round, world_size=world_size, nodes=nodes,
                           duration_s=round_s(duration_s), phase=self.ledger.phase)
 
-    def on_restart(self, reason: str) -> None:
+    def on_restart(self, reason: RestartReason) -> None:
         self._sample(self._reports.heartbeats())  # the last steps the stopped workers made
         self.ledger.restart()
         self.events.write("restart", reason=reason, round=self._round, phase="restart",
@@ -150,9 +152,10 @@ class GoodputObserver:
         self.events.close()
 
     @property
-    def action(self) -> str:
-        """What a flag does now: "leave" only with --straggler-action leave and other nodes to re-form."""
-        return "leave" if self._settings.action == "leave" and self.exchange.nodes > 1 else "report"
+    def action(self) -> DetectionAction:
+        """What a flag does now: LEAVE only with --straggler-action leave and other nodes to re-form."""
+        leave = DetectionAction(self._settings.action) is DetectionAction.LEAVE and self.exchange.nodes > 1
+        return DetectionAction.LEAVE if leave else DetectionAction.REPORT
 
     # ---- straggler exchange callbacks -----------------------------------------------------
     def _latest_window(self) -> tuple[int, dict[int, float]] | None:
@@ -184,7 +187,7 @@ class GoodputObserver:
             log.warning("[%s round %d] straggler: local rank %d steps in %.4g s, %.2fx the job median %.4g s "
                         "(%d windows of %g s in a row; threshold %gx)%s", self._node, rnd, rank, s.step_time_s,
                         s.ratio, s.median_s, s.windows, self._settings.window_s, self._settings.threshold,
-                        "; leaving the job (--straggler-action leave)" if action == "leave" else "")
+                        "; leaving the job (--straggler-action leave)" if action is DetectionAction.LEAVE else "")
             self.events.write("straggler", round=rnd, local_rank=rank, step_time_s=round_s(s.step_time_s),
                               median_s=round_s(s.median_s), ratio=round(s.ratio, 3), windows=s.windows,
                               action=action)
@@ -242,19 +245,13 @@ def round_s(value: float) -> float:
     return round(float(value), 6)
 
 
-class StragglerPolicy:
-    """RestartPolicy: "straggler" (leave the job) while this node has a flagged rank, with action leave
+class StragglerPolicy(RestartPolicy):
+    """A RestartPolicy: STRAGGLER (leave the job) while this node has a flagged rank, with action LEAVE
     and at least one other node in the round (a job of one node has nobody to re-form without it)."""
 
     def __init__(self, observer: GoodputObserver) -> None:
         self._observer = observer
 
-    def on_workers_started(self, local_ranks: Iterable[int]) -> None: ...
-
-    def check(self) -> str | None:
-        return "straggler" if self._observer.flagged and self._observer.action == "leave" else None
-
-    def hang_verdict(self) -> None:
-        return None  # stragglers are slow, not hung
-
-    def on_hang_restart(self) -> None: ...
+    def check(self) -> RestartReason | None:
+        leave = self._observer.flagged and self._observer.action is DetectionAction.LEAVE
+        return RestartReason.STRAGGLER if leave else None

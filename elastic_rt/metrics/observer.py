@@ -10,7 +10,9 @@ from typing import Callable, Mapping
 
 from prometheus_client import CollectorRegistry
 
+from elastic_rt.decisions import RestartReason
 from elastic_rt.errors import ElasticRTError
+from elastic_rt.interfaces import AgentObserver
 from elastic_rt.metrics.definitions import AgentMetrics, HealthCollector
 from elastic_rt.metrics.exporter import MetricsExporter
 from elastic_rt.metrics.health import LIVENESS, LIVENESS_MIN_S, READINESS, HealthChecks, MonitorLiveness
@@ -21,8 +23,8 @@ from elastic_rt.reporting.inbox import WorkerReports
 log = logging.getLogger(__name__)
 
 
-class MetricsObserver:
-    """AgentObserver that exports everything the agent sees.
+class MetricsObserver(AgentObserver):
+    """An AgentObserver that exports everything the agent sees.
 
     Health: `liveness` holds the check `monitor` (the monitor loop ticks, see MonitorLiveness);
     `readiness` holds `etcd` (fed by on_etcd) and whatever the launcher adds (probe, rdma, clock).
@@ -85,7 +87,7 @@ class MetricsObserver:
     def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None:
         self.metrics.on_rendezvous(round=round, world_size=world_size, nodes=nodes, duration_s=duration_s)
 
-    def on_restart(self, reason: str) -> None:
+    def on_restart(self, reason: RestartReason) -> None:
         self.monitor.on_restart(reason)
         self.metrics.on_restart(reason)
         self.metrics.set_worker_states({r: "stopped" for r in self._pids})

@@ -36,6 +36,9 @@ themselves once it has been closable for as long. A node of round R that must re
 R+1 by compare-and-set. Per node and round: one join put, at most one CAS on `round` and
 one on `final`, a waiting put and delete for late nodes.
 
+decide.py holds these rules as one pure function of the view and the node's state (its docstring
+has them as a table); rounds.py performs what it decides.
+
 Failure model (docs/failure-model.md says it for operators):
 - etcd is needed to change membership, not to train. While etcd does not answer, the
   view is stale and membership_change() says nothing (never a restart because etcd is
@@ -80,22 +83,35 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
+from elastic_rt.decisions import RestartReason
 from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError
+from elastic_rt.interfaces import MembershipHandler
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.health import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.lease import NodeLease
 from elastic_rt.rendezvous.liveness import PeerWatch, parse_peer, ring_neighbours
 from elastic_rt.rendezvous.monitor import MembershipMonitor
-from elastic_rt.rendezvous.rounds import Membership, RendezvousSettings, Rounds
+from elastic_rt.rendezvous.decide import Membership
+from elastic_rt.rendezvous.rounds import RendezvousSettings, Rounds
 from elastic_rt.rendezvous.store import EtcdStore
 from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)
 
 
-class EtcdRendezvousHandler(RendezvousHandler):
-    """torch.distributed.elastic RendezvousHandler backed by etcd v3 leases and watches."""
+def alive_info(settings: RendezvousSettings) -> dict:
+    """What this node's alive/ value tells the others and `elastic-rt status` (with the liveness port and the
+    incarnation NodeLease adds): its address, --nnodes, and where its agent serves /metrics, when it does."""
+    info: dict = {"addr": settings.local_addr, "nnodes": [settings.min_nodes, settings.max_nodes]}
+    if settings.metrics_addr:
+        info["metrics"] = settings.metrics_addr
+    return info
+
+
+class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
+    """torch.distributed.elastic RendezvousHandler backed by etcd v3 leases and watches, with the
+    MembershipHandler extras the agent uses."""
 
     def __init__(self, client: EtcdClient, settings: RendezvousSettings, *,
                  clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random) -> None:
@@ -108,7 +124,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock, alive_puts=False)
         self._lease = NodeLease(
             client, self.keys, settings.node_id, ttl_s=settings.lease_ttl_s, health=self.health,
-            info={"addr": settings.local_addr}, local_addr=settings.local_addr, clock=clock,
+            info=alive_info(settings), local_addr=settings.local_addr, clock=clock,
             on_beat=self._follow_failover, on_granted=self._view.changed,
         )
         self._started = False
@@ -259,11 +275,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._view.reconnect()
 
     # ---- membership watching (used by the agent's monitor loop) ------------
-    def membership_change(self) -> str | None:
+    def membership_change(self) -> RestartReason | None:
         """Why this node's current group must re-form, or None. Reads local state only.
 
-        "round_advanced": another node started a new round; "peer_lost": a node of this
-        round is gone (see the module docstring for when that is decided); "scale_up":
+        ROUND_ADVANCED: another node started a new round; PEER_LOST: a node of this
+        round is gone (see the module docstring for when that is decided); SCALE_UP:
         nodes wait to join and there is room. None also while etcd is unreachable.
         """
         if self.membership is None or not self._started or not self.etcd_reachable():
