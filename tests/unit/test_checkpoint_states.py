@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from elastic_rt.checkpoint import MANIFEST_NAME, CheckpointManager
+from elastic_rt.checkpoint.retention import apply_retention
 from elastic_rt.errors import CheckpointError
 
 
@@ -155,3 +156,19 @@ def test_after_a_fallback_retention_keeps_the_new_commit_and_the_verified_ones_b
     with CheckpointManager(url, keep_last=keep_last) as mgr:
         assert mgr.load_latest(target) == 25
     assert torch.equal(target["w"], state_at(25)["w"])
+
+
+def test_retention_deletes_nothing_when_the_new_commit_does_not_match_its_manifest(tmp_path, caplog):
+    """A new commit whose file is shorter than its manifest says (lost writeback, a truncating copy) is no reason
+    to delete anything: every older checkpoint stays, and the log says why."""
+    url = f"file://{tmp_path}"
+    with CheckpointManager(url, keep_last=3) as mgr:
+        for step in (10, 20, 30):
+            assert mgr.save(step, state_at(step)) is True
+        mgr.list_checkpoints()  # waits for retention
+        shard = next(step_path(tmp_path, 30).glob("save-*/*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:-1])
+        with caplog.at_level(logging.WARNING, logger="elastic_rt.checkpoint.retention"):
+            assert apply_retention(mgr._store, mgr._guard, keep_last=1, newest_step=30) == []
+        assert [e.step for e in mgr.list_checkpoints()] == [10, 20, 30]
+    assert "does not match its manifest" in caplog.text
