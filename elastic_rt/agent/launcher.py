@@ -39,7 +39,7 @@ from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, proces
 from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.inbox import WorkerReports
-from elastic_rt.worker_env import ENV_CHECKPOINT_URL, OMP_DEFAULT_WARNING
+from elastic_rt.worker_env import ENV_CHECKPOINT_URL, ENV_NO_COMPUTE_TIMER, OMP_DEFAULT_WARNING
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ def apply_worker_env(cfg: AgentConfig) -> None:
     if cfg.omp_threads_defaulted:
         log.warning(OMP_DEFAULT_WARNING)
     os.environ.update(cfg.worker_env)
+    if cfg.straggler_threshold <= 0:  # detection off: workers need not time their compute
+        os.environ[ENV_NO_COMPUTE_TIMER] = "1"
     if cfg.checkpoint_url:
         os.environ[ENV_CHECKPOINT_URL] = cfg.checkpoint_url
 

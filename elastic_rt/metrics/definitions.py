@@ -309,6 +309,13 @@ class GoodputMetrics:
         self.step_time_ratio = Gauge("elastic_rt_step_time_ratio",
                                      "The worker's median step time / the job's median (all nodes).",
                                      base + ["local_rank"], registry=registry)
+        self.compute_time = Gauge("elastic_rt_compute_time_seconds",
+                                  "Median compute time per step of the worker in the last window: the time between "
+                                  "optimizer steps outside backward() (where lock-step ranks wait for each other).",
+                                  base + ["local_rank"], registry=registry)
+        self.compute_time_ratio = Gauge("elastic_rt_compute_time_ratio",
+                                        "The worker's median compute time per step / the job's median (all nodes).",
+                                        base + ["local_rank"], registry=registry)
         self.straggler = Gauge("elastic_rt_straggler",
                                "1 while the worker is flagged as a straggler, else 0.", base + ["local_rank"],
                                registry=registry)
@@ -339,6 +346,12 @@ class GoodputMetrics:
             if job_median_s:
                 self.step_time_ratio.labels(*self._base, str(rank)).set(value / job_median_s)
             self._ranks.add(rank)
+
+    def on_compute_times(self, medians: Mapping[int, float], *, job_median_s: float | None = None) -> None:
+        for rank, value in medians.items():
+            self.compute_time.labels(*self._base, str(rank)).set(value)
+            if job_median_s:
+                self.compute_time_ratio.labels(*self._base, str(rank)).set(value / job_median_s)
 
     def on_stragglers(self, flagged: set[int], local_ranks: set[int]) -> None:
         """Set the flag of every local rank (1: flagged)."""
