@@ -18,6 +18,7 @@ from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.agent.warm_start import warm_start
+from elastic_rt.errors import RoundRejectedError
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
 
@@ -117,20 +118,27 @@ class ElasticRTAgent(LocalElasticAgent):
 
     # ---- worker lifecycle --------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        t0 = time.monotonic()
-        getattr(self.observer, "on_rendezvous_started", lambda: None)()
-        super()._rendezvous(worker_group)
-        m = self._membership()
-        self.observer.on_rendezvous(
-            round=m.round if m else 0,
-            world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
-            nodes=worker_group.group_world_size,
-            duration_s=time.monotonic() - t0,
-        )
-        if m is not None:
-            for listener in self._round_listeners:
-                listener(round=m.round, store=worker_group.store, group_rank=worker_group.group_rank,
-                         group_world_size=worker_group.group_world_size, master_addr=worker_group.master_addr)
+        while True:
+            t0 = time.monotonic()
+            getattr(self.observer, "on_rendezvous_started", lambda: None)()
+            super()._rendezvous(worker_group)
+            m = self._membership()
+            self.observer.on_rendezvous(
+                round=m.round if m else 0,
+                world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
+                nodes=worker_group.group_world_size,
+                duration_s=time.monotonic() - t0,
+            )
+            if m is None:
+                return
+            try:
+                for listener in self._round_listeners:
+                    listener(round=m.round, store=worker_group.store, group_rank=worker_group.group_rank,
+                             group_world_size=worker_group.group_world_size, master_addr=worker_group.master_addr)
+                return
+            except RoundRejectedError as exc:  # the pre-flight test excluded nodes: meet again without them
+                log.warning("%s %s; meeting again once they left", self._prefix(), exc)
+                self._wait_for_peer_loss()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         m = self._membership()

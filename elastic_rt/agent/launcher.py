@@ -33,7 +33,8 @@ from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.agent.host_memory import make_host_cache
 from elastic_rt.agent.warm import WarmPool
-from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError
+from elastic_rt.doctor.preflight import Preflight, PreflightMode, PreflightSettings
+from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError, NodeExcludedError
 from elastic_rt.metrics.health import liveness_threshold_s
 from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
 from elastic_rt.goodput.stragglers import StragglerSettings
@@ -137,7 +138,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     )
     reports = WorkerReports(os.path.join(log_dir, "heartbeat"))
     stop = threading.Event()
-    round_checks = goodput = failure_metrics = None
+    round_checks = goodput = failure_metrics = registry = None
     if observer is None:
         from elastic_rt.collectors.schedule import NtpPoller, RoundChecks
         from elastic_rt.metrics.definitions import FailureMetrics
@@ -157,7 +158,9 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
                                   started_at=process_start_monotonic())
         observer = ObserverGroup(metrics_observer, goodput)
         failure_metrics = FailureMetrics(registry=metrics_observer.registry, run_id=cfg.rdzv_id, node=node_id)
+        registry = metrics_observer.registry
     diagnostics = build_diagnostics(cfg, log_dir, reports.directory, failure_metrics)
+    node_test = build_node_test(cfg, node_id, registry)
     policy = HealthPolicy(
         heartbeats=reports.heartbeats, hang_timeout_s=cfg.hang_timeout_s,
         probe_failure=round_checks.probe_failure if round_checks else (lambda: None),
@@ -181,12 +184,14 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         peer_loss_wait_s=getattr(getattr(handler, "settings", None), "lease_ttl_s", 3.0) + 1.0,
         observer=observer,
         policy=policy,
-        round_listeners=(round_checks.on_round, goodput.exchange.on_round) if round_checks else (),
+        round_listeners=(node_test.on_round,) + ((round_checks.on_round, goodput.exchange.on_round)
+                                                 if round_checks else ()),
         diagnostics=diagnostics,
         warm_pool=warm_pool,
     )
     leave = getattr(handler, "leave", None)
     try:
+        node_test.run_compute()  # before the first round, and before warm workers compete for the CPU
         if warm_pool is not None:
             warm_pool.start()
             if hasattr(observer, "track_warm_workers"):
@@ -212,6 +217,24 @@ def build_diagnostics(cfg: AgentConfig, log_dir: str, reports_dir: str, metrics)
                                      stack_signal=cfg.stack_signal, flight_recorder=recorder)
     os.environ.update(diagnostics.worker_env(os.environ, torch_version=torch.__version__))
     return diagnostics
+
+
+def build_node_test(cfg: AgentConfig, node_id: str, registry) -> Preflight:
+    """The pre-flight node test (--preflight; auto: report where CUDA is available, else off)."""
+    import torch
+
+    mode = PreflightMode(cfg.preflight)
+    if mode is PreflightMode.AUTO:
+        mode = PreflightMode.REPORT if torch.cuda.is_available() else PreflightMode.OFF
+    settings = PreflightSettings(mode=mode, threshold=cfg.preflight_threshold, timeout_s=cfg.preflight_timeout_s,
+                                 every_round=cfg.preflight_every_round, min_nodes=cfg.min_nodes)
+    metrics = None
+    if registry is not None:
+        from elastic_rt.metrics.definitions import PreflightMetrics
+
+        metrics = PreflightMetrics(registry=registry, run_id=cfg.rdzv_id, node=node_id)
+    return Preflight(node=node_id, settings=settings, nproc=cfg.nproc_per_node, metrics=metrics,
+                     backend=cfg.probe_backend)
 
 
 def make_warm_pool(cfg: AgentConfig, node_id: str, entrypoint: str, args: tuple[str, ...]) -> WarmPool | None:
@@ -257,6 +280,11 @@ def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) ->
             leave()
         log.warning("[%s] %s; exiting", node_id, str(exc) or f"rendezvous {cfg.rdzv_id} is closed")
         return 0
+    except NodeExcludedError as exc:
+        if leave:
+            leave()
+        log.error("[%s] %s; leaving the job", node_id, exc)
+        return exc.exit_code
     except RendezvousTimeoutError as exc:
         if leave:
             leave()

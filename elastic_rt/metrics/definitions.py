@@ -437,3 +437,42 @@ class EtcdMetrics:
 
     def describe(self):
         yield from self._families()
+
+
+# ---- the pre-flight node test (recorded by elastic_rt.doctor.preflight) -----------------------------
+class PreflightMetrics:
+    """The launch's pre-flight test: this node's matmul times, its ring link, and whether it was named."""
+
+    def __init__(self, *, registry: CollectorRegistry, run_id: str, node: str) -> None:
+        self._base = (run_id, node)
+        base = ["run_id", "node"]
+        self.compute = Gauge("elastic_rt_preflight_compute_seconds",
+                             "Median seconds per matmul of each local device in the pre-flight test.",
+                             base + ["local_rank"], registry=registry)
+        self.compute_ratio = Gauge("elastic_rt_preflight_compute_ratio",
+                                   "A local device's pre-flight matmul time / the job's median.",
+                                   base + ["local_rank"], registry=registry)
+        self.link = Gauge("elastic_rt_preflight_link_seconds",
+                          "Seconds the pre-flight ring test took to receive from the previous node.", base,
+                          registry=registry)
+        self.slow = Gauge("elastic_rt_preflight_slow", "1 when the pre-flight test named this node, else 0.",
+                          base, registry=registry)
+        self.duration = Gauge("elastic_rt_preflight_duration_seconds",
+                              "Seconds the last pre-flight phase took (compute test, or ring test and verdict).",
+                              base + ["phase"], registry=registry)
+        self._compute: dict[int, float] = {}
+
+    def on_compute(self, seconds: Mapping[int, float], *, duration_s: float) -> None:
+        self._compute = dict(seconds)
+        for rank, value in seconds.items():
+            self.compute.labels(*self._base, str(rank)).set(value)
+        self.duration.labels(*self._base, "compute").set(duration_s)
+
+    def on_verdict(self, *, compute_median_s: float, link_s: float | None, slow: bool, duration_s: float) -> None:
+        if compute_median_s > 0:
+            for rank, value in self._compute.items():
+                self.compute_ratio.labels(*self._base, str(rank)).set(value / compute_median_s)
+        if link_s is not None:
+            self.link.labels(*self._base).set(link_s)
+        self.slow.labels(*self._base).set(1.0 if slow else 0.0)
+        self.duration.labels(*self._base, "round").set(duration_s)
