@@ -18,6 +18,7 @@ from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.agent.warm_start import warm_start
+from elastic_rt.decisions import Response, RestartReason
 from elastic_rt.errors import RoundRejectedError
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
@@ -30,7 +31,7 @@ class AgentObserver(Protocol):
 
     def on_rendezvous_started(self) -> None: ...
     def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None: ...
-    def on_restart(self, reason: str) -> None: ...
+    def on_restart(self, reason: RestartReason) -> None: ...
     def on_recovered(self, duration_s: float) -> None: ...
     def on_workers_started(self, pids: dict[int, int]) -> None: ...
     def on_workers_finished(self, state: str) -> None: ...
@@ -42,7 +43,7 @@ class AgentObserver(Protocol):
 class NullObserver:
     def on_rendezvous_started(self) -> None: ...
     def on_rendezvous(self, **_: Any) -> None: ...
-    def on_restart(self, reason: str) -> None: ...
+    def on_restart(self, reason: RestartReason) -> None: ...
     def on_recovered(self, duration_s: float) -> None: ...
     def on_workers_started(self, pids: dict[int, int]) -> None: ...
     def on_workers_finished(self, state: str) -> None: ...
@@ -90,7 +91,7 @@ class ElasticRTAgent(LocalElasticAgent):
         self._round_listeners = tuple(round_listeners)
         self.diagnostics = diagnostics or FailureDiagnostics(
             log_dir=os.path.dirname(reports.directory.rstrip(os.sep)), reports_dir=reports.directory)
-        self.restarts: dict[str, int] = {}
+        self.restarts: dict[RestartReason, int] = {}
         self._broken_group = False
         add_listener = getattr(spec.rdzv_handler, "add_etcd_listener", None)
         if add_listener is not None and hasattr(self.observer, "on_etcd"):
@@ -106,11 +107,11 @@ class ElasticRTAgent(LocalElasticAgent):
     def _membership(self):
         return getattr(self._handler(), "membership", None)
 
-    def _membership_change(self) -> str | None:
+    def _membership_change(self) -> RestartReason | None:
         handler = self._handler()
         if hasattr(handler, "membership_change"):
             return handler.membership_change()
-        return "scale_up" if handler.num_nodes_waiting() > 0 else None
+        return RestartReason.SCALE_UP if handler.num_nodes_waiting() > 0 else None
 
     def _prefix(self) -> str:
         m = self._membership()
@@ -188,18 +189,18 @@ class ElasticRTAgent(LocalElasticAgent):
         else:
             self._shutdown(signal.SIGTERM, timeout=self._restart_grace_s)
 
-    def _restart(self, reason: str, detected_at: float) -> None:
+    def _restart(self, reason: RestartReason, detected_at: float) -> None:
         self.restarts[reason] = self.restarts.get(reason, 0) + 1
         self.observer.on_restart(reason)
-        log.warning("%s restarting the worker group: %s", self._prefix(), reason.replace("_", " "))
+        log.warning("%s restarting the worker group: %s", self._prefix(), reason.words)
         before = self._membership()
-        self._broken_group = reason in ("worker_failure", "peer_lost")
+        self._broken_group = reason.broken
         try:
             self._restart_workers(self._worker_group)
         finally:
             self._broken_group = False
         after = self._membership()
-        if reason == "worker_failure" and before and after and set(before.nodes) - set(after.nodes):
+        if reason is RestartReason.WORKER_FAILURE and before and after and set(before.nodes) - set(after.nodes):
             # The failure was a symptom of a lost peer: give the restart back.
             self._remaining_restarts += 1
             log.info("%s peer(s) %s left; restart not counted", self._prefix(),
@@ -239,7 +240,7 @@ class ElasticRTAgent(LocalElasticAgent):
             handler.catch_up()
             log.info("%s etcd answers again after %.1f s; handling: %s", self._prefix(), time.monotonic() - t0, what)
 
-    def _wait_for_peer_loss(self) -> str | None:
+    def _wait_for_peer_loss(self) -> RestartReason | None:
         """A worker failure with no restarts left: was it caused by a peer dying?"""
         deadline = time.monotonic() + self._peer_loss_wait_s
         while time.monotonic() < deadline:
@@ -269,43 +270,36 @@ class ElasticRTAgent(LocalElasticAgent):
                 self._log_failures(result)
                 self._await_etcd("worker(s) failed")
                 change = self._membership_change()
-                if change in ("round_advanced", "peer_lost"):
+                if change in (RestartReason.ROUND_ADVANCED, RestartReason.PEER_LOST):
                     self._restart(change, now)
                 elif self._remaining_restarts > 0:
                     self._remaining_restarts -= 1
-                    self._restart("worker_failure", now)
+                    self._restart(RestartReason.WORKER_FAILURE, now)
                 else:
                     change = self._wait_for_peer_loss()
                     if change:
                         self._restart(change, now)
                         continue
-                    log.error("%s worker group failed and no restarts are left (--max-restarts %d)",
-                              self._prefix(), spec.max_restarts)
-                    self._stop_workers(self._worker_group)
-                    self._worker_group.state = WorkerState.FAILED
+                    self._out_of_restarts(RestartReason.WORKER_FAILURE)
                     return result
             elif state == WorkerState.HEALTHY:
                 self.observer.on_tick()
                 change = self._membership_change() or self.policy.check()
-                if change in ("probe_failure", "straggler"):
-                    log.error("%s %s: leaving the job so that the others re-form without this node (--%s-action leave)",
-                              self._prefix(), "collective probe failed" if change == "probe_failure"
-                              else "a local worker is a straggler", change.replace("_", "-"))
+                if change is not None and change.response is Response.LEAVE:
+                    log.error("%s %s: leaving the job so that the others re-form without this node (%s)",
+                              self._prefix(), change.summary, change.hint)
                     self._stop_workers(self._worker_group)
                     self._worker_group.state = WorkerState.FAILED
                     return RunResult(state=WorkerState.FAILED)
-                if change == "hang":
+                if change is RestartReason.HANG:
                     change = self._peer_restart_explains_hang() or change
-                if change == "hang":
+                if change is RestartReason.HANG:
                     self.diagnostics.on_hang(self._prefix(), self.policy.hang_verdict())
                     self.observer.on_failures(dict(self.diagnostics.last_failures))
                     self.policy.on_hang_restart()
+                if change is not None and change.counted:
                     if self._remaining_restarts <= 0:
-                        log.error("%s workers hung and no restarts are left (--max-restarts %d; with the auto "
-                                  "hang timeout, long pauses between steps may need --hang-timeout)",
-                                  self._prefix(), spec.max_restarts)
-                        self._stop_workers(self._worker_group)
-                        self._worker_group.state = WorkerState.FAILED
+                        self._out_of_restarts(change)
                         return RunResult(state=WorkerState.FAILED)
                     self._remaining_restarts -= 1
                 if change:
@@ -313,7 +307,14 @@ class ElasticRTAgent(LocalElasticAgent):
             else:
                 raise RuntimeError(f"{self._prefix()} worker group in unexpected state {state.name}")
 
-    def _peer_restart_explains_hang(self) -> str | None:
+    def _out_of_restarts(self, reason: RestartReason) -> None:
+        """A counted restart is due and none are left: say why in one line, stop the workers, fail."""
+        log.error("%s %s and no restarts are left (--max-restarts %d%s)", self._prefix(), reason.summary,
+                  self._worker_group.spec.max_restarts, f"; {reason.hint}" if reason.hint else "")
+        self._stop_workers(self._worker_group)
+        self._worker_group.state = WorkerState.FAILED
+
+    def _peer_restart_explains_hang(self) -> RestartReason | None:
         """Local workers that all merely wait (none stopped or in uninterruptible sleep) are most
         likely stuck in a collective with a peer that is the culprit: give that node's restart a
         moment to arrive, so that the hang counts against the node that caused it."""
@@ -322,7 +323,7 @@ class ElasticRTAgent(LocalElasticAgent):
         change = self._wait_for_peer_loss()
         if change:
             log.info("%s local workers stalled while another node restarted: following it (%s), not counted "
-                     "as a hang here", self._prefix(), change.replace("_", " "))
+                     "as a hang here", self._prefix(), change.words)
         return change
 
     def _log_failures(self, result: RunResult) -> None:

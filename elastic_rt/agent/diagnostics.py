@@ -10,10 +10,11 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from elastic_rt.agent import flight_recorder as fr
-from elastic_rt.agent.failures import FailureCause, classify, describe, read_error_file, signal_name, stderr_tail
+from elastic_rt.agent.failures import ClassifiedFailure, classify, describe, read_error_file, signal_name, stderr_tail
 from elastic_rt.agent.hang import SUSPECT_STATES, HangVerdict, first_stopped
 from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.stacks import UNANSWERABLE, StackCollector, WorkerRef, process_state, raw_path
+from elastic_rt.decisions import FailureCause
 from elastic_rt.worker_env import ENV_FLIGHT_RECORDER, ENV_STACK_SIGNAL
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class FailureDiagnostics:
 
         pcontext.close = close_and_note
 
-    def on_failures(self, prefix: str, failures: Mapping[int, Any]) -> list[FailureCause]:
+    def on_failures(self, prefix: str, failures: Mapping[int, Any]) -> list[ClassifiedFailure]:
         """One line and one count per failed worker (torch ProcessFailure: local_rank, pid, exitcode, error_file)."""
         causes = []
         self.last_failures = {}
@@ -112,7 +113,7 @@ class FailureDiagnostics:
                              stderr_tail=stderr_tail(self._stderrs.get(failure.local_rank)),
                              watchdog_dumped=rank in nccl_dumps)
             extra = ""
-            if cause.cause in ("collective_timeout", "collective_error") and nccl_dumps:
+            if cause.cause.collective and nccl_dumps:
                 dumps = {r: d for r, p in nccl_dumps.items() if (d := fr.load_dump(p)) is not None}
                 extra = f"; flight recorder: {fr.summarise(dumps)} (dumps in {self.fr_dir})"
             log.warning("%s worker failed: rank %d (local %d, pid %s) %s%s", prefix, rank, failure.local_rank,
@@ -146,10 +147,11 @@ class FailureDiagnostics:
         else:
             who, state = "no rank could be named", "unknown"
         named = first is not None and first.local_rank in self._workers
-        self.last_failures = {self._workers[first.local_rank].global_rank: f"cause=hang: {who}"} if named else {}
+        hung = {self._workers[first.local_rank].global_rank: f"cause={FailureCause.HANG}: {who}"} if named else {}
+        self.last_failures = hung
         reason = verdict.reason if verdict is not None else "hang"
-        log.error("%s workers hung: %s; %s; cause=hang; stacks of every local rank in %s%s", prefix, who, reason,
-                  out_dir, summary)
+        log.error("%s workers hung: %s; %s; cause=%s; stacks of every local rank in %s%s", prefix, who, reason,
+                  FailureCause.HANG, out_dir, summary)
         return out_dir
 
     def on_grace_expired(self, prefix: str, pids: Iterable[int], grace_s: float) -> str | None:

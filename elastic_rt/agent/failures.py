@@ -10,8 +10,10 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Iterable
 
+from elastic_rt.decisions import FailureCause
+
 # The causes, in the order an operator reads them (elastic_rt_worker_failures_total{cause}).
-CAUSES = ("exception", "oom", "killed", "signal", "collective_timeout", "collective_error", "hang", "exit")
+CAUSES: tuple[FailureCause, ...] = tuple(FailureCause)
 
 # Signals someone sends to end a process (kill, the OOM killer, a scheduler); the others are faults.
 _TERMINATING = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
@@ -47,10 +49,10 @@ class ErrorRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FailureCause:
+class ClassifiedFailure:
     """One classified worker failure."""
 
-    cause: str  # one of CAUSES
+    cause: FailureCause
     detail: str  # the words for the log line: "ValueError: boom", "SIGSEGV", "exit code 3"
     frame: str = ""  # user-code frame that raised: "train.py:42 in step"
     collective: tuple[str, str] | None = None  # (backend, kind) when a collective backend spoke
@@ -105,6 +107,10 @@ def collective_error(text: str) -> tuple[str, str] | None:
     return None
 
 
+def _collective_cause(coll: tuple[str, str]) -> FailureCause:
+    return FailureCause.COLLECTIVE_TIMEOUT if coll[1] == "timeout" else FailureCause.COLLECTIVE_ERROR
+
+
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -114,7 +120,7 @@ def signal_name(signum: int) -> str:
 
 def classify(*, exitcode: int, error: ErrorRecord | None = None, oom_evidence: str | None = None,
              stderr_tail: str = "", watchdog_dumped: bool = False,
-             library_dirs: Iterable[str] | None = None) -> FailureCause:
+             library_dirs: Iterable[str] | None = None) -> ClassifiedFailure:
     """The cause of one failed worker.
 
     exitcode: as torch reports it (negative: killed by that signal). error: its error file.
@@ -127,11 +133,11 @@ def classify(*, exitcode: int, error: ErrorRecord | None = None, oom_evidence: s
         frame = user_frame(error.callstack, library_dirs) if error.callstack else ""
         coll = collective_error(error.message)
         if coll is not None:
-            cause = "collective_timeout" if coll[1] == "timeout" else "collective_error"
-            return FailureCause(cause=cause, detail=error.message, frame=frame, collective=coll)
+            cause = _collective_cause(coll)
+            return ClassifiedFailure(cause=cause, detail=error.message, frame=frame, collective=coll)
         if error.exc_type.rsplit(".", 1)[-1] in _MEMORY_EXCEPTIONS or _CUDA_OOM.search(error.message):
-            return FailureCause(cause="oom", detail=error.message, frame=frame)
-        return FailureCause(cause="exception", detail=error.message, frame=frame)
+            return ClassifiedFailure(cause=FailureCause.OOM, detail=error.message, frame=frame)
+        return ClassifiedFailure(cause=FailureCause.EXCEPTION, detail=error.message, frame=frame)
     signum = -exitcode if exitcode < 0 else None
     via_shell = ""
     if signum is None and 128 < exitcode <= 128 + 64:
@@ -139,24 +145,26 @@ def classify(*, exitcode: int, error: ErrorRecord | None = None, oom_evidence: s
     if signum is not None:
         name = signal_name(signum) + via_shell
         if signum == signal.SIGKILL and oom_evidence:
-            return FailureCause(cause="oom", detail=f"SIGKILL by the kernel OOM killer ({oom_evidence})")
+            return ClassifiedFailure(cause=FailureCause.OOM,
+                                     detail=f"SIGKILL by the kernel OOM killer ({oom_evidence})")
         if signum in _TERMINATING:
-            return FailureCause(cause="killed", detail=f"{name} from outside the agent")
+            return ClassifiedFailure(cause=FailureCause.KILLED, detail=f"{name} from outside the agent")
         coll = collective_error(stderr_tail) if stderr_tail else None
         if coll is not None:
-            cause = "collective_timeout" if coll[1] == "timeout" else "collective_error"
-            return FailureCause(cause=cause, detail=f"{name} after: {_last_match_line(stderr_tail)}",
-                                collective=coll)
+            cause = _collective_cause(coll)
+            return ClassifiedFailure(cause=cause, detail=f"{name} after: {_last_match_line(stderr_tail)}",
+                                     collective=coll)
         if signum == signal.SIGABRT and watchdog_dumped:
-            return FailureCause(cause="collective_timeout", collective=("nccl", "timeout"),
-                                detail=f"{name} after NCCL's watchdog dumped its flight recorder (collective timeout)")
-        return FailureCause(cause="signal", detail=name)
+            return ClassifiedFailure(
+                cause=FailureCause.COLLECTIVE_TIMEOUT, collective=("nccl", "timeout"),
+                detail=f"{name} after NCCL's watchdog dumped its flight recorder (collective timeout)")
+        return ClassifiedFailure(cause=FailureCause.SIGNAL, detail=name)
     coll = collective_error(stderr_tail) if stderr_tail else None
     if coll is not None:
-        cause = "collective_timeout" if coll[1] == "timeout" else "collective_error"
-        return FailureCause(cause=cause, detail=f"exit code {exitcode} after: {_last_match_line(stderr_tail)}",
-                            collective=coll)
-    return FailureCause(cause="exit", detail=f"exit code {exitcode} without an exception")
+        cause = _collective_cause(coll)
+        return ClassifiedFailure(cause=cause, detail=f"exit code {exitcode} after: {_last_match_line(stderr_tail)}",
+                                 collective=coll)
+    return ClassifiedFailure(cause=FailureCause.EXIT, detail=f"exit code {exitcode} without an exception")
 
 
 def _last_match_line(text: str) -> str:
@@ -164,7 +172,7 @@ def _last_match_line(text: str) -> str:
     return (lines[-1] if lines else text.strip().splitlines()[-1])[:300]
 
 
-def describe(cause: FailureCause, *, limit: int = 300) -> str:
+def describe(cause: ClassifiedFailure, *, limit: int = 300) -> str:
     """The cause as it appears in the one failure line."""
     detail = " ".join(cause.detail.split())
     if len(detail) > limit:

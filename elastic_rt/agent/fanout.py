@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
+from elastic_rt.decisions import RestartReason
+
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +39,7 @@ class ObserverGroup:
     def track_warm_workers(self, ready: Any) -> None:
         self._each("track_warm_workers", ready)
 
-    def on_restart(self, reason: str) -> None:
+    def on_restart(self, reason: RestartReason) -> None:
         self._each("on_restart", reason)
 
     def on_recovered(self, duration_s: float) -> None:
@@ -73,7 +75,7 @@ class PolicyGroup:
         for policy in self.policies:
             policy.on_workers_started(ranks)
 
-    def check(self) -> str | None:
+    def check(self) -> RestartReason | None:
         for policy in self.policies:
             reason = policy.check()
             if reason:

@@ -6,11 +6,10 @@ import logging
 from typing import Callable, Iterable, Mapping, Protocol
 
 from elastic_rt.agent.hang import HangDetector, HangTimeout, HangVerdict
+from elastic_rt.decisions import DetectionAction, RestartReason
 from elastic_rt.reporting.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
-
-PROBE_FAILURE_ACTIONS = ("report", "leave")
 
 
 class RestartPolicy(Protocol):
@@ -18,12 +17,12 @@ class RestartPolicy(Protocol):
 
     def on_workers_started(self, local_ranks: Iterable[int]) -> None: ...
 
-    def check(self) -> str | None:
-        """None, or the reason to act: "hang" (restart the group) or "probe_failure" (leave the job)."""
+    def check(self) -> RestartReason | None:
+        """None, or the reason to act (its `response` says how: HANG restarts the group, PROBE_FAILURE leaves)."""
         ...
 
     def hang_verdict(self) -> HangVerdict | None:
-        """The verdict behind the last "hang" check() returned (None if this policy judges no hangs)."""
+        """The verdict behind the last HANG check() returned (None if this policy judges no hangs)."""
         ...
 
     def on_hang_restart(self) -> None:
@@ -36,7 +35,7 @@ class NeverRestart:
 
     def on_workers_started(self, local_ranks: Iterable[int]) -> None: ...
 
-    def check(self) -> str | None:
+    def check(self) -> RestartReason | None:
         return None
 
     def hang_verdict(self) -> HangVerdict | None:
@@ -47,15 +46,16 @@ class NeverRestart:
 
 class HealthPolicy:
     """Hang: no step progress for hang_timeout_s (None = auto, see hang.HangTimeout; 0 = never).
-    Probe: with action "leave", a failed collective probe of the current round makes this node
+    Probe: with action LEAVE, a failed collective probe of the current round makes this node
     leave so the others re-form without it."""
 
     def __init__(self, *, heartbeats: Callable[[], Mapping[int, Heartbeat | None]],
                  probe_failure: Callable[[], str | None] = lambda: None, hang_timeout_s: float | None = 0.0,
-                 probe_failure_action: str = "report", clock: Callable[[], float] | None = None) -> None:
+                 probe_failure_action: DetectionAction | str = DetectionAction.REPORT,
+                 clock: Callable[[], float] | None = None) -> None:
         self._heartbeats = heartbeats
         self._probe_failure = probe_failure
-        self._leave_on_probe_failure = probe_failure_action == "leave"
+        self._leave_on_probe_failure = DetectionAction(probe_failure_action) is DetectionAction.LEAVE
         self._hang: HangDetector | None = None
         if hang_timeout_s is None or hang_timeout_s > 0:
             timeout = HangTimeout(fixed_s=hang_timeout_s)
@@ -77,14 +77,14 @@ class HealthPolicy:
         if self._hang is not None:
             self._hang.start(local_ranks)
 
-    def check(self) -> str | None:
+    def check(self) -> RestartReason | None:
         if self._leave_on_probe_failure and self._probe_failure() is not None:
-            return "probe_failure"
+            return RestartReason.PROBE_FAILURE
         if self._hang is None:
             return None
         self._hang.observe_all(self._heartbeats())
         verdict = self._hang.check()
         if verdict.hung:
             self.last_hang = verdict
-            return "hang"
+            return RestartReason.HANG
         return None

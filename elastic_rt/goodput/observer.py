@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Mapping
 import psutil
 from prometheus_client import CollectorRegistry
 
+from elastic_rt.decisions import DetectionAction, RestartReason
 from elastic_rt.goodput.events import EventLog, journal_path
 from elastic_rt.goodput.ledger import GoodputLedger, LostProgress
 from elastic_rt.goodput.steptime import StepTimer
@@ -73,7 +74,7 @@ class GoodputObserver:
         self.events.write("rendezvous", round=round, world_size=world_size, nodes=nodes,
                           duration_s=round_s(duration_s), phase=self.ledger.phase)
 
-    def on_restart(self, reason: str) -> None:
+    def on_restart(self, reason: RestartReason) -> None:
         self._sample(self._reports.heartbeats())  # the last steps the stopped workers made
         self.ledger.restart()
         self.events.write("restart", reason=reason, round=self._round, phase="restart",
@@ -152,9 +153,10 @@ class GoodputObserver:
         self.events.close()
 
     @property
-    def action(self) -> str:
-        """What a flag does now: "leave" only with --straggler-action leave and other nodes to re-form."""
-        return "leave" if self._settings.action == "leave" and self.exchange.nodes > 1 else "report"
+    def action(self) -> DetectionAction:
+        """What a flag does now: LEAVE only with --straggler-action leave and other nodes to re-form."""
+        leave = DetectionAction(self._settings.action) is DetectionAction.LEAVE and self.exchange.nodes > 1
+        return DetectionAction.LEAVE if leave else DetectionAction.REPORT
 
     # ---- straggler exchange callbacks -----------------------------------------------------
     def _latest_window(self) -> NodeWindow | None:
@@ -189,7 +191,7 @@ class GoodputObserver:
                         "(%d windows of %g s in a row; threshold %gx)%s", self._node, rnd, rank, s.signal.describe,
                         s.value_s, s.ratio, s.median_s, s.windows, self._settings.window_s,
                         self._settings.threshold,
-                        "; leaving the job (--straggler-action leave)" if action == "leave" else "")
+                        "; leaving the job (--straggler-action leave)" if action is DetectionAction.LEAVE else "")
             self.events.write("straggler", round=rnd, local_rank=rank, signal=s.signal.value,
                               value_s=round_s(s.value_s), median_s=round_s(s.median_s), ratio=round(s.ratio, 3),
                               windows=s.windows, action=action)
@@ -248,7 +250,7 @@ def round_s(value: float) -> float:
 
 
 class StragglerPolicy:
-    """RestartPolicy: "straggler" (leave the job) while this node has a flagged rank, with action leave
+    """RestartPolicy: STRAGGLER (leave the job) while this node has a flagged rank, with action LEAVE
     and at least one other node in the round (a job of one node has nobody to re-form without it)."""
 
     def __init__(self, observer: GoodputObserver) -> None:
@@ -256,8 +258,9 @@ class StragglerPolicy:
 
     def on_workers_started(self, local_ranks: Iterable[int]) -> None: ...
 
-    def check(self) -> str | None:
-        return "straggler" if self._observer.flagged and self._observer.action == "leave" else None
+    def check(self) -> RestartReason | None:
+        leave = self._observer.flagged and self._observer.action is DetectionAction.LEAVE
+        return RestartReason.STRAGGLER if leave else None
 
     def hang_verdict(self) -> None:
         return None  # stragglers are slow, not hung

@@ -7,14 +7,20 @@ from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from elastic_rt.agent.failures import CAUSES as FAILURE_CAUSES, COLLECTIVE_PATTERNS
+from elastic_rt.agent.failures import COLLECTIVE_PATTERNS
 from elastic_rt.collectors.clock import ClockMetrics
+from elastic_rt.decisions import FailureCause, Response, RestartReason
 from elastic_rt.reporting.heartbeat import Heartbeat
 from elastic_rt.collectors.rdma import RdmaCollector
 from elastic_rt.collectors.timex import TimexStatus, read_timex
 from elastic_rt.metrics.workers import WorkerCollector
 
-RESTART_REASONS = ("worker_failure", "peer_lost", "round_advanced", "scale_up", "hang", "probe_failure")
+# elastic_rt_restarts_total{reason}: the series exported at zero from the start (rate() and alerts see each
+# one): every reason the agent restarts its group for, and probe_failure, which the restart-storm runbook in
+# docs/deploy.md names (a node that leaves is restarted by the others under peer_lost).
+RESTART_REASONS: tuple[RestartReason, ...] = (
+    *(r for r in RestartReason if r.response is Response.RESTART), RestartReason.PROBE_FAILURE)
+FAILURE_CAUSES: tuple[FailureCause, ...] = tuple(FailureCause)
 # torch.distributed.elastic WorkerState names, lower-cased.
 WORKER_STATES = ("unknown", "init", "healthy", "unhealthy", "stopped", "succeeded", "failed")
 
@@ -152,10 +158,11 @@ class AgentMetrics:
         self.rendezvous_duration.labels(*self._base).observe(duration_s)
 
     # -- failures -----------------------------------------------------------------------
-    def on_restart(self, reason: str) -> None:
+    def on_restart(self, reason: RestartReason) -> None:
         """The worker group is being restarted; reason is one of RESTART_REASONS."""
         if reason not in RESTART_REASONS:
-            raise ValueError(f"unknown restart reason {reason!r}; expected one of {RESTART_REASONS}")
+            raise ValueError(f"unknown restart reason {str(reason)!r}; expected one of "
+                             f"{', '.join(RESTART_REASONS)}")
         self.restarts.labels(*self._base, reason).inc()
 
     def on_recovered(self, duration_s: float) -> None:
@@ -387,15 +394,15 @@ class FailureMetrics:
         for backend, kind in COLLECTIVE_ERROR_KINDS:
             self.collective_errors.labels(*self._base, backend, kind)
 
-    def on_failure(self, cause: str, collective: tuple[str, str] | None = None) -> None:
+    def on_failure(self, cause: FailureCause, collective: tuple[str, str] | None = None) -> None:
         if cause not in FAILURE_CAUSES:
-            raise ValueError(f"unknown failure cause {cause!r}; expected one of {FAILURE_CAUSES}")
+            raise ValueError(f"unknown failure cause {str(cause)!r}; expected one of {', '.join(FAILURE_CAUSES)}")
         self.failures.labels(*self._base, cause).inc()
         if collective is not None:
             self.collective_errors.labels(*self._base, *collective).inc()
 
     def on_hang(self, local_rank: int, process_state: str) -> None:
-        self.failures.labels(*self._base, "hang").inc()
+        self.failures.labels(*self._base, FailureCause.HANG).inc()
         self.hangs.labels(*self._base, str(local_rank), process_state).inc()
 # ---- etcd reachability (fed by the rendezvous through observer.on_etcd) -------------------------
 class EtcdMetrics:

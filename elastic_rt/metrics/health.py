@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence, Tuple, Union
 
+from elastic_rt.decisions import RestartReason
+
 log = logging.getLogger(__name__)
 
 LIVENESS = "liveness"
@@ -139,8 +141,8 @@ class MonitorLiveness:
     def on_workers_started(self) -> None:
         self._phase = ("running", self._clock())
 
-    def on_restart(self, reason: str) -> None:
-        self._phase = (f"restarting the workers ({reason.replace('_', ' ')})", self._clock())
+    def on_restart(self, reason: RestartReason) -> None:
+        self._phase = (f"restarting the workers ({RestartReason(reason).words})", self._clock())
 
     def on_workers_finished(self, state: str) -> None:
         self._phase = (f"workers {state}; waiting for the other nodes", self._clock())

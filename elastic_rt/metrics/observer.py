@@ -10,6 +10,7 @@ from typing import Callable, Mapping
 
 from prometheus_client import CollectorRegistry
 
+from elastic_rt.decisions import RestartReason
 from elastic_rt.errors import ElasticRTError
 from elastic_rt.metrics.definitions import AgentMetrics, HealthCollector
 from elastic_rt.metrics.exporter import MetricsExporter
@@ -85,7 +86,7 @@ class MetricsObserver:
     def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None:
         self.metrics.on_rendezvous(round=round, world_size=world_size, nodes=nodes, duration_s=duration_s)
 
-    def on_restart(self, reason: str) -> None:
+    def on_restart(self, reason: RestartReason) -> None:
         self.monitor.on_restart(reason)
         self.metrics.on_restart(reason)
         self.metrics.set_worker_states({r: "stopped" for r in self._pids})

@@ -80,6 +80,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
+from elastic_rt.decisions import RestartReason
 from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.health import Backoff, EtcdHealth
@@ -243,11 +244,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._view.reconnect()
 
     # ---- membership watching (used by the agent's monitor loop) ------------
-    def membership_change(self) -> str | None:
+    def membership_change(self) -> RestartReason | None:
         """Why this node's current group must re-form, or None. Reads local state only.
 
-        "round_advanced": another node started a new round; "peer_lost": a node of this
-        round is gone (see the module docstring for when that is decided); "scale_up":
+        ROUND_ADVANCED: another node started a new round; PEER_LOST: a node of this
+        round is gone (see the module docstring for when that is decided); SCALE_UP:
         nodes wait to join and there is room. None also while etcd is unreachable.
         """
         if self.membership is None or not self._started or not self.etcd_reachable():

@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Callable
 
+from elastic_rt.decisions import RestartReason
 from elastic_rt.rendezvous.etcd_client import KeyValue
 from elastic_rt.rendezvous.health import EtcdHealth
 from elastic_rt.rendezvous.view import MembershipView
@@ -66,8 +67,8 @@ class MembershipMonitor:
         self._quiet = None
         self._reported = None
 
-    def change(self) -> str | None:
-        """"round_advanced", "peer_lost", "scale_up" or None (also None before a round formed)."""
+    def change(self) -> RestartReason | None:
+        """ROUND_ADVANCED, PEER_LOST, SCALE_UP or None (also None before a round formed)."""
         if not self._nodes:
             return None
         v = self._view
@@ -77,13 +78,13 @@ class MembershipMonitor:
                 return None
             rnd = v.current_round()
             if rnd is not None and rnd > self._round:
-                return "round_advanced"
+                return RestartReason.ROUND_ADVANCED
             lost, pending = self._lost_peer()
             if lost is not None:
-                return "peer_lost"
+                return RestartReason.PEER_LOST
             # a waiting/ key is on its node's lease: proof of life (the view may not have read its alive/ key)
             if len(self._nodes) < self._max_nodes and any(node not in self._nodes for node in v.waiting):
-                return "scale_up"
+                return RestartReason.SCALE_UP
             self._quiet = None if pending else state
             return None
 

@@ -1,0 +1,106 @@
+"""The typed vocabulary of the agent's decisions: why a worker group stops, what the agent does about it, why a
+worker failed. A leaf module (it imports nothing from elastic_rt), so every package may use it.
+
+Each value is a `str` whose text is the label value exported in metrics and written to the goodput journal
+(`elastic_rt_restarts_total{reason}`, `elastic_rt_worker_failures_total{cause}`): dashboards and alert rules
+match on these words, so a value is never renamed. Code compares members, never their text.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class _Word(str, Enum):
+    """A str enum whose str() and format() are its value on every Python (3.10's and 3.12's differ)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def words(self) -> str:
+        """The value as words for a log line: "peer lost"."""
+        return self.value.replace("_", " ")
+
+
+class Response(_Word):
+    """What the agent does with its worker group for a RestartReason."""
+
+    RESTART = "restart"  # stop the workers, take part in the next round, start them again
+    LEAVE = "leave"  # stop the workers and leave the job: the other nodes re-form without this node
+
+
+class RestartReason(_Word):
+    """Why this node's worker group stops, as the membership monitor, a restart policy or the agent decides it.
+
+    Members carry how the agent handles them (the whole table, so a new reason is one line here):
+      response  RESTART or LEAVE
+      counted   a restart counts against --max-restarts (a node's own fault, not a peer's)
+      broken    the group is broken (a worker or a peer is gone): the survivors are stuck in, or about to
+                fail, a collective and have nothing consistent to save, so they are killed without grace
+      summary   what was detected, for the log line of a LEAVE or of a counted restart with none left
+      hint      what the operator can change, in that line's parentheses
+    """
+
+    response: Response
+    counted: bool
+    broken: bool
+    summary: str
+    hint: str
+
+    def __new__(cls, value: str, response: Response, handling: dict) -> RestartReason:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.response = response
+        member.counted = handling.get("counted", False)
+        member.broken = handling.get("broken", False)
+        member.summary = handling.get("summary", value.replace("_", " "))
+        member.hint = handling.get("hint", "")
+        return member
+
+    #: a local worker failed (the agent, from its worker group's state)
+    WORKER_FAILURE = "worker_failure", Response.RESTART, dict(counted=True, broken=True,
+                                                              summary="worker group failed")
+    #: a member of this round is gone (the membership monitor; handler.py's docstring has the rules)
+    PEER_LOST = "peer_lost", Response.RESTART, dict(broken=True)
+    #: another node opened a new round (the membership monitor)
+    ROUND_ADVANCED = "round_advanced", Response.RESTART, {}
+    #: nodes wait to join and the round has room for them (the membership monitor)
+    SCALE_UP = "scale_up", Response.RESTART, {}
+    #: the local workers made no step progress for the hang timeout (HealthPolicy)
+    HANG = "hang", Response.RESTART, dict(
+        counted=True, summary="workers hung",
+        hint="with the auto hang timeout, long pauses between steps may need --hang-timeout")
+    #: the collective probe of the current round failed, with --probe-failure-action leave (HealthPolicy)
+    PROBE_FAILURE = "probe_failure", Response.LEAVE, dict(summary="collective probe failed",
+                                                         hint="--probe-failure-action leave")
+    #: a local worker is a straggler, with --straggler-action leave (StragglerPolicy)
+    STRAGGLER = "straggler", Response.LEAVE, dict(summary="a local worker is a straggler",
+                                                 hint="--straggler-action leave")
+
+
+class DetectionAction(_Word):
+    """What a detector does when it fires (--probe-failure-action, --straggler-action)."""
+
+    REPORT = "report"  # metrics, a log line, a journal event; the job goes on
+    LEAVE = "leave"  # and this node leaves the job (RestartReason with Response.LEAVE)
+
+
+class FailureCause(_Word):
+    """Why one worker failed, in the order an operator reads them (elastic_rt_worker_failures_total{cause})."""
+
+    EXCEPTION = "exception"  # the script raised (its error file says what)
+    OOM = "oom"  # host or accelerator memory: a MemoryError, CUDA OOM, or the kernel's OOM killer
+    KILLED = "killed"  # a terminating signal from outside the agent (kill, a scheduler)
+    SIGNAL = "signal"  # a fault signal (SIGSEGV, SIGABRT, ...)
+    COLLECTIVE_TIMEOUT = "collective_timeout"  # a collective backend timed out
+    COLLECTIVE_ERROR = "collective_error"  # a collective backend aborted or failed otherwise
+    HANG = "hang"  # no step progress (the hang restart names the rank that stopped first)
+    EXIT = "exit"  # a non-zero exit code without an exception
+
+    @property
+    def collective(self) -> bool:
+        return self in (FailureCause.COLLECTIVE_TIMEOUT, FailureCause.COLLECTIVE_ERROR)
