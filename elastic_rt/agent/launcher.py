@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.utils import macros
 
 from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
+from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, CrashLoopSettings
 from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.limits import needed_open_files, raise_open_files_limit
@@ -39,6 +40,7 @@ from elastic_rt.metrics.health import liveness_threshold_s
 from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
 from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
+from elastic_rt.reporting.checkpoint import CheckpointReportReader
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_CHECKPOINT_URL, ENV_NO_COMPUTE_TIMER, OMP_DEFAULT_WARNING
 
@@ -188,6 +190,8 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
                                                  if round_checks else ()),
         diagnostics=diagnostics,
         warm_pool=warm_pool,
+        crash_loop=CrashLoopJudge(CrashLoopSettings(repeats=cfg.crash_loop_repeats, no_step=cfg.crash_loop_no_step),
+                                  checkpoints=CheckpointReportReader(reports.directory)),
     )
     leave = getattr(handler, "leave", None)
     try:
@@ -284,6 +288,10 @@ def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) ->
         if leave:
             leave()
         log.error("[%s] %s; leaving the job", node_id, exc)
+        return exc.exit_code
+    except CrashLoopError as exc:  # the agent said why in its verdict line
+        if leave:
+            leave()
         return exc.exit_code
     except RendezvousTimeoutError as exc:
         if leave:
