@@ -13,60 +13,35 @@ import datetime
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 import uuid
 
 from elastic_rt.chaos.etcd_server import EtcdCluster
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "chaos", "scripts", "plain_ddp_steps.py")
 VARIANTS = ("off", "report")
 
 
-def _agent(endpoint: str, run_id: str, node: str, log_dir: str, mode: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "elastic_rt.cli", "launch", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--node-id", node, "--local-addr", "127.0.0.1",
-           "--metrics-port", "0", "--tee", "3", "--log-dir", os.path.join(log_dir, node), "--preflight", mode,
-           SCRIPT, "--steps", "5"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT), start_new_session=True)
-
-
-def trial(endpoint: str, mode: str, timeout_s: float) -> dict:
+def trial(agents_mod, endpoint: str, mode: str, timeout_s: float) -> dict:
     run_id = f"pf-{uuid.uuid4().hex[:8]}"
-    first_step: list[float] = []
-    lines: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.monotonic()
-        procs = [_agent(endpoint, run_id, node, tmp, mode) for node in ("a", "b")]
-
-        def read(p: subprocess.Popen) -> None:
-            for line in p.stdout:
-                lines.append(line)
-                if not first_step and re.search(r"\]:step=1 ", line):
-                    first_step.append(time.monotonic() - t0)
-
-        readers = [threading.Thread(target=read, args=(p,), daemon=True) for p in procs]
-        for r in readers:
-            r.start()
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=timeout_s))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes.append(p.wait())
-        for r in readers:
-            r.join(10)
-    text = "".join(lines)
+        nodes = [agents_mod.Agent([
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--node-id", node, "--local-addr", "127.0.0.1", "--metrics-port", "0", "--tee", "3",
+            "--log-dir", os.path.join(tmp, node), "--preflight", mode, agents_mod.PLAIN_SCRIPT, "--steps", "5",
+        ], tag=f"{run_id}/{node}") for node in ("a", "b")]
+        t0 = min(n.started for n in nodes)
+        try:
+            first = nodes[0].wait_for(r"\]:step=1 ", timeout_s)  # a: group rank 0 (node ids in order), global rank 0
+            codes = [n.proc.wait(timeout=timeout_s) for n in nodes]
+        finally:
+            for n in nodes:
+                n.kill()
+    text = "\n".join(n.text() for n in nodes)
     compute = [float(x) for x in re.findall(r"pre-flight compute test \((\d+\.\d+) s\)", text)]
     rounds = [float(x) for x in re.findall(r"pre-flight: \d+ node\(s\) named in (\d+\.\d+) s", text)]
     named = [int(x) for x in re.findall(r"pre-flight: (\d+) node\(s\) named", text)]
-    return {"mode": mode, "first_step_s": first_step[0] if first_step else None, "exit_codes": codes,
+    return {"mode": mode, "first_step_s": first[0] - t0 if first else None, "exit_codes": codes,
             "compute_test_s": compute, "round_test_s": rounds, "named": named,
             "loadavg1_at_end": os.getloadavg()[0]}
 
@@ -79,6 +54,7 @@ def main() -> int:
     p.add_argument("--allow-dirty", action="store_true")
     args = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import agents
     from provenance import provenance
     from results_file import write_results
 
@@ -88,7 +64,7 @@ def main() -> int:
     with EtcdCluster(1) as etcd:
         for i in range(args.trials):
             for mode in (VARIANTS if i % 2 == 0 else tuple(reversed(VARIANTS))):
-                r = trial(etcd.endpoints, mode, args.timeout)
+                r = trial(agents, etcd.endpoints, mode, args.timeout)
                 print(r, flush=True)
                 runs.append(r)
     summary = {}

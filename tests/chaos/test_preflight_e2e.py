@@ -12,7 +12,7 @@ import pytest
 
 from tests.chaos.harness import Node
 from tests.chaos.test_launch_e2e import nodes  # noqa: F401 - fixture
-from tests.support import cpu_quota
+from elastic_rt.chaos import cpu_quota
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
-"""A CPU quota on chosen processes, as a container's CPU limit would set it: a cgroup of their own with
-cpu.max (cgroup v2) or cpu.cfs_quota_us (v1). Needs root and a writable cpu controller; `available()`
-says why not otherwise, for a skip reason."""
+"""A CPU quota on chosen processes, as a container's CPU limit sets it: a slow rank or node on demand for
+tests and benchmarks. A cgroup of their own with cpu.max (cgroup v2) or cpu.cfs_quota_us (v1); needs root
+and a writable cpu controller (`available()` says why not otherwise)."""
 
 from __future__ import annotations
 
