@@ -50,12 +50,16 @@ class HostMarks:
 
 
 class CudaMarks:
-    """Timing CUDA events recorded on the current stream; an interval is known once its end completed."""
+    """Timing CUDA events recorded on the current stream; an interval is known once its end completed.
+    No mark (None) while the stream is being captured into a CUDA graph: a timing event cannot be."""
 
     def __init__(self, cuda: Any) -> None:
+        self._cuda = cuda
         self._event = functools.partial(cuda.Event, enable_timing=True)
 
     def mark(self) -> Any:
+        if self._cuda.is_current_stream_capturing():
+            return None
         event = self._event()
         event.record()
         return event
@@ -101,13 +105,16 @@ class ComputeTimer:
         if self._depth > 1 or self._marks is None or self._start is None:
             return
         self._open = self._marks.mark()
+        if self._open is None:
+            self._spoiled = True
 
     def wait_ended(self, backward: bool = False) -> None:
         self._depth = max(0, self._depth - 1)
         if self._depth or self._open is None or self._marks is None:
             return
-        if len(self._spans) < MAX_WAITS_PER_STEP:
-            self._spans.append((self._open, self._marks.mark()))
+        end = self._marks.mark()
+        if len(self._spans) < MAX_WAITS_PER_STEP and end is not None:
+            self._spans.append((self._open, end))
         else:
             self._spoiled = True
         self._backward = self._backward or backward
@@ -118,7 +125,8 @@ class ComputeTimer:
         if self._marks is None:
             self._marks = self._marks_for(optimizer)
         end = self._marks.mark()
-        if self._start is not None and self._backward and self._open is None and not self._spoiled:
+        if self._start is not None and end is not None and self._backward and self._open is None \
+                and not self._spoiled:
             self._pending.append((self._start, self._spans, end))
             if len(self._pending) > MAX_PENDING_STEPS:
                 self._pending.popleft()
@@ -164,14 +172,33 @@ def _timed(original: Callable[..., Any], backward: bool) -> Callable[..., Any]:
         t = _timer
         if t is None:
             return original(*args, **kwargs)
-        t.wait_started()
+        _guarded(t.wait_started)
         try:
             return original(*args, **kwargs)
         finally:
-            t.wait_ended(backward)
+            _guarded(t.wait_ended, backward)
 
     setattr(timed, _MARK, True)
     return timed
+
+
+def _guarded(fn: Callable[..., Any], *args: Any) -> Any:
+    """Timing must never break training: the first error turns the timer off, with one line."""
+    global _timer
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error while recording an event
+        if _timer is not None:
+            log.warning("elastic-rt: compute timing is off in this worker (%s: %s); lock-step stragglers are "
+                        "not named from it", type(exc).__name__, exc)
+        _timer = None
+        return None
+
+
+def step_ended(optimizer: Any) -> tuple[int, int] | None:
+    """The progress hook's call at each counted optimizer step: the totals, or None when timing is off."""
+    t = _timer
+    return None if t is None else _guarded(t.step_ended, optimizer)
 
 
 def install(autograd_module: Any, timer_: ComputeTimer | None = None) -> ComputeTimer:
@@ -210,7 +237,8 @@ def install_in_worker(autograd_module: Any) -> None:
     each step in the progress hook (which writes the totals into the heartbeat)."""
     from elastic_rt.reporting.heartbeat import set_step_timer
 
-    set_step_timer(install(autograd_module).step_ended)
+    install(autograd_module)
+    set_step_timer(step_ended)
 
 
 def install_collectives_in_worker(distributed_module: Any) -> None:

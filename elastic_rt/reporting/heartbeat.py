@@ -197,12 +197,12 @@ def report_finished(returned: bool = False) -> None:
 
 
 _counted_optimizer: "weakref.ref[Any] | None" = None
-_step_timer: Callable[[Any], tuple[int, int]] | None = None  # goodput/compute.py's step end, if installed
+_step_timer: Callable[[Any], tuple[int, int] | None] | None = None  # goodput/compute.py's step end, if installed
 
 
-def set_step_timer(step_ended: Callable[[Any], tuple[int, int]] | None) -> None:
-    """Call step_ended(optimizer) -> (compute_ns, timed steps) at each counted optimizer step; the
-    totals go into the record."""
+def set_step_timer(step_ended: Callable[[Any], tuple[int, int] | None] | None) -> None:
+    """Call step_ended(optimizer) -> (compute_ns, timed steps), or None, at each counted optimizer step;
+    the totals go into the record."""
     global _step_timer
     _step_timer = step_ended
 
@@ -216,8 +216,8 @@ def optimizer_step_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         _counted_optimizer = weakref.ref(optimizer)
         counted = optimizer
     writer = _get_writer()
-    if counted is optimizer and _step_timer is not None:
-        writer.set_compute(*_step_timer(optimizer))
+    if counted is optimizer and _step_timer is not None and (totals := _step_timer(optimizer)) is not None:
+        writer.set_compute(*totals)
     writer.tick(counted is optimizer)
 
 

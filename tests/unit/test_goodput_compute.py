@@ -193,3 +193,41 @@ def test_step_timer_takes_compute_per_timed_step_from_the_heartbeats():
     medians = timer.close_window()
     assert medians.compute == {0: pytest.approx(0.002), 1: pytest.approx(0.006)}
     assert medians.step == {0: pytest.approx(0.01), 1: pytest.approx(0.01)}  # lock-step: the same pace
+
+
+def test_a_timing_error_turns_timing_off_and_never_reaches_the_script(caplog):
+    class Broken:
+        def mark(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        def elapsed_ns(self, a, b):
+            return 0
+
+    calls = []
+    module = types.SimpleNamespace(backward=lambda *a, **k: calls.append(a) or "done")
+    compute.install(module, compute.ComputeTimer(marks_for=lambda _opt: Broken()))
+    try:
+        assert compute.step_ended(None) is None  # the first mark fails: timing off, one line
+        assert compute.timer() is None and "compute timing is off" in caplog.text
+        assert module.backward(1) == "done" and calls == [(1,)]  # the call itself goes on
+    finally:
+        compute.uninstall(module)
+
+
+def test_no_marks_while_a_cuda_graph_is_captured():
+    class Capturing:
+        def mark(self):
+            return None  # what CudaMarks gives while the stream is captured
+
+        def elapsed_ns(self, a, b):
+            return 0
+
+    clock = FakeClock()
+    marks = compute.HostMarks(clock)
+    t = compute.ComputeTimer(marks_for=lambda _opt: marks)
+    t.step_ended(None)
+    t._marks = Capturing()  # the backward and the step end fall inside a capture
+    assert _step(t, clock, forward_ms=1, backward_ms=1) == (0, 0)
+    t._marks = marks
+    _step(t, clock, forward_ms=1, backward_ms=1)  # no start mark survived the capture: untimed
+    assert _step(t, clock, forward_ms=2, backward_ms=1) == (3 * MS, 1)
