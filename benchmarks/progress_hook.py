@@ -8,6 +8,8 @@ Tight loops, no sleep, interleaved so that load changes hit every variant alike:
 - `train`: a whole step of a small model on CPU (forward, loss.backward(), an all-reduce of the loss as
   scripts do for logging, optimizer.step()) in a one-rank gloo group;
 each without anything (what torchrun runs), with the progress hook, and with the hook and the timer.
+The figure is the process's CPU time per step (on a shared machine the wall time also holds what other
+sessions took); the wall time is recorded beside it.
 
     PYTHONPATH=. python benchmarks/progress_hook.py [--steps 20000] [--repeats 7] [--out benchmarks/results]
 """
@@ -56,11 +58,13 @@ def _train_loop() -> tuple[object, callable]:
     return opt, step
 
 
-def per_step_us(step, steps: int) -> float:
-    t0 = time.perf_counter()
+def per_step_us(step, steps: int) -> tuple[float, float]:
+    """(wall, CPU) microseconds per step. The CPU time of the process (all its threads) is what the hooks
+    add; on a shared machine the wall time also holds whatever the other sessions took."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - t0) / steps * 1e6
+    return (time.perf_counter() - t0) / steps * 1e6, (time.process_time() - c0) / steps * 1e6
 
 
 class Variant:
@@ -86,8 +90,8 @@ class Variant:
         heartbeat.set_step_timer(None)
 
 
-def measure(loop: str, steps: int, repeats: int) -> dict[str, list[float]]:
-    results: dict[str, list[float]] = {v: [] for v in VARIANTS}
+def measure(loop: str, steps: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
+    results: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
     for i in range(repeats):
         order = VARIANTS if i % 2 == 0 else tuple(reversed(VARIANTS))
         for name in order:
@@ -122,19 +126,26 @@ def main() -> int:
         beat = heartbeat.read_heartbeat(os.environ[ENV_HEARTBEAT_FILE])
     rows = {}
     for loop, res in loops.items():
-        base = statistics.median(res["none"])
-        rows[loop] = {name: {"median_us": statistics.median(xs), "best_us": min(xs), "runs_us": xs,
-                             "added_median_us": statistics.median(xs) - base,
-                             "ratio_to_none": statistics.median(xs) / base} for name, xs in res.items()}
+        rows[loop] = {}
+        for kind, i in (("cpu", 1), ("wall", 0)):
+            base = statistics.median(x[i] for x in res["none"])
+            rows[loop][kind] = {name: {"median_us": statistics.median(x[i] for x in xs), "best_us": min(x[i] for x in xs),
+                                       "runs_us": [x[i] for x in xs],
+                                       "added_median_us": statistics.median(x[i] for x in xs) - base,
+                                       "ratio_to_none": statistics.median(x[i] for x in xs) / base}
+                                for name, xs in res.items()}
     lines = [f"torch {torch.__version__}, {args.steps} steps x {args.repeats} repeats, interleaved; "
-             f"load average {load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end (shared machine)"]
-    for loop, row in rows.items():
-        lines.append(f"{loop}:")
-        for name, r in row.items():
-            lines.append(f"  {name:30s} median {r['median_us']:8.2f} us  best {r['best_us']:8.2f} us  "
-                         f"added {r['added_median_us']:+7.2f} us  x{r['ratio_to_none']:.3f}")
-        spread = (max(row['none']['runs_us']) - min(row['none']['runs_us'])) / row['none']['median_us']
-        lines.append(f"  run-to-run spread without anything: {100 * spread:.1f} % of the median")
+             f"load average {load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end (shared machine); "
+             "CPU time of the process per step (what the hooks add), then wall time (plus the other sessions')"]
+    for loop, kinds in rows.items():
+        for kind, row in kinds.items():
+            lines.append(f"{loop}, {kind}:")
+            for name, r in row.items():
+                lines.append(f"  {name:30s} median {r['median_us']:8.2f} us  best {r['best_us']:8.2f} us  "
+                             f"added {r['added_median_us']:+7.2f} us  x{r['ratio_to_none']:.3f}")
+            none = row["none"]["runs_us"]
+            lines.append(f"  run-to-run spread without anything: {100 * (max(none) - min(none)) / statistics.median(none):.1f} "
+                         "% of the median")
     lines.append(f"last record: step={beat.step if beat else None} timed_steps={beat.timed_steps if beat else None}")
     text = "\n".join(lines) + "\n"
     if not args.out:
