@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from typing import Mapping
 
-from elastic_rt import __version__
+from elastic_rt import __version__, torchrun_compat
 from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT, DEFAULT_WARM_IMPORTS
 from elastic_rt.agent.stacks import DEFAULT_STACK_SIGNAL
 from elastic_rt.config import KNOWN_BACKENDS
@@ -22,11 +24,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nnodes", default=None, help="N or MIN:MAX nodes (default 1)")
+    p.add_argument("--nnodes", default=None, help="N or MIN:MAX nodes (default 1:1, one node)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
-                   help="workers per node: a number, 'gpu', 'cpu' or 'auto' (default 1)")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", default="etcd-v3",
-                   help=f"rendezvous backend: {', '.join(KNOWN_BACKENDS)} (default etcd-v3)")
+                   help="workers per node: a number, or as torchrun: auto (one per accelerator, else per CPU), "
+                        "cpu, gpu, xpu (default 1)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default=None,
+                   help=f"rendezvous backend: {', '.join(KNOWN_BACKENDS)} (default etcd-v3; static when "
+                        "--node-rank, --master-addr or --master-port is given without --rdzv-endpoint)")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
                    help="etcd endpoints host:port[,host:port...]; tried in order, failing over")
     p.add_argument("--rdzv-id", "--rdzv_id", default="none", help="job id, the same on every node")
@@ -46,8 +50,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", "--log_dir", default=None, help="directory for per-worker logs")
     p.add_argument("--tee", "-t", default="0", help="tee worker stdout/stderr to the console: 0-3")
     p.add_argument("--redirects", "-r", default="0", help="redirect worker stdout/stderr to log files: 0-3")
-    p.add_argument("--grace-period", type=float, default=30.0,
-                   help="seconds workers get after SIGTERM (preemption, shutdown) before SIGKILL (default 30)")
+    p.add_argument("--grace-period", type=float, default=None,
+                   help="seconds workers get after SIGTERM (preemption, shutdown) before SIGKILL (default "
+                        "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30; torchrun's --shutdown-timeout)")
     p.add_argument("--restart-grace", type=float, default=1.0,
                    help="seconds workers get after SIGTERM when the group restarts (default 1)")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
@@ -124,19 +129,23 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the last checkpoint's files of this node's workers in shared memory "
                         "(/dev/shm/elastic-rt-RUN-NODE/, removed at exit) so that a restart here loads "
                         "from memory; storage stays the truth (default on)")
+    torchrun_compat.add_torchrun_arguments(p)
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
     p.add_argument("script", nargs="?", default="", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the training script")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; `launch` flags that torchrun reads from PET_* variables default to them
+    (`environ`, default os.environ). Raises ConfigError for a PET_* value the flag would refuse."""
     parser = _Parser(prog="elastic-rt", description="Elastic, fault-tolerant launcher for PyTorch training.")
     parser.add_argument("--version", action="version", version=f"elastic-rt {__version__}")
     parser.add_argument("--log-level", default="INFO", help="agent log level (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     launch = sub.add_parser("launch", help="run a training script on this node")
     add_launch_arguments(launch)
+    torchrun_compat.apply_env_defaults(launch, os.environ if environ is None else environ)
     from elastic_rt.chaos import cli as chaos_cli
     from elastic_rt.checkpoint import cli as ckpt_cli
     from elastic_rt.doctor import command as doctor
@@ -160,7 +169,11 @@ def setup_logging(level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ElasticRTError as exc:
+        print(f"elastic-rt: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()

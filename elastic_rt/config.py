@@ -7,8 +7,10 @@ import os
 import re
 import signal
 import uuid
+from dataclasses import dataclass
 from typing import Mapping
 
+from elastic_rt import torchrun_compat as torchrun
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous.keys import validate_run_id
@@ -46,17 +48,19 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
 
 
 def parse_nproc(text: str) -> int:
-    if text in ("cpu", "auto", "gpu"):
-        import torch
+    """A positive integer, or torchrun's words for a count: auto (accelerators, else CPUs), cpu, gpu, xpu."""
+    if text.isdigit():
+        if int(text) < 1:
+            raise ConfigError(f"--nproc-per-node {text!r}: expected a positive integer, or auto, cpu, gpu, xpu")
+        return int(text)
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", text):
+        raise ConfigError(f"--nproc-per-node {text!r}: expected a positive integer, or auto, cpu, gpu, xpu")
+    from torch.distributed.run import determine_local_world_size
 
-        if text in ("gpu", "auto") and torch.cuda.is_available():
-            return torch.cuda.device_count()
-        if text == "gpu":
-            raise ConfigError("--nproc-per-node gpu: no CUDA device is visible")
-        return os.cpu_count() or 1 if text == "cpu" else 1
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"--nproc-per-node {text!r}: expected a positive integer, 'cpu', 'gpu' or 'auto'")
-    return int(text)
+    try:
+        return determine_local_world_size(text)
+    except (ValueError, RuntimeError, AttributeError) as exc:
+        raise ConfigError(f"--nproc-per-node {text}: {exc}") from None
 
 
 def parse_signals(text: str) -> str:
@@ -124,36 +128,84 @@ def parse_stack_signal(text: str) -> int | None:
     return num
 
 
+@dataclass(frozen=True, kw_only=True)
+class RendezvousChoice:
+    """Which rendezvous the flags select, and the lines that explain flags it leaves unused."""
+
+    min_nodes: int
+    max_nodes: int
+    backend: str
+    endpoint: str
+    run_id: str
+    node_rank: int = 0
+    notes: tuple[str, ...] = ()
+
+
+def choose_rendezvous(args: argparse.Namespace) -> RendezvousChoice:
+    """--standalone, etcd-v3 (the default), torch's backends, or torchrun's static rendezvous: chosen by
+    --rdzv-backend, or without it by --node-rank/--master-addr/--master-port (torchrun's default)."""
+    static_flags = [flag for flag, value in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr),
+                                             ("--master-port", args.master_port)) if value is not None]
+    notes: list[str] = []
+    if args.standalone:
+        if args.nnodes not in (None, "1", "1:1"):
+            raise ConfigError("--standalone runs one node; drop --nnodes or use --nnodes 1")
+        if static_flags:
+            notes.append(f"{', '.join(static_flags)}: not used with --standalone (one node, an embedded store), "
+                         "as under torchrun")
+        run_id = args.rdzv_id if args.rdzv_id not in (None, "none") else f"standalone-{uuid.uuid4().hex[:8]}"
+        return RendezvousChoice(min_nodes=1, max_nodes=1, backend="c10d", endpoint="localhost:0", run_id=run_id,
+                                notes=tuple(notes))
+    min_nodes, max_nodes = parse_nnodes(args.nnodes or "1")
+    endpoint = args.rdzv_endpoint or ""
+    backend = args.rdzv_backend
+    if backend is None:
+        backend = "static" if static_flags and not endpoint else "etcd-v3"
+        if backend == "static":
+            notes.append(f"{', '.join(static_flags)} without --rdzv-backend: torchrun's static rendezvous (fixed "
+                         "nodes and ranks: a lost node is not replaced; --rdzv-backend etcd-v3 re-forms without it)")
+    if backend not in KNOWN_BACKENDS:
+        raise ConfigError(f"--rdzv-backend {backend!r}: unknown; choose one of {', '.join(KNOWN_BACKENDS)}")
+    node_rank = 0
+    if backend == "static" and (endpoint or args.master_port is not None or max_nodes > 1):
+        if min_nodes != max_nodes:
+            raise ConfigError(f"--rdzv-backend static with --nnodes {args.nnodes}: static membership is fixed; "
+                              "give one number of nodes, or use etcd-v3 for MIN:MAX")
+        node_rank = args.node_rank or 0
+        if not 0 <= node_rank < max_nodes:
+            raise ConfigError(f"--node-rank {node_rank}: must be between 0 and {max_nodes - 1} (--nnodes {max_nodes})")
+        endpoint = endpoint or (f"{args.master_addr or torchrun.DEFAULT_MASTER_ADDR}:"
+                                f"{args.master_port or torchrun.DEFAULT_MASTER_PORT}")
+        run_id = args.rdzv_id or "none"  # the same default on every node, as torchrun's
+        return RendezvousChoice(min_nodes=min_nodes, max_nodes=max_nodes, backend=backend, endpoint=endpoint,
+                                run_id=run_id, node_rank=node_rank, notes=tuple(notes))
+    if static_flags and backend != "static":
+        notes.append(f"{', '.join(static_flags)}: used by the static rendezvous only; not used with --rdzv-backend "
+                     f"{backend}, where the rendezvous assigns the ranks")
+    if not endpoint:
+        if max_nodes > 1:
+            raise ConfigError(
+                "--rdzv-endpoint is required for several nodes (etcd host:port[,host:port]); for one node "
+                "without etcd use --standalone; for torchrun's static rendezvous give --master-addr/--master-port"
+            )
+        # one node and no service given (torchrun's static default does the same): behave like --standalone
+        backend, endpoint = "c10d", "localhost:0"
+    run_id = args.rdzv_id or "none"
+    if run_id == "none":
+        if max_nodes > 1:
+            raise ConfigError("--rdzv-id is required for several nodes: every node of a job must use the same id")
+        run_id = f"single-{uuid.uuid4().hex[:8]}"
+    return RendezvousChoice(min_nodes=min_nodes, max_nodes=max_nodes, backend=backend, endpoint=endpoint,
+                            run_id=run_id, notes=tuple(notes))
+
+
 def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> AgentConfig:
     """Validate parsed `launch` arguments into an AgentConfig (raises ConfigError); `environ`
     (default os.environ) is the environment the workers would inherit."""
+    environ = os.environ if environ is None else environ
     conf = parse_rdzv_conf(args.rdzv_conf)
-    if args.standalone:
-        min_nodes = max_nodes = 1
-        if args.nnodes not in (None, "1", "1:1"):
-            raise ConfigError("--standalone runs one node; drop --nnodes or use --nnodes 1")
-        backend, endpoint = "c10d", "localhost:0"
-        run_id = args.rdzv_id if args.rdzv_id not in (None, "none") else f"standalone-{uuid.uuid4().hex[:8]}"
-    else:
-        min_nodes, max_nodes = parse_nnodes(args.nnodes or "1")
-        backend = args.rdzv_backend
-        if backend not in KNOWN_BACKENDS:
-            raise ConfigError(f"--rdzv-backend {backend!r}: unknown; choose one of {', '.join(KNOWN_BACKENDS)}")
-        endpoint = args.rdzv_endpoint or ""
-        if not endpoint:
-            if max_nodes == 1:
-                # one node and no service given: behave like --standalone
-                backend, endpoint = "c10d", "localhost:0"
-            else:
-                raise ConfigError(
-                    "--rdzv-endpoint is required for several nodes (etcd host:port[,host:port]); "
-                    "for one node without etcd use --standalone"
-                )
-        run_id = args.rdzv_id or "none"
-        if run_id == "none":
-            if max_nodes > 1:
-                raise ConfigError("--rdzv-id is required for several nodes: every node of a job must use the same id")
-            run_id = f"single-{uuid.uuid4().hex[:8]}"
+    rdzv = choose_rendezvous(args)
+    run_id = rdzv.run_id
     validate_run_id(run_id)
     if args.node_id:
         conf["node_id"] = args.node_id
@@ -184,15 +236,18 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         raise ConfigError("no training script given: elastic-rt launch [options] SCRIPT [ARGS...]")
     nproc_per_node = parse_nproc(str(args.nproc_per_node))
     worker_env, omp_defaulted = worker_env_defaults(
-        nproc_per_node=nproc_per_node, signals_to_handle=parse_signals(args.signals_to_handle),
-        environ=os.environ if environ is None else environ)
+        nproc_per_node=nproc_per_node, signals_to_handle=parse_signals(args.signals_to_handle), environ=environ)
+    if args.virtual_local_rank:
+        torchrun.check_virtual_local_rank(nproc_per_node, environ)
+    torchrun.logs_specs_class(args.logs_specs)  # fails here, in one line, when it cannot be loaded
     return AgentConfig(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
+        min_nodes=rdzv.min_nodes,
+        max_nodes=rdzv.max_nodes,
         nproc_per_node=nproc_per_node,
-        rdzv_backend=backend,
-        rdzv_endpoint=endpoint,
+        rdzv_backend=rdzv.backend,
+        rdzv_endpoint=rdzv.endpoint,
         rdzv_id=run_id,
+        node_rank=rdzv.node_rank,
         rdzv_conf=tuple(sorted(conf.items())),
         standalone=bool(args.standalone),
         max_restarts=args.max_restarts,
@@ -202,7 +257,7 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         log_dir=args.log_dir,
         tee=args.tee,
         redirects=args.redirects,
-        grace_period_s=_positive("--grace-period", args.grace_period, zero_ok=True),
+        grace_period_s=torchrun.grace_period_s(args.grace_period, args.shutdown_timeout, environ),
         restart_grace_s=_positive("--restart-grace", args.restart_grace, zero_ok=True),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
@@ -232,8 +287,30 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         warm_workers=args.warm_workers == "on",
         host_cache=args.host_cache == "on",
         warm_imports=warm_imports,
-        run_as_module=bool(args.module),
-        no_python=bool(args.no_python),
+        run_as_module=bool(args.module) and not args.run_path,
+        no_python=bool(args.no_python) and not args.run_path,
         script=args.script,
         script_args=tuple(args.script_args),
+        role=args.role,
+        event_log_handler=torchrun.check_event_log_handler(args.event_log_handler),
+        logs_specs=args.logs_specs,
+        local_ranks_filter=torchrun.parse_local_ranks_filter(args.local_ranks_filter),
+        duplicate_stdout_filters=tuple(args.duplicate_stdout_filters),
+        duplicate_stderr_filters=tuple(args.duplicate_stderr_filters),
+        numa_binding=args.numa_binding,
+        virtual_local_rank=bool(args.virtual_local_rank),
+        notes=rdzv.notes + _torchrun_notes(args),
     )
+
+
+def _torchrun_notes(args: argparse.Namespace) -> tuple[str, ...]:
+    """One line for each torchrun flag given whose meaning differs under elastic-rt (logged at start)."""
+    notes = []
+    if args.start_method is not None:
+        notes.append(f"--start-method {args.start_method}: workers are new processes started by the agent (warm "
+                     "ones ahead of time), as torchrun starts a script; a start method applies to in-process "
+                     "functions only, so it changes nothing here")
+    if args.run_path and (args.module or args.no_python):
+        notes.append(f"--run-path: SCRIPT runs with runpy.run_path; {'-m' if args.module else '--no-python'} is "
+                     "not used, as under torchrun")
+    return tuple(notes)

@@ -26,6 +26,13 @@ drain   sends SIGTERM to the agent on each HOST and waits for it to exit: its
 stop    drains every host of the hostfile.
 status  says which hosts run an agent of the job.
 
+Each host keeps the agent's pid file in a state directory of the user's own,
+mode 0700: \$XDG_RUNTIME_DIR/elastic-rt (or /run/user/UID/elastic-rt), else
+\${TMPDIR:-/tmp}/elastic-rt-UID; one that is a symbolic link, another user's, or
+open to others is refused, and so is a pid file that is a link. A pid is
+signalled only when it is this job's agent for that host (its command line
+names the run id and the node id) and runs as this user.
+
 Options:
   -f, --hostfile FILE   hosts, one per line: HOST [ADDR]; ADDR is the address the
                         other hosts reach this one at (default: HOST); # comments
@@ -39,10 +46,15 @@ Options:
   --ssh CMD             ssh command (default: "ssh -o BatchMode=yes")
   --elastic-rt CMD      elastic-rt command on the hosts (default: elastic-rt)
   --workdir DIR         directory to start in on every host (default: this one)
-  -e, --env NAME=VALUE  environment variable for the agents (repeatable)
+  -e, --env NAME=VALUE  environment variable for the agents (repeatable); it shows
+                        in \`ps\` here and on the hosts: never a secret
+  --env-file FILE       NAME=VALUE lines for the agents' environment, '-' for
+                        stdin: the way to pass secrets (tokens, keys). Sent to each
+                        host over ssh's stdin into its state directory (0600), read
+                        by the agent's shell and deleted; never on a command line
   -l, --log-dir DIR     per-host logs on this machine (default: logs/RDZV_ID)
-  --run-dir DIR         where each host keeps its agent's pid file, under RDZV_ID/
-                        (default: /tmp/elastic-rt)
+  --run-dir DIR         the state directory on every host, instead of the default
+                        (below); the same rules apply
   --rdzv-id ID          the job (drain/stop/status; run reads it from LAUNCH_OPTIONS)
   --timeout S           seconds drain waits for an agent to exit (default: 300)
   --fanout N            pdsh fan-out (default: 64)
@@ -65,8 +77,9 @@ SSH_CMD="ssh -o BatchMode=yes"
 ELASTIC_RT=elastic-rt
 WORKDIR=$PWD
 ENVS=()
+ENV_FILE=""
 LOG_DIR=""
-RUN_DIR=/tmp/elastic-rt
+RUN_DIR=""
 RDZV_ID=""
 TIMEOUT=300
 FANOUT=64
@@ -80,6 +93,7 @@ while [ $# -gt 0 ]; do
         --elastic-rt) ELASTIC_RT=${2:?$1 needs a value}; shift 2 ;;
         --workdir) WORKDIR=${2:?$1 needs a value}; shift 2 ;;
         -e|--env) ENVS+=("${2:?$1 needs a value}"); shift 2 ;;
+        --env-file) ENV_FILE=${2:?$1 needs a value}; shift 2 ;;
         -l|--log-dir) LOG_DIR=${2:?$1 needs a value}; shift 2 ;;
         --run-dir) RUN_DIR=${2:?$1 needs a value}; shift 2 ;;
         --rdzv-id) RDZV_ID=${2:?$1 needs a value}; shift 2 ;;
@@ -145,12 +159,48 @@ on_host() {
     fi
 }
 
-pid_file() { echo "$RUN_DIR/$RDZV_ID/$1.pid"; }
+# Shell code for a host: sets d to this job's state directory there, made if missing, after
+# checking it and its parent (a directory of this user, mode 0700, no symbolic link); prints one
+# line and exits 2 otherwise. $1: the host's name (or pdsh's %h).
+state_dir() {
+    local base
+    if [ -n "$RUN_DIR" ]; then
+        base=$(q "$RUN_DIR")
+    else
+        base="\"\$b\""
+    fi
+    printf '%s' "u=\$(id -u); r=\${XDG_RUNTIME_DIR:-/run/user/\$u}; \
+if [ -d \"\$r\" ] && [ ! -L \"\$r\" ] && [ -O \"\$r\" ]; then b=\$r/elastic-rt; else b=\${TMPDIR:-/tmp}/elastic-rt-\$u; fi; \
+d=$base/$(q "$RDZV_ID"); for x in $base \"\$d\"; do (umask 077 && mkdir -p \"\$x\") 2>/dev/null; \
+if [ -L \"\$x\" ] || [ ! -d \"\$x\" ] || [ ! -O \"\$x\" ] || [ \"\$(ls -ldn \"\$x\" | cut -c1-10)\" != drwx------ ]; then \
+echo $(q "$1"): refusing the state directory \"\$x\": it must be a directory of uid \$u with mode 0700, not a link >&2; exit 2; fi; done; "
+}
+
+# Shell code: sets pf to HOST's pid file in $d, refusing a symbolic link.
+pid_file() {
+    printf '%s' "pf=\"\$d\"/$(q "$1.pid"); if [ -L \"\$pf\" ]; then \
+echo $(q "$1"): refusing \"\$pf\": it is a symbolic link >&2; exit 2; fi; "
+}
+
+# Shell code: the function is_agent PID, true when PID runs as this user and its command line is
+# this job's agent on HOST (launch, --node-id=HOST, the run id), so that a stale pid file never
+# gets another process signalled.
+is_agent() {
+    printf '%s' "is_agent() { [ -n \"\$1\" ] && [ -O /proc/\$1 ] && tr '\\000' '\\n' </proc/\$1/cmdline 2>/dev/null | \
+awk -v n=$(q "--node-id=$1") -v id=$(q "$RDZV_ID") '\$0 == \"launch\" {l=1} \$0 == n {h=1} \
+p && \$0 == id {r=1} \$0 == \"--rdzv-id=\" id || \$0 == \"--rdzv_id=\" id {r=1} \
+{p = (\$0 == \"--rdzv-id\" || \$0 == \"--rdzv_id\")} END {exit !(l && h && r)}'; }; "
+}
 
 # The command line that runs on HOST (node id and pid file named after HOST).
 agent_command() {
     local host=$1 addr=$2 cmd e a
-    cmd="cd $(q "$WORKDIR") && mkdir -p $(q "$RUN_DIR/$RDZV_ID") && echo \$\$ >$(q "$(pid_file "$host")") && exec env"
+    cmd="$(state_dir "$host")$(pid_file "$host")cd $(q "$WORKDIR") && echo \$\$ >\"\$pf.\$\$\" && mv -f \"\$pf.\$\$\" \"\$pf\""
+    if [ -n "$ENV_FILE" ]; then
+        # the secrets: read by this shell (export is a builtin: no command line shows them), then gone
+        cmd+=" && ef=\"\$d\"/$(q "$host.env") && while IFS= read -r l; do export \"\$l\"; done <\"\$ef\" && rm -f \"\$ef\""
+    fi
+    cmd+=" && exec env"
     for e in "${ENVS[@]+"${ENVS[@]}"}"; do cmd+=" $(q "$e")"; done
     cmd+=" $ELASTIC_RT launch --node-id=$(q "$host") --local-addr=$(q "$addr")"
     if [ "$VIA" = local ] && [ "$HAS_METRICS_HOST" = 0 ]; then
@@ -161,20 +211,45 @@ agent_command() {
     echo "$cmd"
 }
 
+# Read --env-file (or stdin) once: NAME=VALUE lines, # comments and blank lines skipped.
+ENV_DATA=""
+read_env_file() {
+    local line
+    [ -n "$ENV_FILE" ] || return 0
+    if [ "$ENV_FILE" != - ]; then [ -r "$ENV_FILE" ] || die "cannot read --env-file $ENV_FILE"; fi
+    while IFS= read -r line || [ -n "$line" ]; do
+        case "$line" in ''|'#'*) continue ;; esac
+        [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "--env-file: '${line%%=*}' is not NAME=VALUE"
+        ENV_DATA+="$line"$'\n'
+    done < <(if [ "$ENV_FILE" = - ]; then cat; else cat -- "$ENV_FILE"; fi)
+}
+
+# Put the environment file into each host's state directory (mode 0600), over ssh's stdin.
+send_env_file() {
+    local host n=0
+    [ -n "$ENV_FILE" ] || return 0
+    for host in "$@"; do
+        printf '%s' "$ENV_DATA" | on_host "$host" "$(state_dir "$host")umask 077 && cat >\"\$d\"/$(q "$host.env")" &
+        n=$((n + 1))
+        if [ $((n % FANOUT)) = 0 ]; then wait; fi
+    done
+    wait
+}
+
 # SIGTERM the agent of each given host; wait up to WAIT_S s for it to exit (0: do
 # not wait). Returns 1 if an agent is still running after that.
 drain_hosts() {
-    local wait_s=$1 host pf waiting rc=0; shift
+    local wait_s=$1 host waiting rc=0; shift
     for host in "$@"; do
-        pf=$(q "$(pid_file "$host")")
         waiting="echo '$host: SIGTERM sent to agent' \"\$p\""
         if [ "$wait_s" -gt 0 ]; then
             waiting+="; i=0; while kill -0 \"\$p\" 2>/dev/null; do \
 if [ \$i -ge $((wait_s * 10)) ]; then echo '$host: agent still running after ${wait_s}s'; exit 1; fi; \
-sleep 0.1; i=\$((i+1)); done; rm -f $pf; echo '$host: agent exited'"
+sleep 0.1; i=\$((i+1)); done; rm -f \"\$pf\"; echo '$host: agent exited'"
         fi
-        on_host "$host" "p=\$(cat $pf 2>/dev/null) || p=''; \
-if [ -n \"\$p\" ] && kill -TERM \"\$p\" 2>/dev/null; then $waiting; \
+        on_host "$host" "$(state_dir "$host")$(pid_file "$host")$(is_agent "$host")p=\$(cat \"\$pf\" 2>/dev/null) || p=''; \
+if [ -n \"\$p\" ] && ! is_agent \"\$p\"; then echo '$host: no agent running (the pid file names' \"\$p\" 'which is not its agent: not signalled)'; \
+elif [ -n \"\$p\" ] && kill -TERM \"\$p\" 2>/dev/null; then $waiting; \
 else echo '$host: no agent running'; fi" || rc=1
     done
     return "$rc"
@@ -202,6 +277,7 @@ run_job() {
     done
     [ -n "$RDZV_ID" ] || die "run: give --rdzv-id ID among the launch options (the same on every host)"
     [[ $RDZV_ID =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] || die "--rdzv-id '$RDZV_ID': use letters, digits, '.', '_' or '-'"
+    read_env_file
     LOG_DIR=${LOG_DIR:-logs/$RDZV_ID}
     mkdir -p "$LOG_DIR"
 
@@ -223,6 +299,7 @@ run_job() {
         done
         local list cmd
         list=$(IFS=,; echo "${HOSTS[*]}")
+        send_env_file "${HOSTS[@]}"
         # pdsh substitutes %h (the host) in every argument of the exec command.
         cmd=$(agent_command %h %h)
         for i in "${!HOSTS[@]}"; do : >"$LOG_DIR/${HOSTS[$i]}.log"; done
@@ -244,6 +321,7 @@ run_job() {
         log "pdsh finished with exit code $rc (the largest of the hosts')"
     else
         local pids=()
+        send_env_file "${HOSTS[@]}"
         for i in "${!HOSTS[@]}"; do
             on_host "${HOSTS[$i]}" "$(agent_command "${HOSTS[$i]}" "${ADDRS[$i]}")" \
                 </dev/null >"$LOG_DIR/${HOSTS[$i]}.log" 2>&1 &
@@ -279,7 +357,10 @@ run_job() {
     return "$rc"
 }
 
-need_id() { [ -n "$RDZV_ID" ] || die "$COMMAND: give --rdzv-id ID"; }
+need_id() {
+    [ -n "$RDZV_ID" ] || die "$COMMAND: give --rdzv-id ID"
+    [[ $RDZV_ID =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] || die "--rdzv-id '$RDZV_ID': use letters, digits, '.', '_' or '-'"
+}
 
 case "$COMMAND" in
     run)
@@ -299,9 +380,8 @@ case "$COMMAND" in
     status)
         need_id
         for h in "${HOSTS[@]}"; do
-            pf=$(q "$(pid_file "$h")")
-            on_host "$h" "p=\$(cat $pf 2>/dev/null) || p=''; \
-if [ -n \"\$p\" ] && kill -0 \"\$p\" 2>/dev/null; then echo '$h: running (pid' \"\$p)\"; else echo '$h: not running'; fi"
+            on_host "$h" "$(state_dir "$h")$(pid_file "$h")$(is_agent "$h")p=\$(cat \"\$pf\" 2>/dev/null) || p=''; \
+if is_agent \"\$p\"; then echo '$h: running (pid' \"\$p)\"; else echo '$h: not running'; fi"
         done
         ;;
     *) die "unknown command '$COMMAND': run, drain, stop or status" ;;

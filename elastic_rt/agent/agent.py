@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -15,42 +15,16 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, failure_record, hang_record
 from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.exit_aborts import forgive_teardown_exits
-from elastic_rt.agent.policy import NeverRestart, RestartPolicy
 from elastic_rt.agent.process_tree import stop_tree
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.agent.warm_start import warm_start
 from elastic_rt.decisions import Response, RestartReason
 from elastic_rt.errors import RoundRejectedError
+from elastic_rt.interfaces import AgentObserver, MembershipHandler, RestartPolicy
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
 
 log = logging.getLogger(__name__)
-
-
-class AgentObserver(Protocol):
-    """What the agent reports as it goes (metrics, logs). It decides nothing."""
-
-    def on_rendezvous_started(self) -> None: ...
-    def on_rendezvous(self, *, round: int, world_size: int, nodes: int, duration_s: float) -> None: ...
-    def on_restart(self, reason: RestartReason) -> None: ...
-    def on_recovered(self, duration_s: float) -> None: ...
-    def on_workers_started(self, pids: dict[int, int]) -> None: ...
-    def on_workers_finished(self, state: str) -> None: ...
-    def on_tick(self) -> None: ...
-    def on_etcd(self, up: bool) -> None: ...
-    def on_failures(self, causes: dict[int, str]) -> None: ...  # global rank -> "cause=...: detail"
-
-
-class NullObserver:
-    def on_rendezvous_started(self) -> None: ...
-    def on_rendezvous(self, **_: Any) -> None: ...
-    def on_restart(self, reason: RestartReason) -> None: ...
-    def on_recovered(self, duration_s: float) -> None: ...
-    def on_workers_started(self, pids: dict[int, int]) -> None: ...
-    def on_workers_finished(self, state: str) -> None: ...
-    def on_tick(self) -> None: ...
-    def on_etcd(self, up: bool) -> None: ...
-    def on_failures(self, causes: dict[int, str]) -> None: ...
 
 
 RoundListener = Callable[..., None]  # called with round, store, group_rank, group_world_size, master_addr
@@ -88,16 +62,17 @@ class ElasticRTAgent(LocalElasticAgent):
         self._restart_grace_s = restart_grace_s
         self._shutdown_grace_s = shutdown_grace_s
         self._peer_loss_wait_s = peer_loss_wait_s
-        self.observer: AgentObserver = observer or NullObserver()
-        self.policy: RestartPolicy = policy or NeverRestart()
+        self.observer: AgentObserver = observer or AgentObserver()
+        self.policy: RestartPolicy = policy or RestartPolicy()
         self._round_listeners = tuple(round_listeners)
         self.diagnostics = diagnostics or FailureDiagnostics(
             log_dir=os.path.dirname(reports.directory.rstrip(os.sep)), reports_dir=reports.directory)
         self.restarts: dict[RestartReason, int] = {}
         self._broken_group = False
-        add_listener = getattr(spec.rdzv_handler, "add_etcd_listener", None)
-        if add_listener is not None and hasattr(self.observer, "on_etcd"):
-            add_listener(self.observer.on_etcd)
+        # the handler's extras (etcd-v3); None: torch's RendezvousHandler API only (c10d, --standalone)
+        self._extras = spec.rdzv_handler if isinstance(spec.rdzv_handler, MembershipHandler) else None
+        if self._extras is not None:
+            self._extras.add_etcd_listener(self.observer.on_etcd)
         self.crash_loop = crash_loop
         self._warm_pool = warm_pool
         if warm_pool is not None:
@@ -108,13 +83,12 @@ class ElasticRTAgent(LocalElasticAgent):
         return self._worker_group.spec.rdzv_handler
 
     def _membership(self):
-        return getattr(self._handler(), "membership", None)
+        return self._extras.membership if self._extras is not None else None
 
     def _membership_change(self) -> RestartReason | None:
-        handler = self._handler()
-        if hasattr(handler, "membership_change"):
-            return handler.membership_change()
-        return RestartReason.SCALE_UP if handler.num_nodes_waiting() > 0 else None
+        if self._extras is not None:
+            return self._extras.membership_change()
+        return RestartReason.SCALE_UP if self._handler().num_nodes_waiting() > 0 else None
 
     def _prefix(self) -> str:
         m = self._membership()
@@ -124,7 +98,7 @@ class ElasticRTAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         while True:
             t0 = time.monotonic()
-            getattr(self.observer, "on_rendezvous_started", lambda: None)()
+            self.observer.on_rendezvous_started()
             super()._rendezvous(worker_group)
             m = self._membership()
             self.observer.on_rendezvous(
@@ -213,8 +187,7 @@ class ElasticRTAgent(LocalElasticAgent):
 
     def _etcd_answers(self) -> bool:
         """The rendezvous handler can reach etcd (one without that notion, e.g. --standalone's, always can)."""
-        reachable = getattr(self._handler(), "etcd_reachable", None)
-        return reachable is None or reachable()
+        return self._extras is None or self._extras.etcd_reachable()
 
     def _exit_barrier(self) -> None:
         """torch's exit barrier keeps every agent until all finished, through the rendezvous store (etcd
@@ -228,11 +201,10 @@ class ElasticRTAgent(LocalElasticAgent):
     def _await_etcd(self, what: str) -> None:
         """Membership decisions need etcd: while it does not answer, wait (saying so every 10 s) rather
         than guess; then let the view catch up with what the other nodes did meanwhile."""
-        if self._etcd_answers():
+        if self._extras is None or self._etcd_answers():
             return
-        handler = self._handler()
         t0 = time.monotonic()
-        limit_s = getattr(getattr(handler, "settings", None), "join_timeout_s", 600.0)
+        limit_s = self._extras.settings.join_timeout_s
         said = None
         while not self._etcd_answers() and time.monotonic() - t0 < limit_s:
             if said is None or time.monotonic() - said >= 10.0:
@@ -241,7 +213,7 @@ class ElasticRTAgent(LocalElasticAgent):
                             self._prefix(), what, said - t0)
             time.sleep(0.2)
         if self._etcd_answers():
-            handler.catch_up()
+            self._extras.catch_up()
             log.info("%s etcd answers again after %.1f s; handling: %s", self._prefix(), time.monotonic() - t0, what)
 
     def _wait_for_peer_loss(self) -> RestartReason | None:

@@ -29,6 +29,7 @@ class AgentConfig:
     rdzv_endpoint: str
     rdzv_id: str
     rdzv_conf: tuple[tuple[str, str], ...] = ()
+    node_rank: int = 0  # --rdzv-backend static only
     standalone: bool = False
     max_restarts: int = 3
     monitor_interval_s: float = 0.1
@@ -72,6 +73,16 @@ class AgentConfig:
     no_python: bool = False
     script: str = ""
     script_args: tuple[str, ...] = field(default_factory=tuple)
+    # torchrun's flags, with torchrun's meaning (elastic_rt/torchrun_compat.py)
+    role: str = "default"
+    event_log_handler: str = "null"
+    logs_specs: str | None = None  # a torchrun.logs_specs entry point; None: torch's DefaultLogsSpecs
+    local_ranks_filter: tuple[int, ...] = ()  # () shows every local rank on the console
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    numa_binding: str | None = None  # torch's AffinityMode value
+    virtual_local_rank: bool = False
+    notes: tuple[str, ...] = ()  # one line each, logged at start: flags whose meaning differs here
 
     @property
     def conf(self) -> dict[str, str]:

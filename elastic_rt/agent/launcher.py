@@ -11,8 +11,9 @@ import sys
 import tempfile
 import threading
 
+from torch.distributed.elastic import events
 from torch.distributed.elastic.agent.server.api import WorkerSpec
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -24,11 +25,12 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.utils import macros
 
-from elastic_rt.agent.agent import AgentObserver, ElasticRTAgent
+from elastic_rt.agent.agent import ElasticRTAgent
 from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, CrashLoopSettings
 from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.limits import needed_open_files, raise_open_files_limit
+from elastic_rt.agent.numa import check_binding, cpu_list, numa_options
 from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
@@ -36,12 +38,14 @@ from elastic_rt.agent.host_memory import make_host_cache
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.doctor.preflight import Preflight, PreflightMode, PreflightSettings
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError, NodeExcludedError
+from elastic_rt.interfaces import AgentObserver, MembershipHandler
 from elastic_rt.metrics.health import liveness_threshold_s
 from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
 from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
 from elastic_rt.reporting.checkpoint import CheckpointReportReader
 from elastic_rt.reporting.inbox import WorkerReports
+from elastic_rt.torchrun_compat import STATIC_RDZV_TIMEOUT_S, logs_specs_class, virtual_local_rank_env
 from elastic_rt.worker_env import ENV_CHECKPOINT_URL, ENV_NO_COMPUTE_TIMER, OMP_DEFAULT_WARNING
 
 log = logging.getLogger(__name__)
@@ -100,6 +104,9 @@ def build_handler(cfg: AgentConfig):
     )
     if cfg.rdzv_backend == "c10d" and cfg.standalone:
         params.config.setdefault("is_host", "true")
+    if cfg.rdzv_backend == "static":  # torchrun's: node rank 0 hosts the store at the endpoint
+        params.config["rank"] = cfg.node_rank
+        params.config.setdefault("timeout", STATIC_RDZV_TIMEOUT_S)
     if cfg.rdzv_backend != "etcd-v3":
         # torch's DynamicRendezvousHandler would have restarted workers reuse the agent's
         # TCPStore, where the keys of the failed attempt are still present: restarts then
@@ -117,15 +124,22 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     """Run this node's agent until the job ends. Returns the process exit code."""
     if not cfg.no_python and not cfg.run_as_module and not os.path.isfile(cfg.script):
         raise ConfigError(f"training script {cfg.script!r} not found")
+    bound = check_binding(cfg.numa_binding, cfg.nproc_per_node) if cfg.numa_binding else {}
     install_signal_handlers()
     preflight(cfg, cfg.sysfs_root)
     raise_open_files_limit(needed_open_files(max_nodes=cfg.max_nodes, nproc_per_node=cfg.nproc_per_node))
     apply_worker_env(cfg)
     handler = build_handler(cfg)
-    node_id = getattr(getattr(handler, "settings", None), "node_id", None) or cfg.node_id or f"node-{os.getpid()}"
+    extras = handler if isinstance(handler, MembershipHandler) else None  # the etcd-v3 handler's
+    node_id = (extras.settings.node_id if extras else None) or cfg.node_id or f"node-{os.getpid()}"
+    for note in cfg.notes:
+        log.warning("[%s] %s", node_id, note)
+    if bound:
+        log.info("[%s] --numa-binding %s: %s", node_id, cfg.numa_binding,
+                 "; ".join(f"local rank {r} on CPUs {cpu_list(c)}" for r, c in sorted(bound.items())))
     entrypoint, args = worker_command(cfg)
     spec = WorkerSpec(
-        role="default",
+        role=cfg.role,
         local_world_size=cfg.nproc_per_node,
         entrypoint=entrypoint,
         args=args,
@@ -133,10 +147,16 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         max_restarts=cfg.max_restarts,
         monitor_interval=cfg.monitor_interval_s,
         local_addr=cfg.local_addr,
+        event_log_handler=cfg.event_log_handler,
+        numa_options=numa_options(cfg.numa_binding),
+        duplicate_stdout_filters=list(cfg.duplicate_stdout_filters) or None,
+        duplicate_stderr_filters=list(cfg.duplicate_stderr_filters) or None,
+        virtual_local_rank=cfg.virtual_local_rank,
     )
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix=f"elastic-rt-{cfg.rdzv_id}-")
-    logs_specs = DefaultLogsSpecs(
-        log_dir=log_dir, redirects=_std(cfg.redirects, "--redirects"), tee=_std(cfg.tee, "--tee")
+    logs_specs = logs_specs_class(cfg.logs_specs)(
+        log_dir=log_dir, redirects=_std(cfg.redirects, "--redirects"), tee=_std(cfg.tee, "--tee"),
+        local_ranks_filter=set(cfg.local_ranks_filter) or None,
     )
     reports = WorkerReports(os.path.join(log_dir, "heartbeat"))
     stop = threading.Event()
@@ -183,7 +203,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         restart_grace_s=cfg.restart_grace_s,
         shutdown_grace_s=cfg.grace_period_s,
         # a lost peer shows within its lease TTL (the handler's validated setting, not a second default)
-        peer_loss_wait_s=getattr(getattr(handler, "settings", None), "lease_ttl_s", 3.0) + 1.0,
+        peer_loss_wait_s=(extras.settings.lease_ttl_s if extras else 3.0) + 1.0,
         observer=observer,
         policy=policy,
         round_listeners=(node_test.on_round,) + ((round_checks.on_round, goodput.exchange.on_round)
@@ -193,13 +213,12 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         crash_loop=CrashLoopJudge(CrashLoopSettings(repeats=cfg.crash_loop_repeats, no_step=cfg.crash_loop_no_step),
                                   checkpoints=CheckpointReportReader(reports.directory)),
     )
-    leave = getattr(handler, "leave", None)
+    leave = extras.leave if extras else None
     try:
         node_test.run_compute()  # before the first round, and before warm workers compete for the CPU
         if warm_pool is not None:
             warm_pool.start()
-            if hasattr(observer, "track_warm_workers"):
-                observer.track_warm_workers(lambda: len(warm_pool.idle_pids(ready_only=True)))
+            observer.track_warm_workers(lambda: len(warm_pool.idle_pids(ready_only=True)))
         return _run(agent, cfg, node_id, log_dir, handler, leave)
     finally:
         if warm_pool is not None:
@@ -208,8 +227,9 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
             shutil.rmtree(host_cache, ignore_errors=True)
         stop.set()
         diagnostics.close()
-        getattr(observer, "close", lambda: None)()
-        getattr(handler, "close", lambda: None)()
+        observer.close()
+        if extras is not None:
+            extras.close()
 
 
 def build_diagnostics(cfg: AgentConfig, log_dir: str, reports_dir: str, metrics) -> FailureDiagnostics:
@@ -248,8 +268,11 @@ def make_warm_pool(cfg: AgentConfig, node_id: str, entrypoint: str, args: tuple[
     if cfg.no_python:
         log.info("[%s] warm workers off: --no-python runs an executable the agent cannot start ahead", node_id)
         return None
+    environ = dict(os.environ)
     return WarmPool(entrypoint=entrypoint, nproc=cfg.nproc_per_node, imports=cfg.warm_imports,
-                    args_for_rank=lambda rank: macros.substitute(list(args), str(rank)))
+                    args_for_rank=lambda rank: macros.substitute(list(args), str(rank)),
+                    env_for_rank=(lambda rank: virtual_local_rank_env(rank, environ)) if cfg.virtual_local_rank
+                    else (lambda rank: {}))
 
 
 def straggler_settings(cfg: AgentConfig) -> StragglerSettings:
@@ -271,7 +294,7 @@ def add_readiness_checks(readiness, cfg: AgentConfig, round_checks) -> None:
 
 def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) -> int:
     try:
-        result = agent.run()
+        result = _recorded_run(agent, cfg.event_log_handler)
     except SignalException as exc:
         log.warning("[%s] received %s: workers stopped, leaving the rendezvous", node_id, exc.sigval.name)
         if leave:
@@ -312,7 +335,7 @@ def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) ->
         if leave:
             leave()
         return 1
-    if hasattr(handler, "set_closed") and leave:
+    if leave:
         try:
             handler.set_closed()  # the job is done: late joiners exit instead of waiting
         except RendezvousConnectionError as exc:  # the workers succeeded: that is the job's result
@@ -322,6 +345,20 @@ def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) ->
         leave()
     log.info("[%s] job finished", node_id)
     return 0
+
+
+def _recorded_run(agent, event_log_handler: str):
+    """agent.run(), with the agent's own outcome recorded to --event-log-handler as torchrun records it (the
+    null handler discards events: nothing is built for it)."""
+    if event_log_handler == "null":
+        return agent.run()
+    try:
+        result = agent.run()
+    except BaseException:
+        events.record(agent.get_event_failed(), event_log_handler)
+        raise
+    events.record(agent.get_event_succeeded(), event_log_handler)
+    return result
 
 
 def _raise_signal(signum: int, _frame) -> None:

@@ -3,48 +3,17 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Mapping
 
 from elastic_rt.agent.hang import HangDetector, HangTimeout, HangVerdict
 from elastic_rt.decisions import DetectionAction, RestartReason
+from elastic_rt.interfaces import RestartPolicy
 from elastic_rt.reporting.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
 
-class RestartPolicy(Protocol):
-    """Asked by the agent every monitor tick while its workers are healthy."""
-
-    def on_workers_started(self, local_ranks: Iterable[int]) -> None: ...
-
-    def check(self) -> RestartReason | None:
-        """None, or the reason to act (its `response` says how: HANG restarts the group, PROBE_FAILURE leaves)."""
-        ...
-
-    def hang_verdict(self) -> HangVerdict | None:
-        """The verdict behind the last HANG check() returned (None if this policy judges no hangs)."""
-        ...
-
-    def on_hang_restart(self) -> None:
-        """The agent restarts the group for a hang."""
-        ...
-
-
-class NeverRestart:
-    """The policy of an agent with no hang timeout and probes that only report."""
-
-    def on_workers_started(self, local_ranks: Iterable[int]) -> None: ...
-
-    def check(self) -> RestartReason | None:
-        return None
-
-    def hang_verdict(self) -> HangVerdict | None:
-        return None
-
-    def on_hang_restart(self) -> None: ...
-
-
-class HealthPolicy:
+class HealthPolicy(RestartPolicy):
     """Hang: no step progress for hang_timeout_s (None = auto, see hang.HangTimeout; 0 = never).
     Probe: with action LEAVE, a failed collective probe of the current round makes this node
     leave so the others re-form without it."""

@@ -116,8 +116,10 @@ class WarmPool:
         refill_wait_s: float = 5.0,
         environ: Mapping[str, str] = os.environ,
         clock: Callable[[], float] = time.monotonic,
+        env_for_rank: Callable[[int], Mapping[str, str]] = lambda rank: {},
     ) -> None:
         self.entrypoint, self._args_for_rank, self.nproc = entrypoint, args_for_rank, nproc
+        self._env_for_rank = env_for_rank  # per-rank variables known before a rendezvous (--virtual-local-rank)
         self.imports, self.nice, self.refill_wait_s = tuple(imports), nice, refill_wait_s
         self._environ, self._clock = environ, clock
         self.log_prefix: Callable[[], str] = lambda: ""
@@ -150,9 +152,9 @@ class WarmPool:
             return {rank: w.proc.pid for rank, w in self._idle.items() if w.ready.is_set() or not ready_only}
 
     def take(self, local_rank: int, *, entrypoint: str, args: Sequence[str], env: Mapping[str, str],
-             stdout: str, stderr: str) -> tuple[subprocess.Popen | None, str]:
+             stdout: str, stderr: str, cpus: Sequence[int] | None = None) -> tuple[subprocess.Popen | None, str]:
         """Hand local_rank's warm worker its start message: (the process, "" or "still importing"),
-        or (None, why not)."""
+        or (None, why not). `cpus`: bind the worker to these before it runs the script (--numa-binding)."""
         with self._lock:
             warm = self._idle.pop(local_rank, None)
         if warm is None:
@@ -161,7 +163,8 @@ class WarmPool:
         why = self._refusal(warm, entrypoint, tuple(str(a) for a in args), final)
         if why is None:
             message = json.dumps({"env": final, "stdout": stdout, "stderr": stderr,
-                                  "argv": list(warm.cold_args[4:])}).encode()
+                                  "argv": list(warm.cold_args[4:]),
+                                  "cpus": sorted(cpus) if cpus is not None else None}).encode()
             try:
                 if len(message) > fcntl.fcntl(warm.write_fd, fcntl.F_GETPIPE_SZ):
                     why = "the start message does not fit in the pipe"
@@ -228,7 +231,7 @@ class WarmPool:
 
     def _spawn(self, rank: int) -> tuple[_Warm, int] | None:
         cold_args = tuple(str(a) for a in self._args_for_rank(rank))
-        env = warm_environment(self._environ, os.getpid())
+        env = warm_environment({**self._environ, **self._env_for_rank(rank)}, os.getpid())
         read_fd, write_fd = os.pipe()
         ready_r, ready_w = os.pipe()
         try:

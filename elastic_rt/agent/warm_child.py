@@ -260,6 +260,10 @@ def become_worker(opts: WarmOptions, argv: list[str]) -> list[str]:
             os.environ[key] = value
         if initial.get(key) != value:
             added[key] = value
+    if message.get("cpus"):  # --numa-binding: what numactl does for a cold worker (agent/numa.py); kept by exec
+        from elastic_rt.agent.numa import bind_this_process
+
+        bind_this_process(message["cpus"])
     if message.get("argv") != argv:
         _exec_cold(message.get("argv") or argv, "the agent asked for another command")
     if argv and argv[0] != "-m":

@@ -22,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.api import RunProcsResult, Subpro
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler, get_subprocess_handler
 
 from elastic_rt.agent.failures import read_error_file
+from elastic_rt.agent.numa import cpus_for_local_rank
 from elastic_rt.agent.process_tree import kill_tree
 from elastic_rt.agent.warm import WarmPool
 
@@ -54,9 +55,9 @@ class WarmSubprocessContext(SubprocessContext):
         cold: dict[int, str] = {}
         importing: list[int] = []
         for rank in range(self.nprocs):
-            proc, why = (None, "NUMA binding is set") if self._numa_options is not None else self._pool.take(
-                rank, entrypoint=self.entrypoint, args=self.args[rank], env=self.envs[rank],
-                stdout=self.stdouts[rank], stderr=self.stderrs[rank])
+            cpus = cpus_for_local_rank(self._numa_options, rank) if self._numa_options is not None else None
+            proc, why = self._pool.take(rank, entrypoint=self.entrypoint, args=self.args[rank], env=self.envs[rank],
+                                        stdout=self.stdouts[rank], stderr=self.stderrs[rank], cpus=cpus)
             if proc is not None:
                 self.subprocess_handlers[rank] = WarmHandler(proc, rank)
                 self.warm_ranks.add(rank)

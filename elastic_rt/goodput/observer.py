@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import psutil
 from prometheus_client import CollectorRegistry
 
 from elastic_rt.decisions import DetectionAction, RestartReason
 from elastic_rt.goodput.events import EventLog, journal_path
+from elastic_rt.interfaces import AgentObserver, RestartPolicy
 from elastic_rt.goodput.ledger import GoodputLedger, LostProgress
 from elastic_rt.goodput.steptime import StepTimer
 from elastic_rt.goodput.stragglers import NodeWindow, Signal, SpeedExchange, StragglerBoard, StragglerSettings, Verdict
@@ -34,8 +35,8 @@ def process_start_monotonic(clock: Callable[[], float] = time.monotonic) -> floa
     return clock() - age
 
 
-class GoodputObserver:
-    """AgentObserver (plus the round listener `exchange.on_round`); decides nothing itself."""
+class GoodputObserver(AgentObserver):
+    """An AgentObserver (plus the round listener `exchange.on_round`); decides nothing itself."""
 
     def __init__(self, *, run_id: str, node: str, reports: WorkerReports, log_dir: str,
                  settings: StragglerSettings = StragglerSettings(), registry: CollectorRegistry | None = None,
@@ -249,20 +250,13 @@ def round_s(value: float) -> float:
     return round(float(value), 6)
 
 
-class StragglerPolicy:
-    """RestartPolicy: STRAGGLER (leave the job) while this node has a flagged rank, with action LEAVE
+class StragglerPolicy(RestartPolicy):
+    """A RestartPolicy: STRAGGLER (leave the job) while this node has a flagged rank, with action LEAVE
     and at least one other node in the round (a job of one node has nobody to re-form without it)."""
 
     def __init__(self, observer: GoodputObserver) -> None:
         self._observer = observer
 
-    def on_workers_started(self, local_ranks: Iterable[int]) -> None: ...
-
     def check(self) -> RestartReason | None:
         leave = self._observer.flagged and self._observer.action is DetectionAction.LEAVE
         return RestartReason.STRAGGLER if leave else None
-
-    def hang_verdict(self) -> None:
-        return None  # stragglers are slow, not hung
-
-    def on_hang_restart(self) -> None: ...

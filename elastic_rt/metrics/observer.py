@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from elastic_rt.decisions import RestartReason
 from elastic_rt.errors import ElasticRTError
+from elastic_rt.interfaces import AgentObserver
 from elastic_rt.metrics.definitions import AgentMetrics, HealthCollector
 from elastic_rt.metrics.exporter import MetricsExporter
 from elastic_rt.metrics.health import LIVENESS, LIVENESS_MIN_S, READINESS, HealthChecks, MonitorLiveness
@@ -22,8 +23,8 @@ from elastic_rt.reporting.inbox import WorkerReports
 log = logging.getLogger(__name__)
 
 
-class MetricsObserver:
-    """AgentObserver that exports everything the agent sees.
+class MetricsObserver(AgentObserver):
+    """An AgentObserver that exports everything the agent sees.
 
     Health: `liveness` holds the check `monitor` (the monitor loop ticks, see MonitorLiveness);
     `readiness` holds `etcd` (fed by on_etcd) and whatever the launcher adds (probe, rdma, clock).

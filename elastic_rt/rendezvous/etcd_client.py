@@ -17,14 +17,23 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-# gRPC's C core logs every failed TLS handshake at INFO on stderr; the error we raise says it in one
-# line. Must be set before grpc is imported (an explicit GRPC_VERBOSITY still wins).
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-
-import grpc  # noqa: E402
+# gRPC's C core logs failed TLS handshakes and refused client certificates on stderr (at INFO and
+# ERROR: "Corruption detected", "Decryption error: TSI_DATA_CORRUPTED"); every failure of a call is
+# reported here as one line instead. gRPC reads GRPC_VERBOSITY when it is imported: NONE for that
+# import only, so that workers inherit the agent's environment unchanged. An explicit
+# GRPC_VERBOSITY (e.g. ERROR or DEBUG, to see gRPC's own lines) still wins.
+_GRPC_QUIET = "GRPC_VERBOSITY" not in os.environ
+if _GRPC_QUIET:
+    os.environ["GRPC_VERBOSITY"] = "NONE"
+try:
+    import grpc  # noqa: E402
+finally:
+    if _GRPC_QUIET:
+        del os.environ["GRPC_VERBOSITY"]
 from pyetcd import etcdrpc  # noqa: E402
 
-from elastic_rt.errors import ConfigError, EtcdAccessError, EtcdUnavailableError, LeaseGoneError  # noqa: E402
+from elastic_rt.errors import ConfigError, EtcdUnavailableError, LeaseGoneError  # noqa: E402
+from elastic_rt.rendezvous.etcd_access import access_error, check_tls, needs_tls_check  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +145,7 @@ def prefix_end(prefix: str) -> bytes:
 
 class _Endpoint:
     def __init__(self, host: str, port: int, config: EtcdConfig, creds: grpc.ChannelCredentials | None) -> None:
+        self.host, self.port = host, port
         self.label = _label(host, port)
         if creds is not None:
             self.channel = grpc.secure_channel(self.label, creds, options=_CHANNEL_OPTIONS)
@@ -262,36 +272,6 @@ def _credentials(config: EtcdConfig) -> grpc.ChannelCredentials | None:
         raise ConfigError(f"cannot read etcd TLS file {exc.filename}: {exc.strerror}; see --rdzv-conf") from exc
 
 
-def _access_error(ep: "_Endpoint", config: EtcdConfig, code, details: str) -> EtcdAccessError | None:
-    """The error to raise at once when etcd refuses this client (TLS, auth, permission); None otherwise."""
-    low = details.lower()
-    if "handshake failed" in low:
-        if "certificate_verify_failed" in low:
-            why = (f"its certificate is not signed by ca_cert={config.ca_cert}" if config.ca_cert else
-                   "its certificate is not trusted by the default roots; give ca_cert= in --rdzv-conf")
-        elif "bad_certificate" in low or "certificate_required" in low:
-            why = ("it rejected our client certificate" if config.cert else
-                   "it requires a client certificate; give cert= and key= in --rdzv-conf")
-        elif "wrong_version_number" in low or "packet_length_too_long" in low:
-            why = "it does not speak TLS; use an http:// endpoint without ca_cert/cert/key"
-        else:
-            why = details.rsplit(": ", 2)[-2] if details.count(": ") >= 2 else details
-        return EtcdAccessError(f"TLS handshake with etcd at {ep.label} failed: {why}")
-    if code == grpc.StatusCode.INVALID_ARGUMENT and "authentication failed" in low:
-        return EtcdAccessError(f"etcd at {ep.label}: authentication failed for user {config.user!r} "
-                               "(wrong user or password; see password_file= or ELASTIC_RT_ETCD_PASSWORD)")
-    if code == grpc.StatusCode.PERMISSION_DENIED:
-        who = f"user {config.user!r}" if config.user else "this client (no user= given; is auth enabled?)"
-        return EtcdAccessError(
-            f"etcd at {ep.label}: permission denied for {who}; its role needs readwrite on the run's "
-            "prefix (etcdctl role grant-permission ROLE --prefix=true readwrite /elastic-rt/RUN_ID/)"
-        )
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) and "user name" in low:
-        return EtcdAccessError(f"etcd at {ep.label} requires authentication ({details}); "
-                               "give user= and password_file= in --rdzv-conf")
-    return None
-
-
 def _expired_token(code, details: str) -> bool:
     return code == grpc.StatusCode.UNAUTHENTICATED and "invalid auth token" in details
 
@@ -338,7 +318,7 @@ class EtcdClient:
                 result = self._authenticated(ep, fn, timeout)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                access = _access_error(ep, self.config, code, (exc.details() if hasattr(exc, "details") else "") or "")
+                access = self._refusal(ep, code, (exc.details() if hasattr(exc, "details") else "") or "", timeout)
                 if access is not None:
                     raise access from None
                 if code in _RETRYABLE:
@@ -365,6 +345,13 @@ class EtcdClient:
             f"etcd at {self.config.describe()} is not reachable "
             f"({'; '.join(errors)}); is it running? see --rdzv-endpoint"
         )
+
+    def _refusal(self, ep: _Endpoint, code, details: str, timeout: float):
+        """The EtcdAccessError this failure proves (TLS, auth, permission), else None: retry or fail over."""
+        access = access_error(ep.label, self.config, code, details)
+        if access is None and needs_tls_check(code, details, secure=self.config.secure):
+            access = check_tls(ep.host, ep.port, ep.label, self.config, min(timeout, 5.0))
+        return access
 
     def _authenticated(self, ep: _Endpoint, fn: Callable[[_Endpoint, float], object], timeout: float):
         """fn with a valid token; an expired token is replaced once and the call retried."""

@@ -36,6 +36,9 @@ themselves once it has been closable for as long. A node of round R that must re
 R+1 by compare-and-set. Per node and round: one join put, at most one CAS on `round` and
 one on `final`, a waiting put and delete for late nodes.
 
+decide.py holds these rules as one pure function of the view and the node's state (its docstring
+has them as a table); rounds.py performs what it decides.
+
 Failure model (docs/failure-model.md says it for operators):
 - etcd is needed to change membership, not to train. While etcd does not answer, the
   view is stale and membership_change() says nothing (never a restart because etcd is
@@ -82,21 +85,24 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_rt.decisions import RestartReason
 from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError
+from elastic_rt.interfaces import MembershipHandler
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.health import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.lease import NodeLease
 from elastic_rt.rendezvous.liveness import PeerWatch, parse_peer, ring_neighbours
 from elastic_rt.rendezvous.monitor import MembershipMonitor
-from elastic_rt.rendezvous.rounds import Membership, RendezvousSettings, Rounds
+from elastic_rt.rendezvous.decide import Membership
+from elastic_rt.rendezvous.rounds import RendezvousSettings, Rounds
 from elastic_rt.rendezvous.store import EtcdStore
 from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)
 
 
-class EtcdRendezvousHandler(RendezvousHandler):
-    """torch.distributed.elastic RendezvousHandler backed by etcd v3 leases and watches."""
+class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
+    """torch.distributed.elastic RendezvousHandler backed by etcd v3 leases and watches, with the
+    MembershipHandler extras the agent uses."""
 
     def __init__(self, client: EtcdClient, settings: RendezvousSettings, *,
                  clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random) -> None:

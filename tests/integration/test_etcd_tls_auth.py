@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from elastic_rt.chaos.etcd_server import EtcdCluster, EtcdTls
-from elastic_rt.errors import ConfigError, EtcdAccessError
+from elastic_rt.errors import ConfigError, EtcdAccessError, EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.registration import ENV_ETCD_PASSWORD, etcd_config_from_conf
 from tests.chaos.harness import EXAMPLE, ROOT
@@ -111,6 +111,44 @@ def test_tls_mistakes_fail_at_once_with_one_line(tls_etcd, pki, conf, message):
         c.close()
 
 
+def test_plaintext_client_to_a_tls_etcd_fails_at_once_with_one_line(tls_etcd):
+    c = _client("http://" + tls_etcd.members[0].endpoint, {})
+    try:
+        with pytest.raises(EtcdAccessError, match="speaks TLS and this client does not: use https://") as err:
+            c.put("/x", b"1")
+        assert "\n" not in str(err.value)
+    finally:
+        c.close()
+
+
+def test_an_outage_of_a_tls_etcd_is_unavailable_not_a_tls_error(pki):
+    """The TLS checks never turn an etcd that is down (or killed under an open connection) into a
+    configuration error: those clients retry, and the same clients are refused again once it is back."""
+    tls = EtcdTls(ca_cert=str(pki / "ca.pem"), cert=str(pki / "server.pem"), key=str(pki / "server.key"),
+                  client_cert=str(pki / "client.pem"), client_key=str(pki / "client.key"))
+    with EtcdCluster(1, tls=tls) as cluster:
+        m = cluster.members[0]
+        good = _client(m.url, _tls_conf(pki))
+        no_cert = _client(m.url, _tls_conf(pki, client=None))
+        plain = _client("http://" + m.endpoint, {})
+        try:
+            good.put(f"/elastic-rt/{RUN_OK}/up", b"1")  # an open connection, then the server dies under it
+            cluster.kill_member(m)
+            for c in (good, no_cert, plain):
+                with pytest.raises(EtcdUnavailableError, match="is not reachable"):
+                    c.put(f"/elastic-rt/{RUN_OK}/down", b"1")
+            cluster.start_member(m)
+            cluster.wait_healthy(30.0)
+            with pytest.raises(EtcdAccessError, match="requires a client certificate"):
+                no_cert.put("/x", b"1")
+            with pytest.raises(EtcdAccessError, match="speaks TLS"):
+                plain.put("/x", b"1")
+            good.put(f"/elastic-rt/{RUN_OK}/up", b"2")
+        finally:
+            for c in (good, no_cert, plain):
+                c.close()
+
+
 def test_https_without_ca_uses_default_roots_and_says_so(tls_etcd):
     c = _client(tls_etcd.members[0].url, {})
     try:
@@ -184,6 +222,59 @@ def test_expired_token_is_renewed_without_a_restart(auth_etcd, caplog):
         c.close()
 
 
+def test_expired_jwt_is_renewed_without_a_restart(tmp_path, caplog):
+    """The shipped recipes sign tokens as JWTs (--auth-token jwt,...,ttl=10m): one past its TTL is renewed
+    like a simple token. A member started here with the same kind of token and a 2 s TTL."""
+    from elastic_rt.chaos.etcd_server import find_etcd_binary, find_etcdctl, free_port
+
+    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "jwt.key", cwd=tmp_path)
+    _openssl("pkey", "-in", "jwt.key", "-pubout", "-out", "jwt.pub", cwd=tmp_path)
+    binary = find_etcd_binary()
+    client_port, peer_port = free_port(), free_port()
+    url, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    log = open(tmp_path / "etcd.log", "wb")
+    proc = subprocess.Popen([binary, "--data-dir", str(tmp_path / "data"), "--listen-client-urls", url,
+                             "--advertise-client-urls", url, "--listen-peer-urls", peer,
+                             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"default={peer}",
+                             "--auth-token", f"jwt,pub-key={tmp_path}/jwt.pub,priv-key={tmp_path}/jwt.key,"
+                                             "sign-method=ES256,ttl=2s"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def etcdctl(*args: str, password: str | None = None) -> None:
+            subprocess.run([find_etcdctl(binary), "--endpoints", url, "--dial-timeout", "10s", *args], check=True,
+                           capture_output=True, input=password and password + "\n", text=True, timeout=60)
+
+        deadline = time.monotonic() + 30
+        while True:  # etcd answers once it has elected itself
+            try:
+                etcdctl("endpoint", "health")
+                break
+            except subprocess.CalledProcessError:
+                assert time.monotonic() < deadline, (tmp_path / "etcd.log").read_text()[-2000:]
+                time.sleep(0.2)
+        etcdctl("user", "add", "root", "--interactive=false", password="root-pw")
+        etcdctl("user", "grant-role", "root", "root")
+        etcdctl("user", "add", "alice", "--interactive=false", password=ALICE_PW)
+        etcdctl("role", "add", "alice")
+        etcdctl("role", "grant-permission", "alice", "--prefix=true", "readwrite", f"/elastic-rt/{RUN_OK}/")
+        etcdctl("user", "grant-role", "alice", "alice")
+        etcdctl("auth", "enable")
+        c = _client(url, {"user": "alice"}, env={ENV_ETCD_PASSWORD: ALICE_PW})
+        try:
+            c.put(f"/elastic-rt/{RUN_OK}/jwt", b"1")
+            token = c._endpoints[0].metadata
+            time.sleep(3.0)  # past the token's 2 s TTL; there is no event to wait for
+            with caplog.at_level(logging.INFO, logger="elastic_rt.rendezvous.etcd_client"):
+                c.put(f"/elastic-rt/{RUN_OK}/jwt", b"2")
+            assert "expired; authenticating again" in caplog.text
+            assert c._endpoints[0].metadata != token
+        finally:
+            c.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
 # ---- a real job ---------------------------------------------------------------------------
 
 def _launch(endpoint: str, conf: dict[str, str], run_id: str, *, env: dict[str, str] | None = None,
@@ -207,13 +298,15 @@ def test_job_runs_over_tls_and_with_a_prefix_limited_user(tls_etcd, auth_etcd, p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["wrong-ca", "no-client-cert", "wrong-password", "no-permission"])
+@pytest.mark.parametrize("case", ["wrong-ca", "no-client-cert", "plaintext-to-tls", "wrong-password",
+                                  "no-permission"])
 def test_job_with_bad_credentials_fails_fast_with_one_line(tls_etcd, auth_etcd, pki, tmp_path, case):
     wrong_pw = tmp_path / "pw"
     wrong_pw.write_text("not-the-password\n")
     endpoint, conf, env = {
         "wrong-ca": (tls_etcd.members[0].url, _tls_conf(pki, ca="rogue-ca"), {}),
         "no-client-cert": (tls_etcd.members[0].url, _tls_conf(pki, client=None), {}),
+        "plaintext-to-tls": ("http://" + tls_etcd.members[0].endpoint, {}, {}),
         "wrong-password": (auth_etcd.members[0].url, {"user": "alice", "password_file": str(wrong_pw)}, {}),
         "no-permission": (auth_etcd.members[0].url, {"user": "bob"}, {ENV_ETCD_PASSWORD: "bob-pw"}),
     }[case]

@@ -257,17 +257,26 @@ def parse_launch(argv: list[str]) -> tuple[Any, Any]:
 
 
 def check_rendezvous_conf(cfg) -> None:
-    """Build what the launcher would hand torch and validate it without connecting to etcd."""
+    """Build what the launcher would hand torch and validate it without connecting to etcd. The
+    password file lives on a Secret volume of the pod: a stand-in with a password is read instead
+    (test_k8s_security checks that the path is on the right Secret)."""
+    import tempfile
+
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from elastic_rt.rendezvous.registration import etcd_config_from_params, settings_from_params
 
-    params = RendezvousParameters(
-        backend=cfg.rdzv_backend, endpoint=cfg.rdzv_endpoint, run_id=cfg.rdzv_id,
-        min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, local_addr=cfg.local_addr, **cfg.conf,
-    )
-    settings_from_params(params)
-    etcd_config_from_params(params)
+    with tempfile.NamedTemporaryFile("w", suffix=".password") as pw:
+        pw.write("stand-in\n")
+        pw.flush()
+        conf = dict(cfg.conf, **({"password_file": pw.name} if "password_file" in cfg.conf else {}))
+        params = RendezvousParameters(
+            backend=cfg.rdzv_backend, endpoint=cfg.rdzv_endpoint, run_id=cfg.rdzv_id,
+            min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, local_addr=cfg.local_addr, **conf,
+        )
+        settings_from_params(params)
+        config = etcd_config_from_params(params)
+    assert config.user is None or config.password == "stand-in", "the password must come from password_file"
 
 
 def all_rendered() -> dict[str, list[dict]]:

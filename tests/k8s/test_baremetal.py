@@ -12,14 +12,23 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from baremetal_support import (
+    ETCD_SH,
+    HOSTS_SH,
+    SYSTEMD,
+    TRICKY,
+    env_with,
+    free_port_block,
+    hosts_run,
+    make_fake_ssh,
+    run,
+)
 from k8s_support import LAUNCH, REPO
 from tests.support.tools import needs_tool, require_tool
 
@@ -27,75 +36,10 @@ from elastic_rt.agent.crash_loop import CrashLoopError
 from elastic_rt.errors import ConfigError, NodeExcludedError
 
 SCRIPTS = sorted(LAUNCH.glob("*.sh"))
-HOSTS_SH = LAUNCH / "elastic-rt-hosts.sh"
-ETCD_SH = LAUNCH / "etcd-cluster.sh"
-SYSTEMD = LAUNCH / "systemd"
-
-FAKE_SSH = """#!/bin/sh
-# ssh stand-in: ssh [-o OPT]... HOST COMMAND... runs COMMAND with sh here, as sshd would there.
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -o|-p|-l|-i|-F|-J) shift 2 ;;
-    -*) shift ;;
-    *) break ;;
-  esac
-done
-echo "$1" >>"$FAKE_SSH_LOG"
-shift
-exec sh -c "$*"
-"""
-
-# Records its argv and part of its environment, as `elastic-rt` on a host.
-FAKE_ELASTIC_RT = """import json, os, sys
-args = sys.argv[1:]
-node = [a.split("=", 1)[1] for a in args if a.startswith("--node-id=")][0]
-with open(os.path.join(os.environ["FAKE_OUT"], node + ".json"), "w") as f:
-    json.dump({"argv": args, "FOO": os.environ.get("FOO"), "pid": os.getpid(), "cwd": os.getcwd()}, f)
-sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
-"""
-
-
-def run(cmd: list[str], *, timeout: float = 90, env: dict | None = None, cwd: Path | None = None,
-        check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{shlex.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def free_port_block(hosts: list[str], count: int) -> int:
-    """A port P such that P..P+count-1 are free on every host address."""
-    for _ in range(200):
-        base = random.randrange(20000, 60000)
-        try:
-            socks = []
-            for h in hosts:
-                for p in range(base, base + count):
-                    s = socket.socket()
-                    socks.append(s)
-                    s.bind((h, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
-
 
 @pytest.fixture
 def fake_ssh(tmp_path) -> tuple[str, Path]:
-    path = tmp_path / "fake-ssh"
-    path.write_text(FAKE_SSH)
-    path.chmod(0o755)
-    return f"{path} -o BatchMode=yes", tmp_path / "ssh.log"
-
-
-def env_with(**extra) -> dict:
-    env = dict(os.environ)
-    env.update({k: str(v) for k, v in extra.items()})
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    return env
+    return make_fake_ssh(tmp_path)
 
 
 # ---- static checks ---------------------------------------------------------------
@@ -122,26 +66,6 @@ def test_shellcheck():
 
 
 # ---- elastic-rt-hosts.sh: command lines across ssh, pdsh and local --------------
-TRICKY = ["--nnodes=2:2", "--rdzv-endpoint=127.0.0.1:2379", "--rdzv-id", "job-7", "--log-dir=/logs/%h", "train.py",
-          "it's", "a b", "$HOME", "*", 'x"y', "--lr=0.1"]
-
-
-def hosts_run(tmp_path: Path, via: str, ssh: str | None, hosts: list[tuple[str, str]], args: list[str],
-              **env) -> subprocess.CompletedProcess:
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text("# test hosts\n" + "".join(f"{h} {a}  # comment\n" for h, a in hosts) + "\n")
-    fake = tmp_path / "fake_elastic_rt.py"
-    fake.write_text(FAKE_ELASTIC_RT)
-    out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
-    cmd = [str(HOSTS_SH), "-f", str(hostfile), "--via", via, "--run-dir", str(tmp_path / "run"),
-           "--log-dir", str(tmp_path / "logs"), "--workdir", str(tmp_path),
-           "--elastic-rt", f"{sys.executable} {fake}", "-e", "FOO=a b'c $x"]
-    if ssh:
-        cmd += ["--ssh", ssh]
-    return run([*cmd, "run", "--", *args], check=False, env=env_with(FAKE_OUT=out, **env))
-
-
 @pytest.mark.parametrize("via", ["local", "ssh", "pdsh"])
 def test_hosts_passes_every_argument_through(tmp_path, fake_ssh, via):
     if via == "pdsh":
@@ -185,13 +109,15 @@ ETCD_HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 
 @pytest.fixture(scope="module")
 def etcd3(tmp_path_factory):
-    """A 3-member etcd started by launch/etcd-cluster.sh --local on 127.0.0.2-4, shared by
-    this module's tests (each job uses its own run id)."""
-    from elastic_rt.chaos.etcd_server import find_etcd_binary
+    """A 3-member etcd started by launch/etcd-cluster.sh --local on 127.0.0.2-4 as it ships (TLS, client
+    certificates, auth; its PKI in tmp/pki), shared by this module's tests (each job uses its own run id
+    and user)."""
+    from elastic_rt.chaos.etcd_server import find_etcd_binary, find_etcdctl
 
     tmp_path = tmp_path_factory.mktemp("etcd3")
     port = free_port_block(ETCD_HOSTS, 3)
-    opts = ["--local", "--etcd", find_etcd_binary(), "--data-root", str(tmp_path / "etcd"),
+    opts = ["--local", "--etcd", find_etcd_binary(), "--etcdctl", find_etcdctl(find_etcd_binary()),
+            "--pki", str(tmp_path / "pki"), "--data-root", str(tmp_path / "etcd"),
             "--client-port", str(port), "--peer-port", str(port + 1), "--metrics-port", str(port + 2),
             "--token", f"t{port}", "--timeout", "60"]
     started = run([str(ETCD_SH), *opts, "start", *ETCD_HOSTS])
@@ -206,18 +132,32 @@ def etcd3(tmp_path_factory):
                 pass
 
 
-def test_etcd_cluster_start_status_stop(etcd3):
-    from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
-    from elastic_rt.rendezvous.registration import parse_endpoints
+def etcd_client(endpoints: str, conf: dict[str, str]):
+    from elastic_rt.rendezvous.etcd_client import EtcdClient
+    from elastic_rt.rendezvous.registration import etcd_config_from_conf
 
+    return EtcdClient(etcd_config_from_conf(endpoints, conf, timeout_s=5.0, env={}))
+
+
+def job_user(etcd3, run_id: str) -> tuple[str, str]:
+    """`etcd-cluster.sh job-user`: the (--rdzv-endpoint=..., --rdzv-conf=...) of a job's agents."""
+    opts, _port, _started = etcd3
+    out = run([str(ETCD_SH), *opts, "job-user", *ETCD_HOSTS, "--", run_id]).stdout.strip().splitlines()
+    assert out[-2].startswith("--rdzv-endpoint=https://") and out[-1].startswith("--rdzv-conf="), out
+    return out[-2], out[-1]
+
+
+def test_etcd_cluster_start_status_stop(etcd3):
     opts, port, started = etcd3
+    pki = Path(opts[opts.index("--pki") + 1])
     endpoint = started.stdout.strip().splitlines()[-1]
-    assert endpoint == "--rdzv-endpoint=" + ",".join(f"{h}:{port}" for h in ETCD_HOSTS)
+    assert endpoint == "--rdzv-endpoint=" + ",".join(f"https://{h}:{port}" for h in ETCD_HOSTS)
     status = run([str(ETCD_SH), *opts, "status", *ETCD_HOSTS]).stdout
     assert status.count("healthy") == 3 and "UNHEALTHY" not in status
-    # every member serves the same data: write through one, read through another
-    eps = parse_endpoints(endpoint.split("=", 1)[1])
-    c1, c2 = EtcdClient(EtcdConfig(endpoints=eps[:1])), EtcdClient(EtcdConfig(endpoints=eps[2:]))
+    # every member serves the same data: write through one, read through another (as root, by its certificate)
+    urls = endpoint.split("=", 1)[1].split(",")
+    root = {"ca_cert": str(pki / "ca.pem"), "cert": str(pki / "root.pem"), "key": str(pki / "root.key")}
+    c1, c2 = etcd_client(urls[0], root), etcd_client(urls[2], root)
     try:
         c1.put("/deploy-test", b"ok")
         kv = c2.get("/deploy-test")
@@ -234,7 +174,7 @@ def test_etcd_cluster_start_status_stop(etcd3):
     restarted = run([str(ETCD_SH), *opts, "start", *ETCD_HOSTS]).stdout
     assert restarted.count("already running") == 2 and "etcd-127-0-0-2 started" in restarted
     assert run([str(ETCD_SH), *opts, "status", *ETCD_HOSTS]).stdout.count("healthy") == 3
-    c3 = EtcdClient(EtcdConfig(endpoints=eps[:1]))
+    c3 = etcd_client(urls[0], root)
     try:
         kv = c3.get("/deploy-test")
         assert (kv[0] if isinstance(kv, tuple) else kv).value == b"ok", "the restarted member kept its data"
@@ -242,25 +182,65 @@ def test_etcd_cluster_start_status_stop(etcd3):
         c3.close()
 
 
-def test_etcd_cluster_env_files():
-    out = run([str(ETCD_SH), "env", "node1", "node2", "node3"]).stdout
+def test_a_job_user_reaches_its_own_run_only(etcd3):
+    """What etcd-cluster.sh job-user prints works for its run, and nothing else does: another run's keys,
+    a client without a certificate, a plaintext client."""
+    from elastic_rt.errors import EtcdAccessError
+
+    endpoint, conf = job_user(etcd3, "bm-user-a")
+    urls = endpoint.split("=", 1)[1]
+    creds = dict(kv.split("=", 1) for kv in conf.split("=", 1)[1].split(","))
+    assert creds["user"] == "bm-user-a" and oct(os.stat(creds["password_file"]).st_mode & 0o777) == "0o600"
+    c = etcd_client(urls, creds)
+    try:
+        c.put("/elastic-rt/bm-user-a/k", b"v")
+        with pytest.raises(EtcdAccessError, match="permission denied for user 'bm-user-a'"):
+            c.put("/elastic-rt/bm-user-b/closed", b"1")
+    finally:
+        c.close()
+    for url, conf_ in ((urls, {k: v for k, v in creds.items() if k not in ("cert", "key")}),
+                       (urls.replace("https://", "http://"), {"user": "bm-user-a", "password_file": creds["password_file"]})):
+        c = etcd_client(url, conf_)
+        try:
+            with pytest.raises(EtcdAccessError, match="requires a client certificate|speaks TLS"):
+                c.put("/elastic-rt/bm-user-a/k", b"v")
+        finally:
+            c.close()
+
+
+def env_files(*args: str) -> list[dict[str, str]]:
+    out = run([str(ETCD_SH), *args, "env", "node1", "node2", "node3"]).stdout
     files = [b for b in out.strip().split("\n\n")]
     assert len(files) == 3
-    first = dict(line.split("=", 1) for line in files[0].splitlines() if not line.startswith("#"))
+    return [dict(line.split("=", 1) for line in f.splitlines() if not line.startswith("#")) for f in files]
+
+
+def test_etcd_cluster_env_files():
+    first = env_files()[0]
     assert first["ETCD_NAME"] == "etcd-node1"
-    assert first["ETCD_INITIAL_CLUSTER"] == ",".join(f"etcd-node{i}=http://node{i}:2380" for i in (1, 2, 3))
-    assert first["ETCD_ADVERTISE_CLIENT_URLS"] == "http://node1:2379"
+    assert first["ETCD_INITIAL_CLUSTER"] == ",".join(f"etcd-node{i}=https://node{i}:2380" for i in (1, 2, 3))
+    assert first["ETCD_ADVERTISE_CLIENT_URLS"] == "https://node1:2379"
+    d = "/var/lib/elastic-rt-etcd/pki/etcd-node1"
+    assert first["ETCD_CLIENT_CERT_AUTH"] == first["ETCD_PEER_CLIENT_CERT_AUTH"] == "true"
+    assert first["ETCD_CERT_FILE"] == first["ETCD_PEER_CERT_FILE"] == f"{d}/member.pem"
+    assert first["ETCD_TRUSTED_CA_FILE"] == f"{d}/ca.pem" and first["ETCD_PEER_CERT_ALLOWED_CN"] == "etcd-member"
+    assert first["ETCD_AUTH_TOKEN"].startswith(f"jwt,pub-key={d}/jwt.pub,")
+    plain = env_files("--insecure-plaintext")[0]
+    assert plain["ETCD_ADVERTISE_CLIENT_URLS"] == "http://node1:2379"
+    assert not any(k.startswith(("ETCD_CERT", "ETCD_PEER_CERT", "ETCD_AUTH", "ETCD_CLIENT_CERT")) for k in plain)
     assert run([str(ETCD_SH), "env", "a", "b"], check=False).returncode == 2
 
 
 # ---- the example job on two "hosts" against that etcd --------------------------------
-def start_job(tmp_path: Path, endpoint: str, run_id: str, nnodes: str, job_args: list[str],
+def start_job(tmp_path: Path, etcd3, run_id: str, nnodes: str, job_args: list[str],
               grace: str = "10") -> tuple[subprocess.Popen, list[str]]:
+    """The example job on two "hosts" with its own etcd user (etcd-cluster.sh job-user)."""
+    endpoint, conf = job_user(etcd3, run_id)
     agent_hosts = ["127.0.0.2", "127.0.0.3"]
     mport = free_port_block(agent_hosts, 1)
     cmd = [str(HOSTS_SH), "-H", ",".join(agent_hosts), "--via", "local", "--run-dir", str(tmp_path / "run"),
            "--log-dir", str(tmp_path / "logs"), "--workdir", str(REPO), "run",
-           f"--nnodes={nnodes}", "--nproc-per-node=1", endpoint, f"--rdzv-id={run_id}",
+           f"--nnodes={nnodes}", "--nproc-per-node=1", endpoint, conf, f"--rdzv-id={run_id}",
            f"--metrics-port={mport}", f"--grace-period={grace}", "--probe-bytes=0",
            f"--log-dir={tmp_path / 'agent-logs' / '%h'}",
            "launch/train_example.py", *job_args]
@@ -294,9 +274,7 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_job_runs_on_every_host(etcd3, tmp_path):
-    _opts, _port, started = etcd3
-    endpoint = started.stdout.strip().splitlines()[-1]
-    proc, hosts = start_job(tmp_path, endpoint, f"bm-{os.getpid()}-{random.randrange(1 << 30)}", "2:2",
+    proc, hosts = start_job(tmp_path, etcd3, f"bm-{os.getpid()}-{random.randrange(1 << 30)}", "2:2",
                             ["--steps=5", "--dataset-size=256"])
     try:
         out = wait_job(proc, tmp_path, 90)
@@ -312,10 +290,8 @@ def test_job_runs_on_every_host(etcd3, tmp_path):
 
 @pytest.mark.slow
 def test_drain_a_host_and_the_job_goes_on(etcd3, tmp_path):
-    _opts, _port, started = etcd3
-    endpoint = started.stdout.strip().splitlines()[-1]
     run_id = f"bm-drain-{os.getpid()}-{random.randrange(1 << 30)}"
-    proc, hosts = start_job(tmp_path, endpoint, run_id, "1:2",
+    proc, hosts = start_job(tmp_path, etcd3, run_id, "1:2",
                             ["--steps=40", "--step-sleep=0.1", "--dataset-size=512"], grace="5")
     try:
         deadline = time.monotonic() + 90
@@ -387,6 +363,10 @@ def test_agent_unit_command_line_parses():
     assert Path(argv[0]).name == "elastic-rt"
     _args, cfg = parse_launch(["elastic-rt", *argv[1:]])
     assert cfg.rdzv_id == "job42" and cfg.node_id == "node1" and cfg.max_nodes > cfg.min_nodes
+    # the job's own etcd user over TLS, as etcd-cluster.sh job-user makes it
+    assert all(e.startswith("https://") for e in cfg.rdzv_endpoint.split(","))
+    assert {"ca_cert", "cert", "key", "user", "password_file"} <= set(cfg.conf) and cfg.conf["user"] == "job42"
+    assert "password" not in cfg.conf
     assert cfg.script == env["ELASTIC_RT_SCRIPT"] and list(cfg.script_args) == env["ELASTIC_RT_SCRIPT_ARGS"].split()
     assert svc["KillMode"] == "mixed" and svc["KillSignal"] == "SIGTERM"
     assert int(svc["TimeoutStopSec"]) >= cfg.grace_period_s + 10, "systemd must not SIGKILL inside the grace period"

@@ -41,7 +41,7 @@ from tests.chaos.harness import Node
 
 # --rdzv-conf keys the launcher and the etcd-v3 handler understand.
 RDZV_CONF_KEYS = {"lease_ttl", "join_timeout", "last_call_timeout", "read_timeout", "store_timeout",
-                  "ca_cert", "cert", "key", "user", "password", "node_id"}
+                  "ca_cert", "cert", "key", "user", "password", "password_file", "node_id"}
 IMAGE_LAUNCH_DIR = "/opt/elastic-rt/launch/"
 PROBE_PATHS = {"startupProbe": "/livez", "livenessProbe": "/livez", "readinessProbe": "/readyz"}
 
@@ -52,7 +52,7 @@ NEED_CURRENT = pytest.mark.skipif(
 
 
 def rendered_with_jobs() -> list[str]:
-    return [name for name, docs in rendered_cached().items() if any(d["kind"] == "Job" for d in docs)]
+    return [name for name, docs in rendered_cached().items() if list(elastic_rt_launches(docs))]
 
 
 def example_parse_args():
@@ -183,7 +183,7 @@ def check_job(docs: list[dict], job: dict, spec: dict, c: dict, cfg) -> None:
     assert cfg.local_addr == FAKE_POD_IP
     pod_name, _labels = fake_pod_meta(job)
     assert cfg.node_id == pod_name, "node id = pod name (a replacement pod is a new node)"
-    assert cfg.rdzv_id == f"{name}-{FAKE_UID}", f"run id {cfg.rdzv_id!r}: expected the Job's name and uid"
+    assert cfg.rdzv_id == f"{name}_{FAKE_UID}", f"run id {cfg.rdzv_id!r}: expected the Job's name, _ and uid"
     leftovers = [f"{k}={v}" for k, v in env.items() if "$(" in v]
     assert not leftovers, f"env values referring to variables defined later (not expanded): {leftovers}"
     # Metrics and health: the port the agent serves is the port probed and scraped.
@@ -244,14 +244,18 @@ def check_etcd(docs: list[dict], job: dict, cfg) -> None:
     # Agents may talk to etcd: some NetworkPolicy rule admits them to the client port.
     labels = job["spec"]["template"]["metadata"]["labels"]
     host_net = job["spec"]["template"]["spec"].get("hostNetwork", False)
-    for np in find(docs, "NetworkPolicy"):
+    etcd_labels = next(iter(sts_by_service.values()))["spec"]["template"]["metadata"]["labels"]
+    for np in [p for p in find(docs, "NetworkPolicy") if selects(p["spec"]["podSelector"], etcd_labels)]:
         ok = False
         for rule in np["spec"].get("ingress", []):
             if not any(p["port"] == endpoints[0][1] for p in rule.get("ports", [])):
                 continue
             if "from" not in rule:
                 ok = True
-            elif not host_net and any("podSelector" in f and selects(f["podSelector"], labels) for f in rule["from"]):
+            elif not host_net and any("podSelector" in f and "namespaceSelector" not in f
+                                      and selects(f["podSelector"], labels) for f in rule["from"]):
+                ok = True
+            elif host_net and any("ipBlock" in f for f in rule["from"]):
                 ok = True
         assert ok, f"NetworkPolicy {np['metadata']['name']} keeps the agents out of etcd's client port"
 
@@ -358,12 +362,22 @@ def probed_paths(c: dict, cfg) -> set[str]:
     return paths
 
 
+# --rdzv-conf keys that name the pod's etcd credentials (tests/k8s/test_etcd_recipe.py runs them).
+CREDENTIALS = ("ca_cert", "cert", "key", "user", "password_file")
+
+
 def runnable_here(argv: list[str], *, endpoint: str, run_id: str, port: int, log_dir: str) -> list[str]:
     """The manifest's `elastic-rt launch` arguments with only what is environment-specific replaced:
-    etcd, run id, address, metrics port (9402 may be taken here), log dir, the script's path."""
+    etcd and its credentials, run id, address, metrics port (9402 may be taken here), log dir, the
+    script's path."""
     out = []
     for a in argv[2:]:
         flag = a.split("=", 1)[0]
+        if flag == "--rdzv-conf":
+            kept = [kv for kv in a.split("=", 1)[1].split(",") if kv.split("=", 1)[0] not in CREDENTIALS]
+            if not kept:
+                continue
+            a = "--rdzv-conf=" + ",".join(kept)
         a = {
             "--rdzv-endpoint": f"--rdzv-endpoint={endpoint}", "--rdzv-id": f"--rdzv-id={run_id}",
             "--local-addr": "--local-addr=127.0.0.1", "--metrics-port": f"--metrics-port={port}",

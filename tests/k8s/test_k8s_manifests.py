@@ -79,7 +79,8 @@ def test_supported_versions_are_shipped():
 def test_layout():
     names = {rel(d) for d in KUSTOMIZATIONS}
     for want in ("k8s/etcd", "k8s/job", "k8s/monitoring", "k8s/base",
-                 "k8s/overlays/cpu-smoke", "k8s/overlays/gpu", "k8s/overlays/gpu-hostnetwork"):
+                 "k8s/overlays/cpu-smoke", "k8s/overlays/gpu", "k8s/overlays/gpu-hostnetwork",
+                 "k8s/overlays/plaintext-try"):
         assert want in names
 
 

@@ -4,8 +4,9 @@
     python -m tests.support.cli_docs --check README.md    # exit 1 and show the difference
 
 The section lies between BEGIN and END below. Flags, defaults and meanings come from
-`elastic_rt.cli.build_parser()` (global options and `launch`); the `--rdzv-conf` keys and their
-defaults from what `rendezvous.registration` builds when a key is not given.
+`elastic_rt.cli.build_parser()` (global options and `launch`); the torchrun column from torch's own
+parser (`torch.distributed.run.get_args_parser()`); the `--rdzv-conf` keys and their defaults from
+what `rendezvous.registration` builds when a key is not given.
 tests/unit/test_cli_flags_doc.py fails when README's section differs from this output.
 """
 
@@ -40,15 +41,29 @@ RDZV_CONF_KEYS = (
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     from elastic_rt.cli import build_parser
 
-    top = build_parser()
+    top = build_parser(environ={})  # PET_* variables of this shell do not change the documented defaults
     sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
     return top, sub.choices["launch"]
 
 
-def _default(action: argparse.Action) -> str:
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+def torchrun_actions() -> dict[str, argparse.Action]:
+    """torchrun's options (torch's own parser, built with no PET_* variables set), by dest."""
+    import os
+    from unittest import mock
+
+    from torch.distributed.run import get_args_parser
+
+    with mock.patch.dict(os.environ, {k: v for k, v in os.environ.items() if not k.startswith("PET_")}, clear=True):
+        parser = get_args_parser()  # torch's env actions read PET_* while the parser is built
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def _default(action: argparse.Action, *, ours: bool = True) -> str:
+    from elastic_rt.torchrun_compat import SHOWN_DEFAULTS
+
+    if action.nargs == 0 and isinstance(action.default, bool):  # store_true, and torch's check_env switches
         return "on" if action.default else "off"
-    value = action.default
+    value = SHOWN_DEFAULTS.get(action.dest, action.default) if ours else action.default
     if value is None or value == "" or value == [] or value == argparse.SUPPRESS:
         return ""
     if isinstance(value, float):
@@ -65,17 +80,41 @@ def _flag(action: argparse.Action) -> str:
     return ", ".join(f"`{n}`" for n in names)
 
 
+def _torchrun_cell(action: argparse.Action, torchrun: dict[str, argparse.Action]) -> str:
+    theirs = torchrun.get(action.dest)
+    if theirs is None:
+        return ""
+    default = _default(theirs, ours=False)
+    return "✓" if default == _default(action) else f"✓ default {default or 'none'}"
+
+
 def flags_table() -> str:
-    """The global options and every `launch` flag: flag | default | meaning."""
+    """The global options and every `launch` flag: flag | default | torchrun | meaning."""
     top, launch = _parsers()
-    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    torchrun = torchrun_actions()
+    rows = ["| flag | default | torchrun | meaning |", "|---|---|---|---|"]
     for action in top._actions:
         if action.option_strings and action.dest not in ("help", "version"):
-            rows.append(f"| {_flag(action)} | {_default(action)} | {_cell(action.help or '')} (before the command) |")
+            rows.append(f"| {_flag(action)} | {_default(action)} |  | {_cell(action.help or '')} (before the command) |")
     for action in launch._actions:
         if action.option_strings and action.dest != "help":
-            rows.append(f"| {_flag(action)} | {_default(action)} | {_cell(action.help or '')} |")
+            rows.append(f"| {_flag(action)} | {_default(action)} | {_torchrun_cell(action, torchrun)} | "
+                        f"{_cell(action.help or '')} |")
     return "\n".join(rows)
+
+
+def torchrun_summary() -> str:
+    """One line: how many of torchrun's flags `launch` takes (every one, or the test fails)."""
+    import torch
+
+    _, launch = _parsers()
+    torchrun = torchrun_actions()
+    ours = {a.dest for a in launch._actions}
+    taken = [d for d in torchrun if d in ours]
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    return (f"`launch` takes {len(taken)} of the {len(torchrun)} flags of torch {version}'s torchrun, each under "
+            "its spellings and from its PET_* variable (PET_NNODES, PET_NODE_RANK, ...), as torchrun does; the "
+            "torchrun column marks them, with torchrun's default where it differs.")
 
 
 def rdzv_conf_defaults() -> dict[str, object]:
@@ -106,6 +145,8 @@ def render() -> str:
     """The whole generated section, markers included."""
     return "\n".join([
         BEGIN,
+        "",
+        torchrun_summary(),
         "",
         flags_table(),
         "",

@@ -1,0 +1,317 @@
+"""The round protocol's rules as one pure function: decide(view, node, now) -> Action, from a snapshot of the
+membership view and this node's own state; rounds.py performs each action against etcd.
+
+The rules, in the order they are tried (handler.py's docstring says why):
+
+  Between rounds (this node holds no join key)
+    B1  the join deadline passed                            -> TIMEOUT
+    B2  the run is closed                                   -> CLOSED
+    B3  no `round` key                                      -> CREATE_ROUND (0, create-only)
+    B4  the current round's final is not elastic-rt's       -> RendezvousDataError (one line, no waiting)
+    B5  the current round has no final                      -> JOIN it
+    B6  it has one, and this node was a member of it        -> ADVANCE_ROUND (CAS R -> R+1)
+    B7  it has one, this node was not a member, and it has not checked the members' alive keys since the view
+        last changed (or for abandon_check_s)                -> CHECK_ABANDONED: one read of their alive/ keys;
+        when none is alive (gone, or put again by a restarted agent) the whole job was stopped and started
+        again (a requeued batch job): no member is left to open the next round, so this node does (CAS R -> R+1)
+    B8  otherwise                                           -> AWAIT_NEXT_ROUND (waiting/N on its lease)
+  Joined round J
+    J1  the run is closed                                   -> CLOSED (the join key deleted)
+    J2  J's final lists this node                           -> FORMED (waiting/N deleted if the view has it)
+    J3  J's final does not                                  -> UNJOIN
+    J4  `round` moved past J                                -> UNJOIN
+    J5  the join key is not on the current lease            -> JOIN (again)
+    J6  the closer is the smallest live id this node knows: the view's smallest alive/ node, a smaller node
+        learnt from its join (until it departs or a deletes-only view has read again), else this node
+    J7  closer, no tracker                                  -> TRACK_JOINS
+    J8  closer, a smaller id joined                         -> STEP_DOWN (the view reads again)
+    J9  not closer, a tracker                               -> STOP_TRACKING
+    J10 not closer, the fallback read is due or the round has been closable for fallback_s -> READ_JOINS
+    J11 closable (C1-C3), and closer or closable for fallback_s -> WRITE_FINAL (create-only)
+    J12 the join deadline passed                            -> TIMEOUT (the join key deleted)
+    J13 otherwise                                           -> WAIT for a change, until the last call ends,
+                                                               the closable wait ends, the next read or the deadline
+  Closable, on the joins this node knows (the tracker's, or its last read)
+    C1  this node joined, and at least MIN did
+    C2  MAX joined; or R > 0 and every live node and every waiting node joined (a re-formation needs no last
+        call); or last_call_timeout_s passed since MIN were first seen
+    C3  the members: the first MAX joins by create revision, in node-id order (rank = position, so rank 0 stays)
+
+fallback_s = max(2 s, last_call_timeout_s); abandon_check_s = 5 s. The next fallback read is scheduled by the executor, jittered.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Collection, Mapping
+
+from elastic_rt.errors import RendezvousDataError
+from elastic_rt.rendezvous.etcd_client import KeyValue
+from elastic_rt.rendezvous.monitor import incarnation
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The outcome of one round, from this node's point of view."""
+
+    round: int
+    nodes: tuple[str, ...]
+    rank: int
+    master: tuple[str, int] | None = None  # rank 0's address and store port, when the final carries them
+    incarnations: tuple[str | None, ...] = ()  # each member's agent process, as its join said (None: unknown)
+    revision: int = 0  # the final's mod_revision: every member was alive then
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What decide() reads: the membership view and the closer's tracker at one instant. The mappings are the
+    views' own, read while their lock is held: nothing is copied."""
+
+    version: tuple[int, int]  # (the view's, the tracker's or 0): what WAIT waits to change
+    lease: int  # this node's current lease
+    closed: bool
+    round: int | None  # the current round (None: no `round` key yet)
+    round_revision: int  # its mod_revision (for ADVANCE_ROUND's compare-and-set)
+    finals: Mapping[int, KeyValue]
+    waiting: Mapping[str, KeyValue]
+    departed: Collection[str]
+    smallest_alive: str | None
+    follows_alive: bool  # the view sees every alive/ change (else only the smallest live node's deletion)
+    reloads: int  # how often the view has read its ranges
+    alive: Mapping[str, KeyValue] | None  # every live node, from a view that follows alive/ (None: none does)
+    joins: Mapping[str, KeyValue] | None  # the tracker's joins of the joined round (None: no tracker)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeState:
+    """This node in one next_round() call: its settings, and what it remembers between decisions."""
+
+    node_id: str
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout_s: float
+    deadline: float
+    previous_round: int | None = None  # the round this node was last a member of
+    said_waiting: int | None = None  # the round it last logged waiting for
+    checked_alive: tuple[int, tuple[int, int], float] | None = None  # (round, view version, when): its members
+    #                                                      were found alive (B7)
+    joined: int | None = None  # the round it joined (holds or is about to put a join key for)
+    joined_with: int = 0  # the lease its join key is on (0: not put yet)
+    read: Mapping[str, KeyValue] | None = None  # the joins as last read (a node that is not the closer)
+    fresh_read: bool = False  # `read` has not been judged yet
+    read_due: float = float("inf")  # when the next fallback read is due
+    closable_since: float | None = None
+    min_seen_at: float | None = None  # when MIN joins (or a closable round) were first seen
+    smaller: str | None = None  # a node with a smaller id, learnt from its join
+    asked_at: int = 0  # the view's reload count when it was asked to read again for `smaller`
+    written: KeyValue | None = None  # J's final as this node's own create-only write returned it
+
+    abandon_check_s: float = 5.0  # B7: how long a check of a running round's members stands without a change
+
+    @property
+    def fallback_s(self) -> float:
+        return max(2.0, self.last_call_timeout_s)
+
+    def between_rounds(self) -> NodeState:
+        """The state after leaving a joined round."""
+        return replace(self, joined=None, joined_with=0, read=None, fresh_read=False, read_due=float("inf"),
+                       closable_since=None, min_seen_at=None, smaller=None, asked_at=0, written=None)
+
+
+class Step(Enum):
+    """What the executor does next (the rule table above says when)."""
+
+    CLOSED = "closed"  # raise RendezvousClosedError; delete the join key of `round` first, if there is one
+    TIMEOUT = "timeout"  # raise RendezvousTimeoutError; likewise
+    CREATE_ROUND = "create_round"  # create `round` as 0 (create-only); wait up to 1 s for the view to show it
+    ADVANCE_ROUND = "advance_round"  # CAS `round` from `round` to `round` + 1; wait up to 1 s for it to move
+    CHECK_ABANDONED = "check_abandoned"  # read the alive/ keys of `round`'s members; none alive: ADVANCE_ROUND
+    AWAIT_NEXT_ROUND = "await_next_round"  # put waiting/N on `lease` (put_waiting); wait up to wait_s
+    JOIN = "join"  # put joins/`round`/N on `lease`
+    UNJOIN = "unjoin"  # delete joins/`round`/N (None: none was put)
+    FORMED = "formed"  # return `membership` (deleting waiting/N first if drop_waiting)
+    TRACK_JOINS = "track_joins"  # start the closer's tracker of `round`'s joins (and alive/, see `track_alive`)
+    STOP_TRACKING = "stop_tracking"
+    STEP_DOWN = "step_down"  # a smaller node joined: have the view read again
+    READ_JOINS = "read_joins"  # read joins/`round`/*; schedule the next read
+    WRITE_FINAL = "write_final"  # write `round`'s final (create-only): members, incarnations
+    WAIT = "wait"  # wait up to wait_s for the view's or the tracker's version to change from `version`
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step and what it needs; `state` is the node's state after it (the executor adds what its I/O
+    returns: the lease a join went on, the joins read, the final written)."""
+
+    step: Step
+    state: NodeState
+    round: int | None = None
+    lease: int = 0  # JOIN, AWAIT_NEXT_ROUND: the lease to put the key on
+    wait_s: float = 0.0
+    version: tuple[int, int] = (0, 0)
+    revision: int = 0  # ADVANCE_ROUND, CHECK_ABANDONED: the expected mod_revision of `round`
+    final: KeyValue | None = None  # CHECK_ABANDONED: the running round's final (its members, their incarnations)
+    say: bool = False  # AWAIT_NEXT_ROUND: log that this node waits (once per round)
+    put_waiting: bool = False  # AWAIT_NEXT_ROUND: waiting/N is missing or on an old lease
+    track_alive: bool = False  # TRACK_JOINS: the tracker also follows alive/ (the view does not)
+    members: tuple[str, ...] = ()  # WRITE_FINAL
+    incarnations: tuple[str | None, ...] = ()  # WRITE_FINAL
+    membership: Membership | None = None  # FORMED
+    drop_waiting: bool = False  # FORMED
+
+
+def decide(view: RoundView, node: NodeState, now: float) -> Action:
+    """The next step of this node in the round protocol. Pure: reads its arguments, changes nothing."""
+    if node.joined is None:
+        return _between_rounds(view, node, now)
+    return _joined(view, node, now)
+
+
+def _between_rounds(view: RoundView, node: NodeState, now: float) -> Action:
+    if now >= node.deadline:
+        return Action(Step.TIMEOUT, node)  # B1
+    if view.closed:
+        return Action(Step.CLOSED, node)  # B2
+    rnd = view.round
+    if rnd is None:
+        return Action(Step.CREATE_ROUND, node)  # B3
+    final = view.finals.get(rnd)
+    if final is None:
+        return Action(Step.JOIN, replace(node, joined=rnd), round=rnd, lease=view.lease)  # B5
+    decode_final(final)  # B4
+    if node.previous_round == rnd:
+        return Action(Step.ADVANCE_ROUND, node, round=rnd, revision=view.round_revision)  # B6
+    checked = node.checked_alive
+    if checked is None or checked[:2] != (rnd, view.version) or now - checked[2] >= node.abandon_check_s:
+        return Action(Step.CHECK_ABANDONED, replace(node, checked_alive=(rnd, view.version, now)), round=rnd,
+                      revision=view.round_revision, final=final)  # B7
+    waiting = view.waiting.get(node.node_id)  # B8
+    return Action(Step.AWAIT_NEXT_ROUND, replace(node, said_waiting=rnd), round=rnd, lease=view.lease,
+                  version=view.version,
+                  wait_s=max(0.0, min(node.deadline - now, node.abandon_check_s)), say=node.said_waiting != rnd,
+                  put_waiting=waiting is None or waiting.lease != view.lease)
+
+
+def _joined(view: RoundView, node: NodeState, now: float) -> Action:
+    rnd, me = node.joined, node.node_id
+    key = rnd if node.joined_with else None  # the join key to delete when leaving the round
+    if view.closed:
+        return Action(Step.CLOSED, node, round=key)  # J1
+    final = view.finals.get(rnd) or node.written
+    if final is not None:
+        m = membership(rnd, me, final)
+        if m is not None:
+            return Action(Step.FORMED, node.between_rounds(), membership=m, drop_waiting=me in view.waiting)  # J2
+        return _leave_round(view, node, now, key)  # J3
+    if view.round != rnd:
+        return _leave_round(view, node, now, key)  # J4
+    if node.joined_with != view.lease:
+        return Action(Step.JOIN, node, round=rnd, lease=view.lease)  # J5
+    smaller = node.smaller  # J6
+    if smaller is not None and (smaller in view.departed or (not view.follows_alive and view.reloads > node.asked_at)):
+        smaller = None
+    closer = view.smallest_alive or me
+    closer = min(closer, smaller) if smaller is not None else closer
+    node = replace(node, smaller=smaller) if smaller != node.smaller else node
+    if closer == me:
+        if view.joins is None:
+            return Action(Step.TRACK_JOINS, node, round=rnd, track_alive=rnd > 0 and not view.follows_alive)  # J7
+        lowest = min(view.joins, default=me)
+        if lowest < me:
+            return Action(Step.STEP_DOWN, replace(node, smaller=lowest, asked_at=view.reloads))  # J8
+        joins = view.joins
+    else:
+        if view.joins is not None:
+            return Action(Step.STOP_TRACKING, node)  # J9
+        waited = node.closable_since is not None and now - node.closable_since >= node.fallback_s
+        if not node.fresh_read and (now >= node.read_due or waited):
+            return Action(Step.READ_JOINS, node, round=rnd)  # J10
+        joins = node.read or {}
+    alive = view.alive
+    members, wait_s = closable(node, rnd, joins, now, alive, view.waiting)
+    seen = node.min_seen_at
+    if members is not None or len(joins) >= node.min_nodes:
+        seen = seen or now
+    since = node.closable_since
+    if members is None:
+        since = None
+    elif closer == me or (since is not None and now - since >= node.fallback_s):
+        state = replace(node, min_seen_at=seen, fresh_read=False)  # J11
+        return Action(Step.WRITE_FINAL, state, round=rnd, members=members,
+                      incarnations=tuple(incarnation(joins[n]) for n in members))
+    else:
+        since = since or now
+        wait_s = since + node.fallback_s - now
+    if closer != me:
+        wait_s = min(wait_s, node.read_due - now)
+    state = replace(node, min_seen_at=seen, closable_since=since, fresh_read=False)
+    if now >= node.deadline:
+        return Action(Step.TIMEOUT, state, round=rnd)  # J12
+    return Action(Step.WAIT, state, version=view.version, wait_s=max(min(wait_s, node.deadline - now), 0.01))  # J13
+
+
+def _leave_round(view: RoundView, node: NodeState, now: float, key: int | None) -> Action:
+    """J3, J4: the round ended without this node; with no join key put, decide between rounds at once."""
+    if key is None:
+        return _between_rounds(view, node.between_rounds(), now)
+    return Action(Step.UNJOIN, node.between_rounds(), round=key)
+
+
+def closable(node: NodeState, rnd: int, joins: Mapping[str, KeyValue], now: float,
+             alive: Mapping[str, KeyValue] | None, waiting: Collection[str]) -> tuple[tuple[str, ...] | None, float]:
+    """(the members, in rank order, if round rnd can close on these joins now, else None; how long until the
+    last call ends). `alive` follows every alive/ change (None: no view here does; then only MAX joins or the
+    last call close a round)."""
+    if node.node_id not in joins or len(joins) < node.min_nodes:  # C1
+        return None, float("inf")
+    last_call_left = (node.min_seen_at or now) + node.last_call_timeout_s - now  # C2
+    if len(joins) < node.max_nodes and last_call_left > 0:
+        everyone = (rnd > 0 and alive is not None and all(n in joins for n in alive)
+                    and all(n in joins for n in waiting))
+        if not everyone:
+            return None, last_call_left
+    first = sorted(joins, key=lambda n: joins[n].create_revision)[: node.max_nodes]  # C3
+    return tuple(sorted(first)), 0.0
+
+
+def membership(rnd: int, node_id: str, final: KeyValue) -> Membership | None:
+    """This node's Membership of round rnd from its final, or None when the final does not list it."""
+    data = decode_final(final)
+    nodes = tuple(data.get("nodes", ()))
+    if node_id not in nodes:
+        return None
+    master = data.get("master")
+    master = (str(master[0]), int(master[1])) if isinstance(master, list) and len(master) == 2 else None
+    incs = data.get("incarnations")
+    incs = tuple(i if isinstance(i, str) else None for i in incs) \
+        if isinstance(incs, list) and len(incs) == len(nodes) else (None,) * len(nodes)
+    return Membership(rnd, nodes, nodes.index(node_id), master, incs, final.mod_revision)
+
+
+def abandoned(final: KeyValue, alive: Mapping[str, KeyValue | None]) -> bool:
+    """B7: no member that `final` lists is alive: each one's alive/ key is gone, or was put again by another
+    incarnation of its node (its agent restarted). `alive` maps each member to its alive/ key as read."""
+    data = decode_final(final)
+    nodes = [str(n) for n in data.get("nodes", ())]
+    incs = data.get("incarnations")
+    incs = incs if isinstance(incs, list) and len(incs) == len(nodes) else [None] * len(nodes)
+    return bool(nodes) and not any(
+        kv is not None and (inc is None or incarnation(kv) in (None, inc))
+        for inc, kv in ((inc, alive.get(n)) for inc, n in zip(incs, nodes)))
+
+
+def decode_final(kv: KeyValue) -> dict:
+    """A round's final as a dict; RendezvousDataError (one line saying what to do) when it is not elastic-rt's."""
+    try:
+        value = json.loads(kv.value.decode())
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        return value
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RendezvousDataError(
+            f"etcd key {kv.key} (round membership) holds {len(kv.value)} bytes that elastic-rt did not write "
+            f"({exc}); remove the run's keys with `etcdctl del --prefix {kv.key.rsplit('/rounds/', 1)[0]}/` "
+            "or use a new --rdzv-id"
+        ) from exc
