@@ -127,6 +127,7 @@ class GoodputObserver(AgentObserver):
                 window = (self._window_seq, {Signal.STEP_TIME: medians.step, Signal.COMPUTE: medians.compute})
                 with self._lock:
                     self._window = window
+                self.exchange.window_closed.set()
                 if self.metrics is not None:
                     self.metrics.on_step_times(medians.step)
                     self.metrics.on_compute_times(medians.compute)
@@ -146,6 +147,7 @@ class GoodputObserver(AgentObserver):
             return
         self._closed = True
         self._stop.set()
+        self.exchange.window_closed.set()  # the exchange thread returns now, not a window later
         if self.ledger.phase != "other":
             self._read_checkpoint()
             self._record_lost(self.ledger.finished(succeeded=False))

@@ -152,8 +152,9 @@ class StragglerBoard:
 
 
 class SpeedExchange:
-    """Round listener: per round, a thread that publishes this node's medians every window and reads
-    the verdict (rank 0 also aggregates); it ends when the round does. A store error skips a window."""
+    """Round listener: per round, a thread that publishes this node's figures as soon as a window closes
+    (window_closed is set) and reads the verdict (rank 0 also aggregates); it ends when the round does.
+    A store error skips a window."""
 
     def __init__(self, *, node: str, settings: StragglerSettings,
                  latest: Callable[[], NodeWindow | None],
@@ -167,6 +168,7 @@ class SpeedExchange:
         self._stop = stop
         self.round = -1
         self.nodes = 1  # nodes in the current round
+        self.window_closed = threading.Event()  # set by the observer when this node closed a window
 
     def on_round(self, *, round: int, store, group_rank: int, group_world_size: int,
                  master_addr: str | None = None) -> None:
@@ -183,8 +185,10 @@ class SpeedExchange:
             if rank == 0 else None
         published, seen_verdict, failed = None, 0, False
         present: set[int] = set()
-        while not self._stop.wait(self._settings.window_s):
-            if rnd != self.round:
+        while not self._stop.is_set():
+            self.window_closed.wait(self._settings.window_s)  # at the latest a window's time
+            self.window_closed.clear()
+            if rnd != self.round or self._stop.is_set():
                 return
             sample = self._latest()
             if sample is None or sample[0] == published:

@@ -13,9 +13,8 @@ from elastic_rt.doctor import bench
 from elastic_rt.errors import HealthCheckError
 
 
-def test_compute_children_report_per_local_rank_and_name_the_one_that_failed():
-    results = bench.run_local(["cpu", "cpu"], seconds=0.2, timeout_s=180)
-    assert sorted(results) == [0, 1] and all(r.seconds > 0 and r.size == bench.CPU_SIZE for r in results.values())
+def test_compute_children_run_at_once_and_the_one_that_failed_is_named():
+    # (the results of children that succeed are read in the pre-flight end-to-end test)
     with pytest.raises(HealthCheckError, match=r"local rank 1 \(nodev:0\)") as err:
         bench.run_local(["cpu", "nodev:0"], seconds=0.2, timeout_s=180)
     assert "local rank 0" not in str(err.value)
