@@ -45,6 +45,7 @@ def test_a_script_that_raises_at_the_same_step_every_time_ends_with_the_verdict(
     assert not n.matches(r"elastic-rt launch: error"), n.output[-4000:]  # the verdict line says it all
 
 
+@pytest.mark.long  # the rule is tests/unit/test_crash_loop.py's test_failures_that_progress_keep_being_restarted
 def test_a_script_whose_failures_progress_keeps_being_restarted(nodes, tmp_path):  # noqa: F811
     # faults at steps 5 and 7 in the first two attempts: the same exception, never at the same step; with
     # --crash-loop-repeats 1 a single repeat would end the job

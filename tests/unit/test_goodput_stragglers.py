@@ -79,7 +79,7 @@ def test_a_resumed_worker_switching_to_its_own_step_numbers_is_not_timed_as_thou
         clock.t = beat.timestamp_s
         obs += timer.observe({0: beat})
     assert [o.steps for o in obs] == [1] * 5 and all(o.duration_s == pytest.approx(0.3) for o in obs)
-    assert timer.close_window() == {0: pytest.approx(0.3)}
+    assert timer.close_window().step == {0: pytest.approx(0.3)}
 
 
 def test_board_flags_a_rank_slow_for_n_windows_in_a_row_and_only_it():
