@@ -18,6 +18,7 @@ ENV_CHECKPOINT_URL = "ELASTIC_RT_CHECKPOINT_URL"
 ENV_STACK_SIGNAL = "ELASTIC_RT_STACK_SIGNAL"  # faulthandler dumps stacks on this signal (0: off)
 ENV_FLIGHT_RECORDER = "ELASTIC_RT_FLIGHT_RECORDER"  # 1: serve flight recorder dump requests
 ENV_NO_PROGRESS_HOOK = "ELASTIC_RT_NO_PROGRESS_HOOK"  # 1: optimizer steps do not count as progress
+ENV_NO_COMPUTE_TIMER = "ELASTIC_RT_NO_COMPUTE_TIMER"  # 1: backward() is not timed (stragglers off)
 
 # torchrun's launch-time part of the worker contract (torch/distributed/run.py, launcher/api.py),
 # decided once per launch by elastic_rt.config.worker_env_defaults. The per-worker part (RANK,
