@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -35,6 +36,7 @@ from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.agent.host_memory import make_host_cache
+from elastic_rt.agent.replica_server import replica_budget_bytes, start_memory_tier
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.doctor.preflight import Preflight, PreflightMode, PreflightSettings
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError, NodeExcludedError
@@ -197,6 +199,10 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     if goodput is not None:
         policy = PolicyGroup(policy, StragglerPolicy(goodput))
     host_cache = make_host_cache(cfg, node_id)  # before the warm workers: they inherit its variable
+    replicas = None if host_cache is None else start_memory_tier(
+        host_cache=host_cache, node=node_id, secret_file=cfg.conf.get("secret_file"),
+        advertise_host=cfg.local_addr or socket.gethostname(), max_replica_bytes=replica_budget_bytes(),
+        registry=registry)
     warm_pool = make_warm_pool(cfg, node_id, entrypoint, args)
     agent = ElasticRTAgent(
         spec,
@@ -226,6 +232,8 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     finally:
         if warm_pool is not None:
             warm_pool.close()
+        if replicas is not None:
+            replicas.close()
         if host_cache is not None:
             shutil.rmtree(host_cache, ignore_errors=True)
         stop.set()

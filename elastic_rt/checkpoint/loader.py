@@ -76,7 +76,7 @@ def candidates(store: CheckpointStore) -> list[Candidate]:
 
 def load_latest(
     state: MutableMapping[str, Any], *, store: CheckpointStore, source: ReadSource, groups: CheckpointGroups,
-    options: CheckpointOptions,
+    options: CheckpointOptions, newer_than: int | None = None,
 ) -> int | None:
     """Every rank: load the newest committed checkpoint whose files match its manifest into state.
     A damaged manifest (bad JSON, checksum, signature) or a file that does not match is skipped with a
@@ -84,7 +84,8 @@ def load_latest(
     storage error) or is from a newer format stops the load with one line. Small files (.metadata,
     per-rank files) are checked before anything reads them; DCP's data files by the load's own read
     (checkpoint/checked_read.py); a step whose files do not match is loaded no further and the
-    previous one is loaded again in full. None when nothing was ever committed."""
+    previous one is loaded again in full. None when nothing was ever committed (or, with `newer_than`,
+    nothing newer than that step)."""
     found: Any = None
     if groups.rank == 0:
         try:
@@ -94,6 +95,8 @@ def load_latest(
     found = coll.broadcast(found, groups.ctl)
     if isinstance(found, str):
         raise CheckpointError(found)
+    if newer_than is not None:
+        found = [c for c in found if c.step > newer_than]
     failures = []
     for i, cand in enumerate(found):
         if cand.stops:

@@ -20,6 +20,7 @@ from elastic_rt.checkpoint.backends import Storage, open_storage
 from elastic_rt.checkpoint.fence import FenceCheck
 from elastic_rt.checkpoint.guard import WriterGuard
 from elastic_rt.checkpoint.host_cache import HostCache
+from elastic_rt.checkpoint.memory_tier import MemoryTier
 from elastic_rt.checkpoint.options import CheckpointOptions, IfBusy, SaveStats
 from elastic_rt.checkpoint.retention import apply_retention
 from elastic_rt.checkpoint.saver import SaveContext, SaveJob, describe_error, run_save
@@ -62,6 +63,8 @@ class CheckpointManager:
         writer_wait_s: float | None = None,
         fence_wait_s: float = 5.0,
         storage: Storage | None = None,
+        memory_every: int | None = None,
+        persist_every: int | None = None,
     ) -> None:
         self.options = CheckpointOptions(
             keep_last=keep_last,
@@ -83,6 +86,8 @@ class CheckpointManager:
             writer_wait_s=writer_wait_s if writer_wait_s is not None else (
                 WorkerEnvironment.from_env().checkpoint_writer_wait_s or 1.5 * writer_lease_ttl_s),
             fence_wait_s=fence_wait_s,
+            memory_every=memory_every,
+            persist_every=persist_every,
         )
         if keep_last == 1:
             log.warning("checkpoint keep_last=1 under %s: a save that turns out damaged leaves nothing to fall back "
@@ -110,6 +115,12 @@ class CheckpointManager:
             make_writer=self._make_writer,
             before_prepare=self._wait_retention,
         )
+        self._tier = (MemoryTier.from_env(rank=self.rank, groups=self._groups, secret=secret)
+                      if memory_every else None)
+        self._mem_ctx = None if self._tier is None else replace(
+            self._ctx, url=self._tier.store.url, store=self._tier.store, pool=BufferPool(), sync_files=False,
+            before_prepare=lambda: None)
+        self._snapshot_step: int | None = None  # the newest snapshot committed (or restored) in the memory tier
         self._executor: ThreadPoolExecutor | None = None
         self._gc_executor: ThreadPoolExecutor | None = None
         self._retention: Future | None = None
@@ -150,12 +161,23 @@ class CheckpointManager:
         return ChecksumWriter(storage, path, rank=rank, step=step, sync_files=sync_files, thread_count=thread_count,
                               sha=sha)
 
-    def save(self, step: int, state: MutableMapping[str, Any]) -> bool:
+    def save(self, step: int, state: MutableMapping[str, Any], *, persist: bool | None = None) -> bool:
         """Checkpoint `state` as step `step`. Sync: returns once committed. Async: returns once
-        staged (or at once when guard_optimizer() is used); False when skipped (if_busy='skip')."""
+        staged (or at once when guard_optimizer() is used); False when skipped (if_busy='skip').
+        With memory_every/persist_every, call it every step: it snapshots to the memory tier or
+        persists to storage when the step is due (persist=True: to storage now, e.g. on SIGTERM),
+        and returns False for a step that is neither."""
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be an integer >= 0, got {step!r}")
+        ctx = self._ctx
+        every, mem_every = self.options.persist_every, self.options.memory_every
+        if every or mem_every:
+            to_storage = persist if persist is not None else bool(every and step % every == 0)
+            if not to_storage:
+                if self._mem_ctx is None or not mem_every or step % mem_every:
+                    return False
+                ctx = self._mem_ctx
         entered = time.monotonic()
         self._raise_background_error()
         if self.options.async_save and self.options.if_busy == "skip":
@@ -175,7 +197,7 @@ class CheckpointManager:
                 started=entered,
                 balance_ptrs=protected,
             )
-            self._run_job(job)
+            self._run_job(job, ctx)
             return True
         overlap = bool(self._guarded)
         keep_live = (lambda t: storage_ptr(t) in protected) if overlap else (lambda t: True)
@@ -189,7 +211,7 @@ class CheckpointManager:
         )
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rt-ckpt")
-        job.future = self._executor.submit(self._run_job, job)
+        job.future = self._executor.submit(self._run_job, job, ctx)
         self._inflight = job
         try:
             if not overlap:
@@ -250,8 +272,13 @@ class CheckpointManager:
                 f"background checkpoint save failed: {describe_error(exc)}"
             ) from exc
 
-    def _run_job(self, job: SaveJob) -> SaveStats:
-        stats = run_save(job, self._ctx)
+    def _run_job(self, job: SaveJob, ctx: SaveContext) -> SaveStats:
+        stats = run_save(job, ctx)
+        if ctx is self._mem_ctx:
+            self._tier.after_commit(job.step, self._groups, keep_from=self._snapshot_step)  # type: ignore[union-attr]
+            self._snapshot_step = job.step
+            self._last_stats = stats
+            return stats
         if self._host_cache is not None:
             self._host_cache.keep(self._store, job.step)
         if self.rank == 0:  # deleting old checkpoints is off the training loop's path
@@ -293,12 +320,50 @@ class CheckpointManager:
         self._check_open()
         self._wait_inflight()
         self._wait_retention()
+        if self._tier is not None:
+            step = self._load_from_memory(state)
+            if step is not None:
+                return step
         if self._host_cache is None:
             return loader.load_latest(state, store=self._store, source=self._store, groups=self._groups,
                                       options=self.options)
         source = self._host_cache.source(self._store, self._groups, verify=self.options.verify_on_load)
         return source.report(loader.load_latest(state, store=self._store, source=source, groups=self._groups,
                                                 options=self.options))
+
+    def _load_from_memory(self, state: MutableMapping[str, Any]) -> int | None:
+        """The newest snapshot in the memory tier newer than storage's newest commit, read from this node's
+        memory, the replicas and the live peers; None (storage next) when there is none or none verifies."""
+        tier = self._tier
+        newest = None
+        if self.rank == 0:
+            try:
+                newest = self.latest_committed_step()
+            except ElasticRTError as exc:
+                newest = str(exc)
+        newest = coll.broadcast(newest, self._groups.ctl)
+        if isinstance(newest, str):
+            raise CheckpointError(newest)
+        counts = tier.storage.counts
+        before = (counts.own, counts.replicas, sum(counts.peers.values()))
+        try:
+            step = loader.load_latest(state, store=tier.store, source=tier.store, groups=self._groups,
+                                      options=self.options, newer_than=newest)
+        except CheckpointError as exc:
+            if self.rank == 0:
+                log.warning("memory tier: no snapshot newer than storage's step %s loads (%s); loading from storage",
+                            newest, exc)
+            return None
+        if step is None:
+            return None
+        own, replicas, peers = (counts.own - before[0], counts.replicas - before[1],
+                                sum(counts.peers.values()) - before[2])
+        log.info("rank %d: step %d restored from the memory tier: %d file(s) from this node's snapshots, "
+                 "%d from replicas held here, %d from peers; none from storage", self.rank, step, own, replicas, peers)
+        if tier.leader:
+            tier.prune(keep=set(), above=step)
+        self._snapshot_step = step
+        return step
 
     # --------------------------------------------------------------- inspection / lifecycle
 

@@ -33,6 +33,9 @@ class CheckpointOptions:
         released before refusing (0: refuse at once).
     fence_wait_s: how long a commit waits for the agent to confirm the round (a late lease beat)
         before refusing.
+    memory_every, persist_every: with either set, save() is called every step and decides: a
+        snapshot to the node's memory tier (replicated to a peer node) every `memory_every` steps,
+        a checkpoint on storage every `persist_every` steps (docs/checkpoint.md, "Tiers").
     """
 
     keep_last: int = 3
@@ -50,6 +53,8 @@ class CheckpointOptions:
     writer_lease_ttl_s: float = 20.0
     writer_wait_s: float = 0.0
     fence_wait_s: float = 5.0
+    memory_every: int | None = None
+    persist_every: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1:
@@ -74,6 +79,10 @@ class CheckpointOptions:
         for name in ("writer_wait_s", "fence_wait_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0 seconds (got {getattr(self, name)!r})")
+        for name in ("memory_every", "persist_every"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be an integer >= 1 or None (got {value!r})")
         if isinstance(self.per_rank_keys, str):
             raise ConfigError("per_rank_keys must be a tuple of key names, not a string")
         object.__setattr__(self, "per_rank_keys", tuple(self.per_rank_keys))

@@ -14,6 +14,7 @@ A hook may block (to hold a save at that point), raise (to fail it) or return.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -130,3 +131,14 @@ class FilePauseHook:
             if time.monotonic() > deadline:
                 raise CheckpointError(f"test pause file {self.path} was not removed within {self.max_wait_s:.0f} s")
             time.sleep(self.poll_s)
+
+
+class LogLines(logging.Handler):
+    """Collects the messages of the log records it is attached to (INFO and up)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

@@ -1,0 +1,155 @@
+"""The memory tier on gloo ranks with two real replica servers as two nodes: a restart reads its own
+node's memory, a lost node's shards come from their replica on the survivor (at a smaller world),
+storage is read only when no complete snapshot is newer; storage reads are counted."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from elastic_rt.agent.replica_server import ReplicaServer, ReplicaServerConfig
+from elastic_rt.checkpoint import CheckpointManager
+from elastic_rt.checkpoint.backends import open_storage
+from elastic_rt.checkpoint.memory_tier import ENV_MEMORY_TIER_ADDR, ENV_MEMORY_TIER_DIR
+from tests.support.checkpoint import LogLines
+from tests.support.world import run_world
+
+SECRET = b"memory-tier-test-secret"
+LAST = 6  # steps 1..6: snapshots at 2 and 6, storage at 4
+
+
+def _tensors(rank: int, step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank * 1000 + step)
+    return {f"rank{rank}.w{i}": torch.randn(32, 128, generator=gen) for i in range(3)}
+
+
+class CountingStorage:
+    """Storage with its reads of files counted (listings are not file reads)."""
+
+    def __init__(self, inner) -> None:
+        self._inner, self.file_reads = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def read(self, path):
+        self.file_reads.append(path)
+        return self._inner.read(path)
+
+    def open_read(self, path):
+        self.file_reads.append(path)
+        return self._inner.open_read(path)
+
+
+def _manager(url: str, secret_file: str, storage=None) -> CheckpointManager:
+    return CheckpointManager(url, collective_timeout_s=60.0, secret_file=secret_file, memory_every=2,
+                             persist_every=4, storage=storage)
+
+
+def train(rank: int, world_size: int, url: str, secret_file: str, nodes: list[tuple[str, str]]) -> None:
+    os.environ[ENV_MEMORY_TIER_DIR], os.environ[ENV_MEMORY_TIER_ADDR] = nodes[rank]  # as the agent sets them
+    with _manager(url, secret_file) as mgr:
+        for step in range(1, LAST + 1):
+            mgr.save(step, {"model": _tensors(rank, step), "extra": {"step": step}})
+
+
+def restore(rank: int, world_size: int, url: str, secret_file: str, nodes: list[tuple[str, str]], ranks_saved: int):
+    os.environ[ENV_MEMORY_TIER_DIR], os.environ[ENV_MEMORY_TIER_ADDR] = nodes[rank]
+    lines = LogLines()
+    logging.getLogger("elastic_rt.checkpoint").addHandler(lines)
+    logging.getLogger("elastic_rt.checkpoint").setLevel(logging.INFO)
+    model = {k: torch.zeros_like(v) for r in range(ranks_saved) for k, v in _tensors(r, 0).items()}
+    state = {"model": model, "extra": {"step": -1}}
+    storage = CountingStorage(open_storage(url))
+    with _manager(url, secret_file, storage=storage) as mgr:
+        step = mgr.load_latest(state)
+    expected = {k: v for r in range(ranks_saved) for k, v in _tensors(r, step).items()}
+    equal = all(torch.equal(state["model"][k], v) for k, v in expected.items())
+    step_files = [p for p in storage.file_reads if f"step_{step:08d}" in p]
+    return {"step": step, "equal": equal, "extra": state["extra"]["step"], "storage_reads": step_files,
+            "lines": lines.lines}
+
+
+def _servers(dirs: list[str]) -> list[ReplicaServer]:
+    return [ReplicaServer(ReplicaServerConfig(directory=d, secret=SECRET, node=f"node{i}",
+                                              max_replica_bytes=1 << 30)).start() for i, d in enumerate(dirs)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One training run on two nodes (snapshots at 2 and 6, storage at 4); each test restores from a copy."""
+    tmp = tmp_path_factory.mktemp("memory-tier")
+    secret_file = tmp / "secret"
+    secret_file.write_bytes(SECRET)
+    servers = _servers([str(tmp / "tier-a"), str(tmp / "tier-b")])
+    try:
+        run_world(train, 2, f"file://{tmp / 'ckpt'}", str(secret_file),
+                  [(s.config.directory, s.address) for s in servers])
+    finally:
+        for s in servers:
+            s.close()
+    return tmp
+
+
+@pytest.fixture()
+def two_nodes(trained, tmp_path):
+    dirs = []
+    for name in ("tier-a", "tier-b"):
+        shutil.copytree(trained / name, tmp_path / name)
+        dirs.append(str(tmp_path / name))
+    servers = _servers(dirs)
+    yield f"file://{trained / 'ckpt'}", str(trained / "secret"), [(s.config.directory, s.address) for s in servers], servers
+    for s in servers:
+        s.close()
+
+
+def _lose_node_a(servers, nodes) -> None:
+    servers[0].close()  # the node is gone: its server and its host memory
+    shutil.rmtree(nodes[0][0])
+
+
+def test_restart_on_the_same_nodes_reads_its_own_memory_and_no_storage_file(two_nodes):
+    url, secret_file, nodes, _ = two_nodes
+    results = run_world(restore, 2, url, secret_file, nodes, 2)
+    for r in results:
+        assert (r["step"], r["equal"], r["extra"], r["storage_reads"]) == (6, True, 6, []), "\n".join(r["lines"])
+        restored = [line for line in r["lines"] if "step 6 restored from the memory tier" in line]
+        assert restored and "0 from this node's snapshots" not in restored[0], r["lines"]
+
+
+def test_lost_node_is_restored_from_its_replica_at_a_smaller_world(two_nodes):
+    url, secret_file, nodes, servers = two_nodes
+    _lose_node_a(servers, nodes)
+    (r,) = run_world(restore, 1, url, secret_file, nodes[1:], 2)
+    assert (r["step"], r["equal"], r["extra"], r["storage_reads"]) == (6, True, 6, [])
+    restored = [line for line in r["lines"] if "restored from the memory tier" in line]
+    assert restored and "0 from replicas held here" not in restored[0], restored
+
+
+def test_corrupt_replica_falls_back_to_storage_with_a_warning(two_nodes):
+    url, secret_file, nodes, servers = two_nodes
+    _lose_node_a(servers, nodes)
+    (shard,) = glob.glob(os.path.join(nodes[1][0], "replicas", "step_00000006", "save-*", "__0_0.distcp"))
+    with open(shard, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    (r,) = run_world(restore, 1, url, secret_file, nodes[1:], 2)
+    assert (r["step"], r["equal"], r["extra"]) == (4, True, 4)
+    assert any("step 6" in line and "__0_0.distcp" in line for line in r["lines"]), r["lines"]
+
+
+def test_replica_node_lost_too_reads_storage(two_nodes):
+    url, secret_file, nodes, servers = two_nodes
+    _lose_node_a(servers, nodes)
+    shutil.rmtree(os.path.join(nodes[1][0], "replicas"))  # the node that held a's replica lost it too
+    os.makedirs(os.path.join(nodes[1][0], "replicas"))
+    (r,) = run_world(restore, 1, url, secret_file, nodes[1:], 2)
+    assert (r["step"], r["equal"], r["extra"]) == (4, True, 4)  # step 6 has no manifest left: absent, not damaged
+    assert not any("restored from the memory tier" in line for line in r["lines"]), r["lines"]
