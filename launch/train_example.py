@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fsspec URL of the checkpoints (default: $ELASTIC_RT_CHECKPOINT_URL; none: no checkpoints)")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
     p.add_argument("--async-save", action="store_true", help="upload checkpoints in the background")
+    p.add_argument("--memory-every", type=int, default=0,
+                   help="snapshot to the node's memory tier (replicated to a peer node) every N steps; "
+                        "--save-every stays the cadence of checkpoints on storage (0: no memory tier)")
     p.add_argument("--final-params", default=None,
                    help="rank 0 writes the final parameters here (torch.save of one flat tensor)")
     return p
@@ -176,7 +179,8 @@ def train(args, device: torch.device, local_rank: int, backend: str) -> int:
                 print(f"checkpoint saved step={stats.step} world_size={stats.world_size} "
                       f"blocked_s={stats.blocked_s:.4f} save_s={stats.save_duration_s:.4f}", flush=True)
 
-        mgr = CheckpointManager(url, keep_last=3, async_save=args.async_save, on_saved=on_saved)
+        tiers = {"memory_every": args.memory_every, "persist_every": args.save_every} if args.memory_every else {}
+        mgr = CheckpointManager(url, keep_last=3, async_save=args.async_save, on_saved=on_saved, **tiers)
         mgr.guard_optimizer(opt)
 
     def checkpoint_state(step: int) -> dict:
@@ -196,8 +200,9 @@ def train(args, device: torch.device, local_rank: int, backend: str) -> int:
             if batches is not None:  # saved with another global batch size: refused
                 batches.check_step(step)
     if rank == 0:
+        tier = f" restored_from={mgr.restored_from}" if mgr is not None and step else ""
         print(f"start step={step} world_size={world} backend={backend} "
-              f"restart={os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", flush=True)
+              f"restart={os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}{tier}", flush=True)
 
     def lr_at(step: int) -> float:  # keyed on optimizer steps: the same schedule at any world size
         return args.lr * min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else args.lr
@@ -227,7 +232,11 @@ def train(args, device: torch.device, local_rank: int, backend: str) -> int:
         report_step(step)  # after the step's last collective: every rank has finished it, none is ahead
         if rank == 0 and step % args.log_every == 0:
             print(f"step={step} loss={sync[1].item()!r} world_size={world}", flush=True)
-        if mgr is not None and (step % args.save_every == 0 or stop):
+        if mgr is not None and args.memory_every:  # the manager decides: memory tier, storage, or nothing
+            if mgr.save(step, checkpoint_state(step), persist=True if stop else None) and rank == 0 \
+                    and step % args.save_every and not stop:
+                print(f"snapshot step={step} world_size={world}", flush=True)
+        elif mgr is not None and (step % args.save_every == 0 or stop):
             mgr.save(step, checkpoint_state(step))
         if step >= args.steps or stop:
             break

@@ -121,6 +121,7 @@ class CheckpointManager:
             self._ctx, url=self._tier.store.url, store=self._tier.store, pool=BufferPool(), sync_files=False,
             before_prepare=lambda: None)
         self._snapshot_step: int | None = None  # the newest snapshot committed (or restored) in the memory tier
+        self.restored_from: str | None = None  # the tier the last load_latest() read: "memory", "storage" or None
         self._executor: ThreadPoolExecutor | None = None
         self._gc_executor: ThreadPoolExecutor | None = None
         self._retention: Future | None = None
@@ -323,7 +324,9 @@ class CheckpointManager:
         if self._tier is not None:
             step = self._load_from_memory(state)
             if step is not None:
+                self.restored_from = "memory"
                 return step
+        self.restored_from = "storage"
         if self._host_cache is None:
             return loader.load_latest(state, store=self._store, source=self._store, groups=self._groups,
                                       options=self.options)

@@ -177,8 +177,9 @@ def read_secret_file(path: str) -> bytes:
 def create_etcd_v3_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     settings = settings_from_params(params)  # validates timeouts and the node id first
     if params.get("secret_file"):
-        log.warning("--rdzv-conf secret_file applies to --rdzv-backend etcd-v3-torch only; "
-                    "etcd-v3 keeps its state as JSON and never unpickles it")
+        log.info("--rdzv-conf secret_file signs rendezvous state with --rdzv-backend etcd-v3-torch only "
+                 "(etcd-v3 keeps its state as JSON and never unpickles it); here it authenticates the memory "
+                 "tier's replica channel")
     from elastic_rt.rendezvous.handler import EtcdRendezvousHandler
 
     return EtcdRendezvousHandler(EtcdClient(etcd_config_from_params(params)), settings)
