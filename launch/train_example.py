@@ -177,7 +177,8 @@ def train(args, device: torch.device, local_rank: int, backend: str) -> int:
                 report_checkpoint(step=stats.step, save_duration_s=stats.save_duration_s, blocked_s=stats.blocked_s)
             if rank == 0:
                 print(f"checkpoint saved step={stats.step} world_size={stats.world_size} "
-                      f"blocked_s={stats.blocked_s:.4f} save_s={stats.save_duration_s:.4f}", flush=True)
+                      f"blocked_s={stats.blocked_s:.4f} save_s={stats.save_duration_s:.4f} tier={stats.tier}",
+                      flush=True)
 
         tiers = {"memory_every": args.memory_every, "persist_every": args.save_every} if args.memory_every else {}
         mgr = CheckpointManager(url, keep_last=3, async_save=args.async_save, on_saved=on_saved, **tiers)
@@ -233,9 +234,7 @@ def train(args, device: torch.device, local_rank: int, backend: str) -> int:
         if rank == 0 and step % args.log_every == 0:
             print(f"step={step} loss={sync[1].item()!r} world_size={world}", flush=True)
         if mgr is not None and args.memory_every:  # the manager decides: memory tier, storage, or nothing
-            if mgr.save(step, checkpoint_state(step), persist=True if stop else None) and rank == 0 \
-                    and step % args.save_every and not stop:
-                print(f"snapshot step={step} world_size={world}", flush=True)
+            mgr.save(step, checkpoint_state(step), persist=True if stop else None)
         elif mgr is not None and (step % args.save_every == 0 or stop):
             mgr.save(step, checkpoint_state(step))
         if step >= args.steps or stop:

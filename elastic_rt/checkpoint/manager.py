@@ -278,11 +278,10 @@ class CheckpointManager:
         if ctx is self._mem_ctx:
             self._tier.after_commit(job.step, self._groups, keep_from=self._snapshot_step)  # type: ignore[union-attr]
             self._snapshot_step = job.step
-            self._last_stats = stats
-            return stats
-        if self._host_cache is not None:
+            stats = replace(stats, tier="memory")
+        elif self._host_cache is not None:
             self._host_cache.keep(self._store, job.step)
-        if self.rank == 0:  # deleting old checkpoints is off the training loop's path
+        if self.rank == 0 and ctx is self._ctx:  # deleting old checkpoints is off the training loop's path
             with self._retention_lock:
                 if self._gc_executor is None:
                     self._gc_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rt-ckpt-gc")

@@ -108,3 +108,4 @@ class SaveStats:
     bytes_written: int
     url: str
     fence_check_s: float = 0.0  # rank 0: checking the writer's token before the commit
+    tier: str = "storage"  # "memory": a snapshot in the memory tier (url memory-tier://<node>), reported after its push

@@ -41,10 +41,11 @@ def test_node_killed_survivors_resume_from_its_replica_without_storage(etcd_endp
                               extra=extra), name=name) for name in ("a", "b", "c")]
     nodes.extend(group)
     leader = _leader(group)
-    leader.wait_for(r"snapshot step=6 world_size=3", 120)
+    leader.wait_for(r"checkpoint saved step=6 world_size=3 .*tier=memory", 120)
     leader.wait_for(r"\]:step=9 ", 60)
     leader.kill_node()  # its agent, its replica server and its worker: rank 0's shard, .metadata and manifest
-    last_snapshot = max(int(m.group(1)) for m in leader.matches(r"snapshot step=(\d+) world_size=3"))
+    snapshots = leader.matches(r"checkpoint saved step=(\d+) world_size=3 .*tier=memory")
+    last_snapshot = max(int(m.group(1)) for m in snapshots)
     last_step = max(int(m.group(1)) for m in leader.matches(r"\]:step=(\d+) "))
     survivors = [n for n in group if n is not leader]
     for n in survivors:
@@ -55,6 +56,8 @@ def test_node_killed_survivors_resume_from_its_replica_without_storage(etcd_endp
     assert tier == "memory"
     assert resumed % every == 0 and last_snapshot <= resumed <= last_step, (last_snapshot, resumed, last_step)
     assert not [p for p in os.listdir(ckpt) if p.startswith("step_")]  # nothing was ever on storage
+    lost = [int(m.group(1)) for n in survivors for m in n.matches(r"progress lost: (\d+) step\(s\)")]
+    assert lost and max(lost) <= every, lost  # the goodput ledger counts progress as kept at each snapshot
     committed = _committed_indices(group)
     assert sorted(committed) == list(range(1, 41))
     epoch0 = [i for step, (epoch, idx) in committed.items() if epoch == 0 for i in idx]
