@@ -129,6 +129,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the last checkpoint's files of this node's workers in shared memory "
                         "(/dev/shm/elastic-rt-RUN-NODE/, removed at exit) so that a restart here loads "
                         "from memory; storage stays the truth (default on)")
+    p.add_argument("--memory-tier-replica-gib", type=float, default=None,
+                   help="the most GiB of peers' snapshot replicas this node holds in shared memory "
+                        "(CheckpointManager memory_every; docs/checkpoint.md 'Tiers'; default: a quarter of /dev/shm)")
     torchrun_compat.add_torchrun_arguments(p)
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")

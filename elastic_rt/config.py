@@ -286,6 +286,8 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         crash_loop_no_step=args.crash_loop_no_step,
         warm_workers=args.warm_workers == "on",
         host_cache=args.host_cache == "on",
+        memory_tier_replica_bytes=(None if args.memory_tier_replica_gib is None else int(
+            _positive("--memory-tier-replica-gib", args.memory_tier_replica_gib) * (1 << 30))),
         warm_imports=warm_imports,
         run_as_module=bool(args.module) and not args.run_path,
         no_python=bool(args.no_python) and not args.run_path,

@@ -68,6 +68,7 @@ class AgentConfig:
     crash_loop_no_step: int = 5
     warm_workers: bool = True
     host_cache: bool = True
+    memory_tier_replica_bytes: int | None = None  # None: a quarter of /dev/shm (agent/replica_server.py)
     warm_imports: tuple[str, ...] = DEFAULT_WARM_IMPORTS
     run_as_module: bool = False
     no_python: bool = False

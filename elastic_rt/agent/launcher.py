@@ -201,7 +201,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     host_cache = make_host_cache(cfg, node_id)  # before the warm workers: they inherit its variable
     replicas = None if host_cache is None else start_memory_tier(
         host_cache=host_cache, node=node_id, secret_file=cfg.conf.get("secret_file"),
-        advertise_host=cfg.local_addr or socket.gethostname(), max_replica_bytes=replica_budget_bytes(),
+        advertise_host=cfg.local_addr or socket.gethostname(), max_replica_bytes=cfg.memory_tier_replica_bytes or replica_budget_bytes(),
         registry=registry)
     warm_pool = make_warm_pool(cfg, node_id, entrypoint, args)
     agent = ElasticRTAgent(

@@ -1,4 +1,4 @@
-"""The agent's replica server: serves this node's memory tier to peers and holds the replicas they send, within a byte budget.
+"""The agent's replica server: serves the node's memory tier to peers, holds their replicas within a budget.
 
 The tier's directory (in /dev/shm, under the agent's host-memory directory) has two parts:
 `own/` (what this node's workers snapshot, written by them directly) and `replicas/` (what the
@@ -73,7 +73,8 @@ class ReplicaServer:
 
         self._server = Server((config.bind_host, 0), Handler)
         self.address = f"{config.advertise_host}:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), name="elastic-rt-replicas", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), name="elastic-rt-replicas",
+                                        daemon=True)
         self.refused = Counter("elastic_rt_memory_tier_replicas_refused", "Replica files refused (bad crc32, over "
                                "the budget, unauthenticated).", ["node", "reason"], registry=registry)
         if registry is not None:

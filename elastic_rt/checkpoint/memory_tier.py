@@ -1,4 +1,4 @@
-"""The memory tier seen from a worker: snapshots in its node's host memory, one namespace over every node's tier, replicas pushed to the ring successor.
+"""The memory tier seen from a worker: snapshots in node memory, one namespace over all nodes, ring replicas.
 
 A snapshot is an ordinary checkpoint (DCP shards, per-rank files, a create-only manifest carrying
 the writer's fencing token, signed under the job secret) written to a `Storage` whose writes go to

@@ -103,7 +103,8 @@ def two_nodes(trained, tmp_path):
         shutil.copytree(trained / name, tmp_path / name)
         dirs.append(str(tmp_path / name))
     servers = _servers(dirs)
-    yield f"file://{trained / 'ckpt'}", str(trained / "secret"), [(s.config.directory, s.address) for s in servers], servers
+    nodes = [(s.config.directory, s.address) for s in servers]
+    yield f"file://{trained / 'ckpt'}", str(trained / "secret"), nodes, servers
     for s in servers:
         s.close()
 
