@@ -1,0 +1,212 @@
+"""The memory tier's costs: a snapshot every step beside a training step; a node-loss restore beside a raw TCP copy.
+
+    python benchmarks/memory_tier.py [--gib 1.0] [--steps 8] [--out benchmarks/results]
+
+Two gloo ranks on CPU stand for two nodes (one rank each), each with a real replica server
+(elastic_rt/agent/replica_server.py) over its own tier directory in /dev/shm. Each rank holds
+`--gib` GiB of state: float32 parameters (plain tensors of its own: its node's share) and SGD's
+momentum buffers, half each.
+
+Part "snapshot": a tight loop (no sleep) of optimizer steps, with async_save + guard_optimizer and
+memory_every=1, beside the same loop without a manager; per step, the median step time with and
+without snapshots, and the time the loop was blocked (SaveStats.blocked_s). The snapshot (copy to
+/dev/shm and the push to the peer) runs on the background thread: the loop waits for the previous
+one when it is not done (if_busy="wait").
+
+Part "restore": node a is lost (server closed, its tier removed); a world of one rank on node b
+loads the newest snapshot (its own files, and a's from the replica it holds) into a fresh state;
+beside it, the same bytes sent over a TCP connection on loopback between two processes (raw copy
+into a preallocated buffer). Ratio restore / raw copy.
+
+The machine is shared: the load average before and after is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+
+import torch
+
+from elastic_rt.agent.replica_server import ReplicaServer, ReplicaServerConfig
+from elastic_rt.checkpoint import CheckpointManager
+from elastic_rt.checkpoint.memory_tier import ENV_MEMORY_TIER_ADDR, ENV_MEMORY_TIER_DIR
+from provenance import provenance  # benchmarks/provenance.py (this script's directory is on sys.path)
+from results_file import write_results
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # tests.support: the multi-process gloo world the tests use
+from tests.support.world import run_world  # noqa: E402
+
+SECRET = b"memory-tier-benchmark"
+TENSOR_ELEMS = 16 << 20  # 64 MiB float32 tensors
+
+
+def _params(rank: int, gib: float) -> list[torch.Tensor]:
+    """Half of `gib` as parameters: with SGD's momentum buffers the state is `gib`."""
+    count = max(1, int(gib / 2 * (1 << 30) / (TENSOR_ELEMS * 4)))
+    return [torch.full((TENSOR_ELEMS,), float(rank + i), requires_grad=True) for i in range(count)]
+
+
+def _state(rank: int, params, opt, step: int) -> dict:
+    return {"model": {f"rank{rank}.p{i}": p for i, p in enumerate(params)}, "optim": opt.state_dict(),
+            "extra": {"step": step}}
+
+
+def train(rank: int, world: int, url: str, secret_file: str, nodes, gib: float, steps: int, snapshot: bool) -> dict:
+    os.environ[ENV_MEMORY_TIER_DIR], os.environ[ENV_MEMORY_TIER_ADDR] = nodes[rank]
+    params = _params(rank, gib)
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)  # the step's gradient (the loop times the optimizer + snapshot)
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    mgr = None
+    blocked: list[float] = []
+    if snapshot:
+        mgr = CheckpointManager(url, async_save=True, memory_every=1, persist_every=10 ** 9, secret_file=secret_file,
+                                collective_timeout_s=600.0, on_saved=lambda s: blocked.append(s.blocked_s))
+        mgr.guard_optimizer(opt)
+    step_s = []
+    for step in range(1, steps + 1):
+        started = time.perf_counter()
+        opt.step()
+        torch.distributed.barrier()  # the step's collective
+        if mgr is not None:
+            mgr.save(step, {"model": {f"rank{rank}.p{i}": p for i, p in enumerate(params)},
+                            "optim": opt.state_dict(), "extra": {"step": step}})
+        step_s.append(time.perf_counter() - started)
+    if mgr is not None:
+        mgr.close()
+    return {"step_s": step_s, "blocked_s": blocked}
+
+
+def restore(rank: int, world: int, url: str, secret_file: str, nodes, gib: float) -> dict:
+    os.environ[ENV_MEMORY_TIER_DIR], os.environ[ENV_MEMORY_TIER_ADDR] = nodes[rank]
+    model = {f"rank{r}.p{i}": torch.zeros(TENSOR_ELEMS) for r in range(2) for i in range(len(_params(0, gib)))}
+    state = {"model": model, "extra": {"step": -1}}
+    mgr = CheckpointManager(url, memory_every=1, persist_every=10 ** 9, secret_file=secret_file)
+    started = time.perf_counter()
+    step = mgr.load_latest(state)
+    took = time.perf_counter() - started
+    mgr.close()
+    return {"step": step, "load_s": took, "from": mgr.restored_from,
+            "bytes": sum(t.numel() * 4 for t in model.values())}
+
+
+def _sink(port_q, nbytes: int, done_q) -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    buf = bytearray(nbytes)
+    view, got = memoryview(buf), 0
+    while got < nbytes:
+        n = conn.recv_into(view[got:], min(4 << 20, nbytes - got))
+        if not n:
+            break
+        got += n
+    done_q.put(got)
+
+
+def raw_tcp_copy_s(nbytes: int) -> float:
+    """Seconds to send nbytes from this process to another over loopback TCP, into a preallocated buffer."""
+    ctx = mp.get_context("spawn")
+    port_q, done_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_sink, args=(port_q, nbytes, done_q))
+    proc.start()
+    port = port_q.get(timeout=60)
+    data = memoryview(os.urandom(1 << 20))  # 1 MiB, sent repeatedly
+    started = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sent = 0
+        while sent < nbytes:
+            chunk = data[: min(len(data), nbytes - sent)]
+            sock.sendall(chunk)
+            sent += len(chunk)
+        got = done_q.get(timeout=600)
+    took = time.perf_counter() - started
+    proc.join(timeout=60)
+    assert got == nbytes
+    return took
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=1.0, help="GiB of state per node (parameters + momentum)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--reps", type=int, default=3, help="restore / raw copy repetitions")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--allow-dirty", action="store_true")
+    args = p.parse_args()
+    prov = provenance(args.allow_dirty)
+    load_before = list(os.getloadavg())
+    tmp = tempfile.mkdtemp(prefix="elastic-rt-memtier-", dir="/dev/shm")
+    secret_file = os.path.join(tmp, "secret")
+    with open(secret_file, "wb") as f:
+        f.write(SECRET)
+    results: dict = {"gib_per_node": args.gib, "steps": args.steps, "provenance": prov}
+    try:
+        url = f"file://{tmp}/ckpt"
+
+        def servers():
+            return [ReplicaServer(ReplicaServerConfig(directory=os.path.join(tmp, f"tier-{n}"), secret=SECRET,
+                                                      node=n, max_replica_bytes=64 << 30)).start() for n in "ab"]
+
+        srv = servers()
+        nodes = [(s.config.directory, s.address) for s in srv]
+        plain = run_world(train, 2, url, secret_file, nodes, args.gib, args.steps, False, timeout_s=1800)
+        snap = run_world(train, 2, url, secret_file, nodes, args.gib, args.steps, True, timeout_s=1800)
+        skip = 1  # the first step allocates buffers and the optimizer state
+        plain_med = statistics.median(s for r in plain for s in r["step_s"][skip:])
+        snap_med = statistics.median(s for r in snap for s in r["step_s"][skip:])
+        blocked_med = statistics.median(b for r in snap for b in r["blocked_s"][skip:])
+        results["snapshot"] = {"plain_step_s": plain_med, "snapshot_step_s": snap_med, "blocked_s": blocked_med,
+                               "cost_per_step": (snap_med - plain_med) / plain_med, "raw": {"plain": plain,
+                                                                                             "snapshot": snap}}
+        srv[0].close()  # node a is lost: its server and its memory
+        shutil.rmtree(nodes[0][0])
+        loads = [run_world(restore, 1, url, secret_file, nodes[1:], args.gib, timeout_s=1800)[0]
+                 for _ in range(args.reps)]
+        nbytes = loads[0]["bytes"]  # the parameters restored (own memory + the lost node's replica)
+        raw = [raw_tcp_copy_s(nbytes) for _ in range(args.reps)]
+        load_med, raw_med = statistics.median(x["load_s"] for x in loads), statistics.median(raw)
+        results["restore"] = {"load_s": load_med, "raw_tcp_copy_s": raw_med, "ratio": load_med / raw_med,
+                              "replica_bytes": nbytes, "loads": loads, "raw": raw}
+        srv[1].close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    results["load_before"], results["load_after"] = load_before, list(os.getloadavg())
+    s, r = results["snapshot"], results["restore"]
+    text = "\n".join([
+        f"memory tier, {args.gib:g} GiB of state per node (parameters + momentum), 2 nodes x 1 rank (gloo, CPU), "
+        f"commit {prov['commit'][:10]}{' (dirty)' if prov['dirty'] else ''}",
+        f"load average before {load_before[0]:.2f}, after {results['load_after'][0]:.2f} (2 shared cores)",
+        "",
+        "| snapshot every step (async + guard) | median s |",
+        "|---|---:|",
+        f"| optimizer step, no manager | {s['plain_step_s']:.3f} |",
+        f"| optimizer step + snapshot to memory tier | {s['snapshot_step_s']:.3f} |",
+        f"| of which blocked by the snapshot (SaveStats.blocked_s) | {s['blocked_s']:.3f} |",
+        f"| cost per step | {100 * s['cost_per_step']:.1f}% (goal < 2%) |",
+        "",
+        "| node-loss restore | median s |",
+        "|---|---:|",
+        f"| load_latest at world 1: the lost node's parameters from its replica, the survivor's from its memory "
+        f"({r['replica_bytes'] / 2**30:.2f} GiB) | {r['load_s']:.3f} |",
+        f"| raw TCP copy of the same bytes between two processes | {r['raw_tcp_copy_s']:.3f} |",
+        f"| ratio | {r['ratio']:.2f} (goal <= 1.5) |",
+        f"restored from: {sorted({x['from'] for x in r['loads']})}, step {sorted({x['step'] for x in r['loads']})}",
+    ]) + "\n"
+    write_results(args.out, "memory-tier", date.today().isoformat(), results, text)
+
+
+if __name__ == "__main__":
+    main()
