@@ -141,13 +141,16 @@ class ReplicaServer:
         for base in (self.own, self.replicas):
             path = os.path.join(base, rel)
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
+                f = open(path, "rb")
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
                 continue
-            ch.send_header(sock, self.config.secret, nonce, {"size": len(data), "crc32": zlib.crc32(data)},
-                           reply=True)
-            sock.sendall(data)
+            with f:  # two passes, one chunk at a time: the crc32 goes in the header, ahead of the bytes
+                size, crc = os.fstat(f.fileno()).st_size, 0
+                for chunk in ch.file_chunks(f):
+                    crc = zlib.crc32(chunk, crc)
+                f.seek(0)
+                ch.send_header(sock, self.config.secret, nonce, {"size": size, "crc32": crc}, reply=True)
+                ch.stream_to(sock, ch.file_chunks(f))
             return
         ch.send_header(sock, self.config.secret, nonce, {"error": "not found", "missing": True}, reply=True)
 

@@ -4,9 +4,9 @@ One request per TCP connection. The server opens with a random nonce; the client
 (one JSON line: op, path, size, crc32) and the HMAC-SHA256 of nonce + header under the job secret,
 then the body (PUT). The server answers with a header and its own HMAC (over nonce + "reply" +
 header), then the body (GET). A peer without the secret can neither read, write nor list, and
-cannot answer in a server's place. Bodies travel in chunks of CHUNK_BYTES: neither side holds more
-than one chunk of a file it streams, and a GET's bytes are checked against the crc32 its reply
-header announced (what it holds is checked against the manifest by the loader, as for storage).
+cannot answer in a server's place. Bodies travel in chunks of CHUNK_BYTES: a server holds at most
+one chunk of a file it sends or receives (a GET's reader holds the file it reads, as a read from
+storage does), and a GET's bytes are checked against the crc32 its reply header announced (what it holds is checked against the manifest by the loader, as for storage).
 Paths are relative to the tier's root and must be plain names below it (no "..", no absolute path).
 """
 
@@ -57,6 +57,18 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+def recv_into_buffer(sock: socket.socket, n: int) -> bytearray:
+    """n bytes received straight into one buffer (a file's bytes: no second copy)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, CHUNK_BYTES))
+        if not k:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+    return buf
 
 
 def recv_line(sock: socket.socket) -> bytes:
@@ -145,11 +157,11 @@ class ReplicaClient:
         sock.close()
         return {str(k): (None if v is None else int(v)) for k, v in reply["entries"].items()}
 
-    def get(self, path: str) -> bytes:
+    def get(self, path: str) -> bytearray:
         sock, reply = self._request({"op": "get", "path": path})
         with sock:
             try:
-                data = recv_exact(sock, int(reply["size"]))
+                data = recv_into_buffer(sock, int(reply["size"]))
             except (OSError, ValueError) as exc:
                 raise ChannelError(f"replica peer {self.address}: reading {path} failed ({exc})") from exc
         if zlib.crc32(data) != reply["crc32"]:
