@@ -54,11 +54,13 @@ STARTED_RE = re.compile(r"\] started local rank\(s\)")  # the agent started the 
 class Launcher:
     """One `elastic-rt launch` of a tree's code, in a session of its own; its output lines with their times."""
 
-    def __init__(self, tree: str, args: list[str], log_path: str) -> None:
+    def __init__(self, tree: str, args: list[str], log_path: str, *, launcher: tuple[str, ...] = ()) -> None:
+        """`launcher`: the command before `args` (default `python -m elastic_rt.cli launch`)."""
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=tree, PYTHONUNBUFFERED="1")
         env.pop("ELASTIC_RT_CHECKPOINT_URL", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "elastic_rt.cli", "launch", *args], cwd=tree, env=env,
+        command = list(launcher or (sys.executable, "-m", "elastic_rt.cli", "launch"))
+        self.proc = subprocess.Popen([*command, *args], cwd=tree, env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True, errors="replace")
         self.lines: list[tuple[float, str]] = []
