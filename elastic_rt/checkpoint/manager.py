@@ -327,11 +327,15 @@ class CheckpointManager:
                 return step
         self.restored_from = "storage"
         if self._host_cache is None:
-            return loader.load_latest(state, store=self._store, source=self._store, groups=self._groups,
+            step = loader.load_latest(state, store=self._store, source=self._store, groups=self._groups,
                                       options=self.options)
-        source = self._host_cache.source(self._store, self._groups, verify=self.options.verify_on_load)
-        return source.report(loader.load_latest(state, store=self._store, source=source, groups=self._groups,
-                                                options=self.options))
+        else:
+            source = self._host_cache.source(self._store, self._groups, verify=self.options.verify_on_load)
+            step = source.report(loader.load_latest(state, store=self._store, source=source, groups=self._groups,
+                                                    options=self.options))
+        if self._tier is not None and self._tier.leader:  # snapshots newer than storage's step: none loaded
+            self._tier.prune(keep=set(), above=-1 if step is None else step)
+        return step
 
     def _load_from_memory(self, state: MutableMapping[str, Any]) -> int | None:
         """The newest snapshot in the memory tier newer than storage's newest commit, read from this node's

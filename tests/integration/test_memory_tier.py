@@ -144,6 +144,8 @@ def test_corrupt_replica_falls_back_to_storage_with_a_warning(two_nodes):
     (r,) = run_world(restore, 1, url, secret_file, nodes[1:], 2)
     assert (r["step"], r["equal"], r["extra"]) == (4, True, 4)
     assert any("step 6" in line and "__0_0.distcp" in line for line in r["lines"]), r["lines"]
+    # the abandoned snapshot is removed from the tier (a cache), so no later restore tries it again
+    assert not glob.glob(os.path.join(nodes[1][0], "*", "step_00000006")), os.listdir(nodes[1][0])
 
 
 def test_replica_node_lost_too_reads_storage(two_nodes):
