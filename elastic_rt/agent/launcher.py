@@ -97,6 +97,9 @@ def build_handler(cfg: AgentConfig):
         local_addr=cfg.local_addr,
         **cfg.conf,
     )
+    if cfg.metrics_port:  # the etcd-v3 handler advertises it in alive/ (`elastic-rt status` reads it)
+        params.config[registration.METRICS_HOST_KEY] = cfg.metrics_host
+        params.config[registration.METRICS_PORT_KEY] = str(cfg.metrics_port)
     if cfg.rdzv_backend == "c10d" and cfg.standalone:
         params.config.setdefault("is_host", "true")
     if cfg.rdzv_backend == "static":  # torchrun's: node rank 0 hosts the store at the endpoint

@@ -31,6 +31,7 @@ class RendezvousSettings:
     join_timeout_s: float = 600.0
     last_call_timeout_s: float = 10.0
     store_timeout_s: float = 300.0
+    metrics_addr: str | None = None  # host:port of the agent's /metrics, advertised in alive/ (None: not served)
 
     @property
     def reregister_grace_s(self) -> float:
