@@ -67,14 +67,17 @@ def test_keepalives_take_their_share_of_a_shared_machine():
 
 def test_one_agent_per_machine_is_bound_by_etcd_and_the_round_trips():
     costs = _costs(etcd_cpu_s_per_request=0.0)
-    real = model.Machine(rtt_s=0.001)
+    real = model.Machine(rtt_s=0.001, write_latency_s=0.0)
     meet = model.predict(64, costs, real)["meet_s"]
     # nothing queues: 11 requests one after another, each its client slice and a round trip
     assert meet == pytest.approx(11 * (0.002 / 11 + 0.001))
+    # a write's quorum round trip and fsync add to the writes' latency, without queueing
+    slow = model.predict(64, costs, model.Machine(rtt_s=0.001, write_latency_s=0.002))["meet_s"]
+    assert meet + 0.002 <= slow <= meet + 11 * 0.002
     # etcd's capacity then bounds it: 3 members x 8 cores, each request's CPU spread over the members
     heavy = _costs(etcd_cpu_s_per_request=0.003, client_cpu_s_per_round=0.0)
     n = 1024
-    serial_bound = n * 11 * heavy.write_share * 0.003 / 3 * real.serial_share / real.members
+    serial_bound = n * 11 * heavy.write_share * 0.003 / real.members * real.serial_share  # one apply loop
     assert model.predict(n, heavy, real)["meet_s"] >= serial_bound
 
 
