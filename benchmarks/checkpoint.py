@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -42,11 +41,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from elastic_rt.checkpoint import CheckpointManager
-from provenance import provenance  # benchmarks/provenance.py (this script's directory is on sys.path)
+from gloo_world import run_world  # benchmarks/gloo_world.py (this script's directory is on sys.path)
+from provenance import provenance  # benchmarks/provenance.py
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # tests.support: the multi-process gloo world the tests use
-from tests.support.world import run_world  # noqa: E402
 
 TENSORS_PER_RANK = 8
 

@@ -14,6 +14,7 @@ from elastic_rt import torchrun_compat as torchrun
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.decisions import DetectionAction
 from elastic_rt.errors import ConfigError
+from elastic_rt.rdzv_conf import parse_rdzv_conf
 from elastic_rt.rendezvous.keys import validate_run_id
 from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE, ENV_OMP_NUM_THREADS, ENV_SIGNALS_TO_HANDLE
 
@@ -32,20 +33,6 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     if lo > hi:
         raise ConfigError(f"--nnodes {text!r}: MIN ({lo}) is larger than MAX ({hi})")
     return lo, hi
-
-
-def parse_rdzv_conf(text: str) -> dict[str, str]:
-    """'k1=v1,k2=v2' -> {'k1': 'v1', 'k2': 'v2'}."""
-    out: dict[str, str] = {}
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--rdzv-conf item {item!r}: expected key=value")
-        out[key.strip()] = value.strip()
-    return out
 
 
 def parse_nproc(text: str) -> int:
