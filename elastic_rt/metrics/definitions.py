@@ -255,7 +255,7 @@ class HealthCollector:
 
     def describe(self):
         yield from self._families()  # registering must not run the checks
-# ---- goodput, step timing and stragglers (issue 13; recorded by elastic_rt.goodput) ----------------
+# ---- goodput, step timing and stragglers (recorded by elastic_rt.goodput) --------------------------
 # (imports kept with this block so that it merges as one piece)
 import bisect  # noqa: E402
 import threading  # noqa: E402
