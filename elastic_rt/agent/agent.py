@@ -18,6 +18,7 @@ from elastic_rt.agent.exit_aborts import forgive_teardown_exits
 from elastic_rt.agent.process_tree import stop_tree
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.agent.warm_start import warm_start
+from elastic_rt.checkpoint.fence import FencePublisher
 from elastic_rt.decisions import Response, RestartReason
 from elastic_rt.errors import RoundRejectedError
 from elastic_rt.interfaces import AgentObserver, MembershipHandler, RestartPolicy
@@ -75,6 +76,7 @@ class ElasticRTAgent(LocalElasticAgent):
             self._extras.add_etcd_listener(self.observer.on_etcd)
         self.crash_loop = crash_loop
         self._warm_pool = warm_pool
+        self._fence: FencePublisher | None = None  # the round, for the workers' checkpoint commits
         if warm_pool is not None:
             warm_pool.log_prefix = self._prefix
 
@@ -129,6 +131,10 @@ class ElasticRTAgent(LocalElasticAgent):
             ENV_NODE_ID: self._node_id,
             ENV_ROUND: str(m.round if m else 0),
         })
+        if self._fence is None and self._extras is not None:
+            self._fence = FencePublisher(self._reports.directory, self._extras)
+        if self._fence is not None:
+            self._fence.start()  # the new round is in the file before a worker can read it
         with warm_start(self._warm_pool, ready=self._workers_stepped):
             pids = super()._start_workers(worker_group)
         self.diagnostics.on_workers_started(
