@@ -5,6 +5,7 @@ dependencies, and are not counted; imports inside functions are."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
 from pathlib import Path
 from typing import Container
@@ -121,21 +122,26 @@ def layer_violations(graph: dict[str, set[str]], layers=LAYERS, known=KNOWN_UPWA
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _package_graph() -> dict[str, set[str]]:
+    return module_graph(REPO, "elastic_rt")
+
+
 def _without_known(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return {s: {t for t in ts if (area(s), area(t)) not in KNOWN_UPWARD} for s, ts in graph.items()}
 
 
 # ---- the package ---------------------------------------------------------------------------------------
 def test_the_package_has_no_import_cycles():
-    assert cycles(_without_known(module_graph(REPO, "elastic_rt"))) == []
+    assert cycles(_without_known(_package_graph())) == []
 
 
 def test_no_area_imports_a_higher_or_sibling_layer():
-    assert layer_violations(module_graph(REPO, "elastic_rt")) == []
+    assert layer_violations(_package_graph()) == []
 
 
 def test_every_area_is_placed_in_a_layer():
-    areas = {area(m) for m in module_graph(REPO, "elastic_rt")}
+    areas = {area(m) for m in _package_graph()}
     placed = {name for names in LAYERS for name in names}
     assert areas == placed, f"not in LAYERS: {sorted(areas - placed)}; gone: {sorted(placed - areas)}"
 
