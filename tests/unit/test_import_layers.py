@@ -28,9 +28,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
     ("chaos", "cli"): "chaos.processes parses agents' command lines with cli.add_launch_arguments (chaos/ rework)",
 }
-# benchmarks/ scripts that still import a tests/ harness (their harness needs tests/chaos and tests/support's
-# Prometheus server).
-KNOWN_BENCHMARK_TEST_IMPORTS = {"alert_latency", "dashboard_png"}
+# benchmarks/ scripts that still import a tests/ harness: alert_latency runs tests/support/node_loss.py's job,
+# which needs tests/chaos's node harness and the tests' Prometheus server.
+KNOWN_BENCHMARK_TEST_IMPORTS = {"alert_latency"}
 
 
 def _is_type_checking(node: ast.AST) -> bool:
