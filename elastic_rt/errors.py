@@ -45,3 +45,18 @@ class CheckpointError(ElasticRTError):
 
 class HealthCheckError(ElasticRTError):
     """A pre-flight or health check failed."""
+
+
+class NodeExcludedError(HealthCheckError):
+    """The pre-flight test found this node slower than the job (--preflight exclude): it leaves before
+    training; a scheduler should run it elsewhere, not restart it here."""
+
+    exit_code = 4
+
+
+class RoundRejectedError(ElasticRTError):
+    """A round must form again without nodes the pre-flight test excluded (handled by the agent)."""
+
+    def __init__(self, message: str, nodes: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.nodes = nodes

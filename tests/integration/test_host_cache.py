@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elastic_rt.checkpoint import CheckpointManager
-from tests.support.world import run_world
+from benchmarks.gloo_world import run_world
 from elastic_rt.errors import CheckpointError
 from elastic_rt.worker_env import ENV_HOST_CACHE_DIR
 
