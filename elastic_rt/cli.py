@@ -35,8 +35,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="etcd endpoints host:port[,host:port...]; tried in order, failing over")
     p.add_argument("--rdzv-id", "--rdzv_id", default="none", help="job id, the same on every node")
     p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
-                   help="k=v,... : lease_ttl, join_timeout, last_call_timeout, read_timeout, "
-                        "ca_cert, cert, key, user, password")
+                   help="k=v,... : timeouts, TLS files, user and password_file, secret_file, ... (the "
+                        "--rdzv-conf table below; unknown keys of the etcd backends are refused)")
     p.add_argument("--standalone", action="store_true",
                    help="one node, no external service (an embedded store)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,

@@ -46,8 +46,13 @@ class MembershipHandler(ABC):
         """Give up this node's place now, so that the others re-form without waiting for its lease to expire."""
 
     @abstractmethod
+    def tidy(self) -> int:
+        """After leave(), when the run is closed and this was its last agent: remove the run's keys (but the
+        short-lived `closed` marker). Returns the keys removed."""
+
+    @abstractmethod
     def close(self) -> None:
-        """Release the handler's connections (after leave())."""
+        """Release the handler's connections (after leave() and tidy())."""
 
 
 class AgentObserver:

@@ -198,7 +198,8 @@ def test_a_job_user_reaches_its_own_run_only(etcd3):
     finally:
         c.close()
     for url, conf_ in ((urls, {k: v for k, v in creds.items() if k not in ("cert", "key")}),
-                       (urls.replace("https://", "http://"), {"user": "bm-user-a", "password_file": creds["password_file"]})):
+                       (urls.replace("https://", "http://"), {"user": "bm-user-a", "password_file": creds["password_file"],
+                                                         "allow_plaintext_auth": "1"})):
         c = etcd_client(url, conf_)
         try:
             with pytest.raises(EtcdAccessError, match="requires a client certificate|speaks TLS"):
