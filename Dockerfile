@@ -32,8 +32,9 @@ RUN pip install /src && elastic-rt --version
 FROM python:${PYTHON_VERSION}-slim-bookworm
 # tini: PID 1 that forwards SIGTERM to the agent and reaps orphaned processes.
 # ca-certificates: TLS to etcd and object storage. procps: ps/pgrep for operators.
+# numactl: launch --numa-binding runs each worker under numactl.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends tini ca-certificates procps \
+    && apt-get install -y --no-install-recommends tini ca-certificates procps numactl \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/venv /opt/venv
 COPY launch /opt/elastic-rt/launch

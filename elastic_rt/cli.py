@@ -133,11 +133,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     from elastic_rt.checkpoint import cli as ckpt_cli
     from elastic_rt.doctor import command as doctor
     from elastic_rt.report import command as report_cmd
+    from elastic_rt.status import command as status_cmd
 
     ckpt_cli.add_subparser(sub)
     doctor.add_subparser(sub)
     chaos_cli.add_subparser(sub)
     report_cmd.add_subparser(sub)
+    status_cmd.add_subparser(sub)
     return parser
 
 

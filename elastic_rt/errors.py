@@ -33,6 +33,12 @@ class RendezvousDataError(ElasticRTError):
     """Data found under the rendezvous prefix is not what elastic-rt wrote."""
 
 
+class RunNotFoundError(ElasticRTError):
+    """No key of the run exists under /elastic-rt/<run_id>/ (`elastic-rt status`: a wrong --rdzv-id)."""
+
+    exit_code = 3
+
+
 class CheckpointError(ElasticRTError):
     """A checkpoint could not be written, found or verified."""
 

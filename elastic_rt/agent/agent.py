@@ -52,7 +52,7 @@ class ElasticRTAgent(LocalElasticAgent):
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout_s,
-            log_line_prefix_template=log_line_prefix_template, shutdown_timeout=int(shutdown_grace_s),
+            log_line_prefix_template=log_line_prefix_template, shutdown_timeout=shutdown_grace_s,  # type: ignore[arg-type]  # torch adds it to time.monotonic(): a float keeps 0.5 s as 0.5, int() made it 0
         )
         self._node_id = node_id
         self._reports = reports

@@ -102,6 +102,9 @@ def build_handler(cfg: AgentConfig):
         params.config["fingerprint"] = JobFingerprint.of(
             script=cfg.script, script_args=cfg.script_args, min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes,
             launch_id=cfg.conf.get("launch_id", "")).encode()
+    if cfg.metrics_port:  # the etcd-v3 handler advertises it in alive/ (`elastic-rt status` reads it)
+        params.config[registration.METRICS_HOST_KEY] = cfg.metrics_host
+        params.config[registration.METRICS_PORT_KEY] = str(cfg.metrics_port)
     if cfg.rdzv_backend == "c10d" and cfg.standalone:
         params.config.setdefault("is_host", "true")
     if cfg.rdzv_backend == "static":  # torchrun's: node rank 0 hosts the store at the endpoint

@@ -32,6 +32,13 @@ def epoch_order(*, dataset_length: int, seed: int, epoch: int, shuffle: bool) ->
     return torch.randperm(dataset_length, generator=generator).tolist()
 
 
+def position_index(order: list[int], position: int) -> int:
+    """The dataset index at ``position`` of the epoch's order; positions from N on are padding
+    and repeat the start of the order (``order[(position - N) % N]``)."""
+    n = len(order)
+    return order[position] if position < n else order[(position - n) % n]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Partition:
     """Rank ``rank``'s share of the epoch's global order from position ``start`` on.
@@ -96,9 +103,5 @@ class Partition:
 
     def indices(self, order: list[int]) -> list[int]:
         """This rank's dataset indices, in the order it yields them."""
-        n = self.dataset_length
         stop = self.start + self.total_size
-        return [
-            order[p] if p < n else order[(p - n) % n]
-            for p in range(self.start + self.rank, stop, self.num_replicas)
-        ]
+        return [position_index(order, p) for p in range(self.start + self.rank, stop, self.num_replicas)]

@@ -96,6 +96,11 @@ class ElasticDistributedSampler(Sampler[int]):
         return self._epoch
 
     @property
+    def dataset_length(self) -> int:
+        """``len(dataset)``, read once at construction."""
+        return self._dataset_length
+
+    @property
     def consumed(self) -> int:
         """Positions of this epoch's global order consumed by committed steps (a prefix)."""
         return self._consumed
@@ -188,6 +193,23 @@ class ElasticDistributedSampler(Sampler[int]):
                 f"set_epoch({self._epoch + 1}) before the next epoch"
             )
         self._consumed = min(self._consumed + global_batch_size, end)
+
+    def advance_positions(self, count: int) -> None:
+        """Record that one committed step consumed the next ``count`` positions of the order.
+
+        The exact form of ``advance`` for steps that are not the same count on every rank
+        (GlobalBatchSampler's fixed global batch calls it): any ``count`` from 0 up to what
+        is left of the epoch's real positions; no rounding, no clipping.
+        """
+        if not is_int(count) or count < 0:
+            raise SamplerConfigError(f"advance_positions() takes an int >= 0, got {count!r}")
+        if self._consumed + count > self._dataset_length:
+            raise SamplerConfigError(
+                f"advance_positions({count}) would pass the end of epoch {self._epoch} "
+                f"({self._consumed} of {self._dataset_length} samples consumed); call "
+                f"set_epoch({self._epoch + 1}) before the next epoch"
+            )
+        self._consumed += count
 
     def state_dict(self) -> dict[str, int | bool]:
         """Plain data describing progress through the epoch; the same on every rank."""

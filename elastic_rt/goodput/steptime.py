@@ -38,13 +38,15 @@ class StepTimer:
 
     Works for any step length: with 1 ms steps one tick sees ~100 steps (their mean is one
     observation of weight 100); with 60 s steps most ticks see none. Two reports of the same
-    step, or a step going back (a new worker), give no observation.
+    step, or a step going back (a new worker), give no observation; neither does the switch from
+    the optimizer step count to the script's own step numbers (a worker that resumed at step N
+    shows 1, its first optimizer step, then N + 1 from report_step: not N steps in no time).
     """
 
     def __init__(self, *, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
         self._clock = clock
-        self._last: dict[int, tuple[float, int]] = {}
+        self._last: dict[int, tuple[float, int, int]] = {}  # rank -> (report time, step, seq)
         self._window: dict[int, list[tuple[float, int]]] = {}
         self._window_start = clock()
 
@@ -61,13 +63,15 @@ class StepTimer:
             if beat is None:
                 continue
             last = self._last.get(rank)
-            if last is not None and beat.step > last[1] and beat.timestamp_s > last[0]:
+            # one counter (the optimizer's: step == seq) before, another (report_step's) now
+            renumbered = last is not None and last[1] == last[2] and beat.step != beat.seq
+            if last is not None and beat.step > last[1] and beat.timestamp_s > last[0] and not renumbered:
                 steps = beat.step - last[1]
                 obs = StepObservation(rank, (beat.timestamp_s - last[0]) / steps, steps)
                 self._window.setdefault(rank, []).append((obs.duration_s, steps))
                 out.append(obs)
             if last is None or beat.step != last[1]:
-                self._last[rank] = (beat.timestamp_s, beat.step)
+                self._last[rank] = (beat.timestamp_s, beat.step, beat.seq)
         return out
 
     def window_due(self, now: float | None = None) -> bool:

@@ -86,6 +86,11 @@ class AgentMetrics:
         self.restarts = counter(
             "elastic_rt_restarts", "Worker group restarts, by what caused them.", extra=["reason"]
         )
+        self.last_restart = gauge(
+            "elastic_rt_last_restart_timestamp_seconds",
+            "Unix time of this agent's last worker group restart for the reason (absent before the first).",
+            extra=["reason"],
+        )
         self.recovery = histogram(
             "elastic_rt_recovery_duration_seconds",
             "Time from a failure being detected to the workers running again.",
@@ -129,6 +134,10 @@ class AgentMetrics:
 
         for reason in RESTART_REASONS:  # export zeros so rate() and alerts see every series
             self.restarts.labels(*self._base, reason)
+        # Histograms too: a series born at its first observation holds 1 in its first sample, which rate()
+        # and increase() never count, so a dashboard's quantiles would stay empty until the second event.
+        for hist in (self.rendezvous_duration, self.recovery, self.checkpoint_save, self.checkpoint_blocked):
+            hist.labels(*self._base)
         self.rounds.labels(*self._base)
         self.probe_failures.labels(*self._base)
 
@@ -164,6 +173,7 @@ class AgentMetrics:
             raise ValueError(f"unknown restart reason {str(reason)!r}; expected one of "
                              f"{', '.join(RESTART_REASONS)}")
         self.restarts.labels(*self._base, reason).inc()
+        self.last_restart.labels(*self._base, reason).set(self._wall_clock())
 
     def on_recovered(self, duration_s: float) -> None:
         """Workers run again, `duration_s` after the failure was detected."""
@@ -360,9 +370,15 @@ COLLECTIVE_ERROR_KINDS = tuple(dict.fromkeys((backend, kind) for _, backend, kin
 class FailureMetrics:
     """Worker failures by cause, hangs by the rank that stopped first, collective backend errors."""
 
-    def __init__(self, *, registry: CollectorRegistry, run_id: str, node: str) -> None:
+    def __init__(self, *, registry: CollectorRegistry, run_id: str, node: str,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self._base = (run_id, node)
+        self._wall_clock = wall_clock
         base = ["run_id", "node"]
+        self.last_failure = Gauge(
+            "elastic_rt_last_worker_failure_timestamp_seconds",
+            "Unix time of the last worker failure of this node with the cause (absent before the first).",
+            base + ["cause"], registry=registry)
         self.failures = Counter(
             "elastic_rt_worker_failures", "Worker failures by cause (see docs/failures.md).", base + ["cause"],
             registry=registry)
@@ -385,11 +401,13 @@ class FailureMetrics:
         if cause not in FAILURE_CAUSES:
             raise ValueError(f"unknown failure cause {str(cause)!r}; expected one of {', '.join(FAILURE_CAUSES)}")
         self.failures.labels(*self._base, cause).inc()
+        self.last_failure.labels(*self._base, cause).set(self._wall_clock())
         if collective is not None:
             self.collective_errors.labels(*self._base, *collective).inc()
 
     def on_hang(self, local_rank: int, process_state: str) -> None:
         self.failures.labels(*self._base, FailureCause.HANG).inc()
+        self.last_failure.labels(*self._base, FailureCause.HANG).set(self._wall_clock())
         self.hangs.labels(*self._base, str(local_rank), process_state).inc()
 # ---- etcd reachability (fed by the rendezvous through observer.on_etcd) -------------------------
 class EtcdMetrics:

@@ -72,7 +72,7 @@ KEYS: tuple[ConfKey, ...] = (
     ConfKey(key="timeout", meaning="set by torchrun (`--rdzv-timeout`); not used by the etcd backends"),
 )
 
-_INTERNAL = frozenset({"fingerprint"})  # set by `elastic-rt launch` itself (never by hand)
+_INTERNAL = frozenset({"fingerprint", "metrics_host", "metrics_port"})  # set by `elastic-rt launch` itself
 
 
 def canonical(conf: Mapping[str, object]) -> dict[str, object]:

@@ -117,6 +117,15 @@ log = logging.getLogger(__name__)
 MASTER_KEY = "elastic-rt/master"  # rank 0's store address in the round's store, when it did not close the round
 
 
+def alive_info(settings: RendezvousSettings) -> dict:
+    """What this node's alive/ value tells the others and `elastic-rt status` (with the liveness port and the
+    incarnation NodeLease adds): its address, --nnodes, and where its agent serves /metrics, when it does."""
+    info: dict = {"addr": settings.local_addr, "nnodes": [settings.min_nodes, settings.max_nodes]}
+    if settings.metrics_addr:
+        info["metrics"] = settings.metrics_addr
+    return info
+
+
 class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
     """torch.distributed.elastic RendezvousHandler backed by etcd v3 leases and watches, with the
     MembershipHandler extras the agent uses."""
@@ -134,7 +143,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock, alive_puts=False)
         self._lease = NodeLease(
             client, self.keys, settings.node_id, ttl_s=settings.lease_ttl_s, health=self.health,
-            info={"addr": settings.local_addr}, local_addr=settings.local_addr, clock=clock,
+            info=alive_info(settings), local_addr=settings.local_addr, clock=clock,
             on_beat=self._follow_failover, on_granted=self._view.changed,
         )
         self._started = False

@@ -11,18 +11,17 @@ import logging
 import os
 import re
 import socket
-from typing import Mapping
-
-from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from typing import TYPE_CHECKING, Mapping
 
 from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous import conf as rdzv_conf
-from elastic_rt.rendezvous.backend import EtcdV3RendezvousBackend
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
-from elastic_rt.rendezvous.handler import EtcdRendezvousHandler, RendezvousSettings
 from elastic_rt.rendezvous.keys import RunKeys
-from elastic_rt.rendezvous.store import EtcdStore
+
+if TYPE_CHECKING:  # torch is imported where a handler is built: the etcd options below serve commands without it
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elastic_rt.rendezvous.handler import EtcdRendezvousHandler, RendezvousSettings
 
 DEFAULT_PORT = 2379
 log = logging.getLogger(__name__)
@@ -137,15 +136,37 @@ def default_node_id() -> str:
     return f"{host}-{os.getpid()}"
 
 
+# RendezvousParameters.config keys the launcher sets (not --rdzv-conf): where the agent serves /metrics.
+METRICS_HOST_KEY = "metrics_host"
+METRICS_PORT_KEY = "metrics_port"
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def advertised_metrics_addr(local_addr: str, host: str | None, port: object) -> str | None:
+    """host:port at which the other nodes and `elastic-rt status` reach this agent's /metrics: the bind
+    address, or this node's address when the server binds every interface; None when it is off (port 0)."""
+    try:
+        number = int(port)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+    if not 0 < number < 65536:
+        return None
+    target = local_addr if (host or "") in _WILDCARD_HOSTS else str(host)
+    return f"[{target}]:{number}" if ":" in target else f"{target}:{number}"
+
+
 def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
+    from elastic_rt.rendezvous.handler import RendezvousSettings
+
     conf = conf_from_params(params)
     node_id = str(params.get("node_id") or default_node_id())
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", node_id):
         raise ConfigError(f"invalid node id {node_id!r}: use letters, digits, '.', '_' or '-'")
+    local_addr = params.local_addr or socket.getfqdn()
     return RendezvousSettings(
         run_id=params.run_id,
         node_id=node_id,
-        local_addr=params.local_addr or socket.getfqdn(),
+        local_addr=local_addr,
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
         lease_ttl_s=_float(params, "lease_ttl", 3.0),
@@ -155,6 +176,7 @@ def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
         closed_ttl_s=_float(params, "closed_ttl", 3600.0),
         fingerprint=str(params.get("fingerprint") or ""),
         accept_closed=rdzv_conf.flag(conf, "accept_closed"),
+        metrics_addr=advertised_metrics_addr(local_addr, params.get(METRICS_HOST_KEY), params.get(METRICS_PORT_KEY)),
     )
 
 
@@ -175,6 +197,8 @@ def read_secret_file(path: str) -> bytes:
 def create_etcd_v3_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """elastic-rt's handler; with `--rdzv-conf secret_file=PATH` each round's final, `closed` and rank 0's store
     address are signed with the job's secret and a value it does not sign is refused (docs/rendezvous.md)."""
+    from elastic_rt.rendezvous.handler import EtcdRendezvousHandler
+
     settings = settings_from_params(params)  # validates the keys, timeouts and the node id first
     path = params.get("secret_file")
     secret = read_secret_file(path) if path else None
@@ -188,6 +212,11 @@ def create_etcd_v3_torch_handler(params: RendezvousParameters):
     unsigned or wrongly signed state is refused before torch unpickles it (docs/rendezvous.md). Without it
     whoever can write the state's etcd key runs code in every agent: refused unless insecure_state=1.
     """
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    from elastic_rt.rendezvous.backend import EtcdV3RendezvousBackend
+    from elastic_rt.rendezvous.store import EtcdStore
+
     keys = RunKeys(params.run_id)
     conf = conf_from_params(params)
     path = conf.get("secret_file")
@@ -204,6 +233,8 @@ def create_etcd_v3_torch_handler(params: RendezvousParameters):
 
 def register() -> None:
     """Make `--rdzv-backend etcd-v3` (and etcd-v3-torch) known to torch in this process."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
     for name, creator in (("etcd-v3", create_etcd_v3_handler), ("etcd-v3-torch", create_etcd_v3_torch_handler)):
         try:
             rendezvous_handler_registry.register(name, creator)

@@ -35,6 +35,7 @@ class RendezvousSettings:
     closed_ttl_s: float = 3600.0  # how long a finished run's `closed` marker outlives its other keys
     fingerprint: str = ""  # the job's (JobFingerprint.encode()); "" : not checked (torchrun's entry point)
     accept_closed: bool = False  # a run found finished is not an error
+    metrics_addr: str | None = None  # host:port of the agent's /metrics, advertised in alive/ (None: not served)
 
     @property
     def reregister_grace_s(self) -> float:

@@ -23,7 +23,8 @@ RULES = K8S / "monitoring" / "prometheusrule.yaml"
 DASHBOARD = K8S / "monitoring" / "dashboards" / "elastic-rt.json"
 ALERTS_TEST = Path(__file__).parent / "data" / "alerts_test.yaml"
 FIXTURE_SYSFS = REPO / "tests" / "fixtures" / "sysfs"
-METRIC = re.compile(r"\belastic_rt_[a-z0-9_]+")
+METRIC = re.compile(r"(?<![:\w])elastic_rt_[a-z0-9_]+")  # not the middle of a recorded name (level:metric:ops)
+RECORDED = re.compile(r"\b[a-z_]+:elastic_rt_[a-z0-9_]+:[a-z0-9_]+\b")
 
 NEED_PROMTOOL = needs_tool("promtool", shutil.which("promtool") is not None,
                            "apt-get install --no-install-recommends prometheus")
@@ -47,6 +48,10 @@ def rule_groups() -> list[dict]:
 
 def alerts() -> list[dict]:
     return [r for g in rule_groups() for r in g["rules"] if "alert" in r]
+
+
+def recording_rules() -> list[dict]:
+    return [r for g in rule_groups() for r in g["rules"] if "record" in r]
 
 
 def write_rules(directory: Path, *, annotations: bool = True) -> Path:
@@ -133,9 +138,9 @@ def exported_names(tmp: Path) -> set[str]:
 
 def referenced_names() -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
-    for a in alerts():
+    for a in alerts() + recording_rules():
         for n in METRIC.findall(a["expr"]):
-            out.setdefault(n, set()).add(f"alert {a['alert']}")
+            out.setdefault(n, set()).add(f"rule {a.get('alert') or a['record']}")
     dash = json.loads(DASHBOARD.read_text())
     for p in dash["panels"]:
         for t in p.get("targets", []):
@@ -158,6 +163,16 @@ def test_metric_names_are_exported_and_documented(tmp_path):
     assert not undocumented, f"not in docs/metrics.md: {undocumented}"
 
 
+def test_recorded_series_the_dashboard_reads_are_recorded():
+    recorded = {r["record"] for r in recording_rules()}
+    assert all(RECORDED.fullmatch(name) for name in recorded), sorted(recorded)
+    used = {(m, p["title"]) for p in json.loads(DASHBOARD.read_text())["panels"] for t in p.get("targets", [])
+            for m in RECORDED.findall(t["expr"])}
+    assert used, "the dashboard reads no recorded series"
+    missing = sorted((m, title) for m, title in used if m not in recorded)
+    assert not missing, f"panels read series no rule records: {missing}"
+
+
 def test_dashboard_is_shipped_by_the_monitoring_kustomization():
     k = load_docs(K8S / "monitoring" / "kustomization.yaml")[0]
     gens = k["configMapGenerator"]
@@ -171,7 +186,7 @@ def test_promtool_check_rules(tmp_path):
     path = write_rules(tmp_path)
     proc = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"SUCCESS: {len(alerts())} rules found" in proc.stdout, proc.stdout
+    assert f"SUCCESS: {len(alerts()) + len(recording_rules())} rules found" in proc.stdout, proc.stdout
 
 
 @NEED_PROMTOOL
@@ -188,3 +203,41 @@ def test_every_alert_has_a_promtool_test():
     tested = set(re.findall(r"alertname: (\w+)", ALERTS_TEST.read_text()))
     missing = {a["alert"] for a in alerts()} - tested
     assert not missing, f"alerts without a case in {ALERTS_TEST.name}: {sorted(missing)}"
+
+
+# ---- a Prometheus without the Operator (k8s/monitoring/prometheus/) ------------------------------------
+PLAIN = K8S / "monitoring" / "prometheus"
+
+
+def test_plain_prometheus_config_scrapes_the_jobs_the_alerts_select():
+    cfg = yaml.safe_load((PLAIN / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert set(jobs) == {"elastic-rt-agent", "elastic-rt-etcd"}
+    selectors = {a["alert"]: re.search(r'job=~"([^"]+)"', a["expr"]) for a in alerts()}
+    for alert in ("ElasticRTAgentDown", "ElasticRTEtcdNoLeader", "ElasticRTEtcdMembersDown"):
+        pattern = selectors[alert].group(1)
+        assert any(re.fullmatch(pattern, name) for name in jobs), (alert, pattern)
+        assert re.fullmatch(pattern, f"ml/{pattern.split('?')[-1]}"), (alert, pattern)  # the Operator's names
+    example = json.loads((PLAIN / "elastic-rt-agents.example.json").read_text())
+    assert all(set(group) <= {"targets", "labels"} and group["targets"] for group in example)
+
+
+def test_the_test_scrape_config_may_change_intervals_and_paths_only(tmp_path):
+    from tests.support.monitoring import config_differences, rendered_config
+
+    cfg = rendered_config(interval_s=1, rule_file="rules.yml", sd_dir=tmp_path)
+    assert config_differences(cfg) == []
+    cfg["scrape_configs"][0]["job_name"] = "agents"
+    assert config_differences(cfg) != []
+
+
+@NEED_PROMTOOL
+def test_promtool_check_plain_config(tmp_path):
+    from tests.support.monitoring import rendered_config
+
+    write_rules(tmp_path)
+    cfg = rendered_config(interval_s=15, rule_file=str(tmp_path / "rules.yaml"), sd_dir=tmp_path)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

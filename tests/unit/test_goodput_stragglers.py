@@ -58,6 +58,24 @@ def test_slow_steps_are_timed_each_and_a_pause_does_not_move_the_median():
     assert timer.observe({0: _beat(1, t + 1)}) == []  # new workers: the old reports are forgotten
 
 
+def test_a_resumed_worker_switching_to_its_own_step_numbers_is_not_timed_as_thousands_of_steps():
+    clock = Clock(0.0)
+    timer = StepTimer(window_s=10.0, clock=clock)
+    timer.reset([0])
+    # a worker resumed at step 380: its first optimizer step shows as 1 (the optimizer count), then
+    # report_step(381); afterwards each step is an optimizer tick (seq + 1) and a report_step (seq + 1)
+    beats = [Heartbeat(pid=7, seq=1, step=1, timestamp_s=0.30, age_s=0.0),
+             Heartbeat(pid=7, seq=2, step=381, timestamp_s=0.35, age_s=0.0)]
+    beats += [Heartbeat(pid=7, seq=2 + 2 * k, step=381 + k, timestamp_s=0.35 + 0.3 * k, age_s=0.0)
+              for k in range(1, 6)]
+    obs = []
+    for beat in beats:
+        clock.t = beat.timestamp_s
+        obs += timer.observe({0: beat})
+    assert [o.steps for o in obs] == [1] * 5 and all(o.duration_s == pytest.approx(0.3) for o in obs)
+    assert timer.close_window() == {0: pytest.approx(0.3)}
+
+
 def test_board_flags_a_rank_slow_for_n_windows_in_a_row_and_only_it():
     board = StragglerBoard(threshold=1.5, windows=3)
     fast, slow = {0: 0.10, 1: 0.11}, {0: 0.30, 1: 0.10}
