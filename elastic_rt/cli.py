@@ -132,6 +132,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     from elastic_rt.chaos import cli as chaos_cli
     from elastic_rt.checkpoint import cli as ckpt_cli
     from elastic_rt.doctor import command as doctor
+    from elastic_rt.rendezvous import gc as gc_cmd
     from elastic_rt.report import command as report_cmd
     from elastic_rt.status import command as status_cmd
 
@@ -140,6 +141,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     chaos_cli.add_subparser(sub)
     report_cmd.add_subparser(sub)
     status_cmd.add_subparser(sub)
+    gc_cmd.add_subparser(sub)
     return parser
 
 
