@@ -15,22 +15,30 @@
 #
 # "blocked" is the time the training loop could not proceed (max over ranks), "total" the time
 # until the checkpoint was complete on storage; throughput = state bytes / total. Medians.
+# "fence check" is rank 0's check of its writer token before each elastic-rt commit
+# (SaveStats.fence_check_s): the agent's fence file, as an elastic-rt agent keeps it for its workers
+# (written here with a confirmation that does not lapse), and the writer lease (its clock, and one
+# listing of the lease folder for a newer epoch).
 # Deleting the previous output (for elastic-rt too: the directory is emptied, the manager kept) and
 # flushing the disk (os.sync) happen untimed before each save.
 #
 #   python benchmarks/checkpoint.py [--size-gib 1] [--ranks 2] [--reps 3] [--dir DIR]
+#
+# Results go to benchmarks/results/checkpoint-DATE[-K].json and .txt, with the commit
+# (benchmarks/provenance.py: a run on uncommitted changes is refused unless --allow-dirty) and the
+# load average before and after (the machine is shared).
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from datetime import date
 from typing import Any, Callable
 
 import torch
@@ -42,7 +50,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from elastic_rt.checkpoint import CheckpointManager
+from elastic_rt.checkpoint.fence import FENCE_FILE, FenceState, write_fence
+from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_ROUND
 from provenance import provenance  # benchmarks/provenance.py (this script's directory is on sys.path)
+from results_file import write_results
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # tests.support: the multi-process gloo world the tests use
@@ -106,7 +117,17 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - started, value
 
 
-SaveFn = Callable[[int], tuple[float, float]]  # save number -> (blocked_s, total_s)
+SaveFn = Callable[[int], tuple[float, float, float]]  # save number -> (blocked_s, total_s, fence_check_s)
+
+
+def publish_fence(directory: str) -> None:
+    """The fence file an elastic-rt agent keeps for its workers (checkpoint/fence.py), confirmed for good:
+    the managers then check it before every commit, as under `elastic-rt launch`."""
+    os.makedirs(directory, exist_ok=True)
+    write_fence(os.path.join(directory, FENCE_FILE), FenceState(
+        run_id="bench", launch_id="1", round=0, confirmed_until_monotonic=time.monotonic() + 1e6, lease_ttl_s=3.0,
+        agent_pid=os.getpid()))
+    os.environ[ENV_HEARTBEAT_DIR], os.environ[ENV_ROUND] = directory, "0"
 
 
 def worker(
@@ -128,15 +149,15 @@ def worker(
         return remove
 
     def sync_method(fn: Callable[[], None]) -> SaveFn:
-        def save(i: int) -> tuple[float, float]:
+        def save(i: int) -> tuple[float, float, float]:
             elapsed, _ = timed(lambda: (fn(), dist.barrier()))
-            return elapsed, elapsed
+            return elapsed, elapsed, 0.0
         return save
 
     def dcp_async(path: str, reuse_stager: bool) -> SaveFn:
         stager = DefaultStager(StagingOptions(False, False, False, False)) if reuse_stager else None
 
-        def save(i: int) -> tuple[float, float]:
+        def save(i: int) -> tuple[float, float, float]:
             started = time.perf_counter()
             future = dcp.async_save(
                 state, storage_writer=FileSystemWriter(path), process_group=ckpt_pg, async_stager=stager
@@ -144,7 +165,7 @@ def worker(
             blocked = time.perf_counter() - started
             future.result()
             dist.barrier()
-            return blocked, time.perf_counter() - started
+            return blocked, time.perf_counter() - started, 0.0
         return save
 
     def elastic(mgr: CheckpointManager, guard: bool) -> SaveFn:
@@ -152,7 +173,7 @@ def worker(
         if guard:
             mgr.guard_optimizer(optim)
 
-        def save(i: int) -> tuple[float, float]:
+        def save(i: int) -> tuple[float, float, float]:
             started = time.perf_counter()
             mgr.save(i, state)
             if guard:
@@ -161,11 +182,16 @@ def worker(
             stats = mgr.wait()
             dist.barrier()
             total = time.perf_counter() - started
-            return (stats.blocked_s if mgr.options.async_save else total), total
+            return (stats.blocked_s if mgr.options.async_save else total), total, stats.fence_check_s
         return save
 
     def elastic_prepare(mgr: CheckpointManager, mgr_dir: str) -> Callable[[], None]:
-        remove = remover(mgr_dir)
+        def remove() -> None:  # the checkpoints, not the manager's writer lease beside them
+            if rank == 0:
+                for name in os.listdir(mgr_dir):
+                    if name.startswith("step_"):
+                        shutil.rmtree(os.path.join(mgr_dir, name))
+            dist.barrier()
 
         def prepare() -> None:
             # Like the other methods' output, the previous checkpoint goes before the timed save
@@ -191,6 +217,7 @@ def worker(
         remover(paths["dcp_async_stager"]), dcp_async(paths["dcp_async_stager"], True)
     )
     managers = []
+    publish_fence(f"{root}/agent-{rank}")
     for name, async_save, guard in (
         ("elastic-rt sync", False, False),
         ("elastic-rt async", True, False),
@@ -206,7 +233,7 @@ def worker(
     # Round robin, rotated by one method each round, so that drift in the shared machine's speed
     # and after-effects of the method before (freed memory, writeback) hit every method alike.
     # Before each timed save the previous output is deleted and the disk flushed (os.sync), untimed.
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
+    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in methods}
     names = list(methods)
     for i in range(reps + 1):  # the first round is a warm-up
         shift = i % len(names)
@@ -232,15 +259,46 @@ def summarize(per_rank: list[dict], total_bytes: int) -> list[dict]:
         reps = len(per_rank[0][name])
         blocked = [max(r[name][i][0] for r in per_rank) for i in range(reps)]
         total = [max(r[name][i][1] for r in per_rank) for i in range(reps)]
+        fence = [max(r[name][i][2] for r in per_rank) for i in range(reps)]  # rank 0's: the others check nothing
         rows.append({
             "method": name,
             "blocked_s": statistics.median(blocked),
             "total_s": statistics.median(total),
             "throughput_gib_s": total_bytes / (1 << 30) / statistics.median(total),
+            "fence_check_s": statistics.median(fence),
             "blocked_samples_s": blocked,
             "total_samples_s": total,
+            "fence_check_samples_s": fence,
         })
     return rows
+
+
+def report(rows: list[dict], args: argparse.Namespace, total_bytes: int) -> str:
+    """The table and the ratios the docs quote, as text."""
+    by_name = {r["method"]: r for r in rows}
+    raw, sync, dcp_sync = (by_name.get(n) for n in ("raw write + fsync", "elastic-rt sync", "dcp.save"))
+    lines = [f"{total_bytes / (1 << 30):.2f} GiB of state on {args.ranks} ranks, medians of {args.reps} saves "
+             f"(after one warm-up), fsync on, simulated forward/backward {args.compute_s} s", ""]
+    for r in rows:
+        r["total_over_raw"] = r["total_s"] / raw["total_s"] if raw else None
+        r["blocked_over_total"] = r["blocked_s"] / r["total_s"]
+    lines.append(f"| {'method':24} | blocked s | total s | GiB/s | blocked / own total | total / raw | fence check ms |")
+    lines.append(f"|{'-' * 26}|----------:|--------:|------:|--------------------:|------------:|---------------:|")
+    for r in rows:
+        vs_raw = f"{r['total_over_raw']:11.2f}" if raw else f"{'-':>11}"
+        fence = f"{r['fence_check_s'] * 1e3:14.2f}" if r["method"].startswith("elastic-rt") else f"{'-':>14}"
+        lines.append(f"| {r['method']:24} | {r['blocked_s']:9.3f} | {r['total_s']:7.3f} | {r['throughput_gib_s']:5.2f} "
+                     f"| {r['blocked_over_total']:19.1%} | {vs_raw} | {fence} |")
+    for name in ("elastic-rt async", "elastic-rt async+guard", "dcp.async_save", "dcp.async_save+stager"):
+        if name in by_name and sync and dcp_sync:
+            lines.append(f"{name}: blocked {by_name[name]['blocked_s'] / sync['total_s']:.1%} of an elastic-rt sync "
+                         f"save, {by_name[name]['blocked_s'] / dcp_sync['total_s']:.1%} of a dcp.save")
+    if sync and raw:
+        lines.append(f"elastic-rt sync vs raw write: {sync['total_s'] / raw['total_s']:.2f}x (target <= 1.2x)")
+    if sync:
+        lines.append(f"fence check per elastic-rt sync save: {sync['fence_check_s'] * 1e3:.2f} ms, "
+                     f"{sync['fence_check_s'] / sync['total_s']:.2%} of the save")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -250,7 +308,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--compute-s", type=float, default=0.5, help="simulated forward/backward")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--results-dir", default=os.path.join(REPO, "benchmarks", "results"),
+                        help="where the results file goes (checkpoint-DATE[-K].json and .txt)")
     parser.add_argument("--only", default=None, help="comma-separated method names, in this order")
     parser.add_argument("--keep-previous", action="store_true",
                         help="elastic-rt: keep the previous checkpoint while saving (retention deletes it "
@@ -261,6 +320,7 @@ def main() -> None:
     prov = provenance(args.allow_dirty)
     root = args.dir or tempfile.mkdtemp(prefix="elastic-rt-bench-")
     os.makedirs(root, exist_ok=True)
+    load_before = list(os.getloadavg())
     try:
         size = int(args.size_gib * (1 << 30))
         only = args.only.split(",") if args.only else None
@@ -270,31 +330,17 @@ def main() -> None:
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
+    load_after = list(os.getloadavg())
     total_bytes = out["local_bytes"] * args.ranks
     rows = summarize(out["per_rank"], total_bytes)
-    by_name = {r["method"]: r for r in rows}
-    raw, sync, dcp_sync = (by_name.get(n) for n in ("raw write + fsync", "elastic-rt sync", "dcp.save"))
-    print(f"\n{total_bytes / (1 << 30):.2f} GiB of state on {args.ranks} ranks, medians of {args.reps} saves "
-          f"(after one warm-up), fsync on, simulated forward/backward {args.compute_s} s\n")
-    for r in rows:
-        r["total_over_raw"] = r["total_s"] / raw["total_s"] if raw else None
-        r["blocked_over_total"] = r["blocked_s"] / r["total_s"]
-    print(f"| {'method':24} | blocked s | total s | GiB/s | blocked / own total | total / raw |")
-    print(f"|{'-' * 26}|----------:|--------:|------:|--------------------:|------------:|")
-    for r in rows:
-        vs_raw = f"{r['total_over_raw']:11.2f}" if raw else f"{'-':>11}"
-        print(f"| {r['method']:24} | {r['blocked_s']:9.3f} | {r['total_s']:7.3f} | {r['throughput_gib_s']:5.2f} "
-              f"| {r['blocked_over_total']:19.1%} | {vs_raw} |")
-    for name in ("elastic-rt async", "elastic-rt async+guard", "dcp.async_save", "dcp.async_save+stager"):
-        if name in by_name and sync and dcp_sync:
-            print(f"{name}: blocked {by_name[name]['blocked_s'] / sync['total_s']:.1%} of an elastic-rt sync "
-                  f"save, {by_name[name]['blocked_s'] / dcp_sync['total_s']:.1%} of a dcp.save")
-    if sync and raw:
-        print(f"elastic-rt sync vs raw write: {sync['total_s'] / raw['total_s']:.2f}x (target <= 1.2x)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"provenance": prov, "settings": {k: v for k, v in vars(args).items() if k != "json"},
-                       "ranks": args.ranks, "bytes": total_bytes, "rows": rows}, f, indent=1)
+    text = report(rows, args, total_bytes)
+    text += (f"load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}; after "
+             f"{', '.join(f'{x:.2f}' for x in load_after)} ({os.cpu_count()} CPUs); code {prov['commit'][:12]}"
+             f"{' (dirty)' if prov['dirty'] else ''}\n")
+    payload = {"provenance": prov, "settings": {k: v for k, v in vars(args).items() if k != "results_dir"},
+               "ranks": args.ranks, "bytes": total_bytes, "loadavg_before": load_before, "loadavg_after": load_after,
+               "cpus": os.cpu_count(), "torch": torch.__version__, "rows": rows}
+    write_results(args.results_dir, "checkpoint", date.today().isoformat(), payload, text)
 
 
 if __name__ == "__main__":

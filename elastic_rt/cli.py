@@ -97,6 +97,23 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--straggler-action", default="report", choices=("report", "leave"),
                    help="report: log, count and export elastic_rt_straggler; leave: also stop this node's workers "
                         "and leave the job so the others re-form without it (default report)")
+    p.add_argument("--preflight", default="auto", choices=("auto", "off", "report", "exclude"),
+                   help="before the first round: a matmul per local device, then a ring link test across the round; "
+                        "report: name nodes beyond --preflight-threshold x the job median; exclude: they also leave "
+                        "before training (exit 4); auto (default): report with CUDA, else off (docs/goodput.md)")
+    p.add_argument("--preflight-threshold", type=float, default=1.5,
+                   help="times the job median matmul or link time that names a node (default 1.5)")
+    p.add_argument("--preflight-timeout", type=float, default=60.0,
+                   help="seconds the pre-flight test may take in all; past them the job trains without it (default 60)")
+    p.add_argument("--preflight-rounds", default="first", choices=("first", "all"),
+                   help="test at the first round only (default), or at every re-formation too")
+    p.add_argument("--crash-loop-repeats", type=int, default=3,
+                   help="end the job (exit 3: do not requeue) when a worker failure repeats this many times in a row: "
+                        "the same failure at the same step, or with no checkpoint committed in between "
+                        "(default 3; 0 = off; docs/failures.md)")
+    p.add_argument("--crash-loop-no-step", type=int, default=5,
+                   help="end the job (exit 3) after this many failures in a row with no step made in between "
+                        "(default 5; 0 = off)")
     p.add_argument("--signals-to-handle", "--signals_to_handle", default=DEFAULT_SIGNALS_TO_HANDLE,
                    help="signals the agent handles (stopping the workers) and hands to them as "
                         f"TORCHELASTIC_SIGNALS_TO_HANDLE, as torchrun does (default {DEFAULT_SIGNALS_TO_HANDLE})")

@@ -226,6 +226,11 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         raise ConfigError(f"--straggler-threshold {args.straggler_threshold:g}: must be > 1 (times the median), or 0 = off")
     if args.straggler_windows < 1:
         raise ConfigError(f"--straggler-windows {args.straggler_windows}: must be >= 1")
+    for flag, value in (("--crash-loop-repeats", args.crash_loop_repeats), ("--crash-loop-no-step", args.crash_loop_no_step)):
+        if value < 0:
+            raise ConfigError(f"{flag} {value}: must be >= 0 (0 = off)")
+    if not args.preflight_threshold > 1:
+        raise ConfigError(f"--preflight-threshold {args.preflight_threshold:g}: must be > 1 (times the median)")
     warm_imports = tuple(m.strip() for m in (args.warm_imports or "").split(",") if m.strip())
     bad = [m for m in warm_imports if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", m)]
     if bad:
@@ -276,6 +281,12 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         straggler_windows=args.straggler_windows,
         straggler_window_s=_positive("--straggler-window", args.straggler_window),
         straggler_action=args.straggler_action,
+        preflight=args.preflight,
+        preflight_threshold=args.preflight_threshold,
+        preflight_timeout_s=_positive("--preflight-timeout", args.preflight_timeout),
+        preflight_every_round=args.preflight_rounds == "all",
+        crash_loop_repeats=args.crash_loop_repeats,
+        crash_loop_no_step=args.crash_loop_no_step,
         warm_workers=args.warm_workers == "on",
         host_cache=args.host_cache == "on",
         warm_imports=warm_imports,

@@ -31,6 +31,7 @@ class Response(_Word):
 
     RESTART = "restart"  # stop the workers, take part in the next round, start them again
     LEAVE = "leave"  # stop the workers and leave the job: the other nodes re-form without this node
+    STOP = "stop"  # stop the workers, leave and exit with the verdict's code: restarting cannot help
 
 
 class RestartReason(_Word):
@@ -80,6 +81,9 @@ class RestartReason(_Word):
     #: a local worker is a straggler, with --straggler-action leave (StragglerPolicy)
     STRAGGLER = "straggler", Response.LEAVE, dict(summary="a local worker is a straggler",
                                                  hint="--straggler-action leave")
+    #: failures repeat without progress (the crash-loop judge, agent/crash_loop.py): exit 3, do not requeue
+    CRASH_LOOP = "crash_loop", Response.STOP, dict(summary="failures repeat without progress",
+                                                  hint="--crash-loop-repeats, --crash-loop-no-step")
 
 
 class DetectionAction(_Word):

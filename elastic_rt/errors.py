@@ -64,3 +64,18 @@ class RunClosedError(ElasticRTError):
     makes that exit 0)."""
 
     exit_code = 5
+
+
+class NodeExcludedError(HealthCheckError):
+    """The pre-flight test found this node slower than the job (--preflight exclude): it leaves before
+    training; a scheduler should run it elsewhere, not restart it here."""
+
+    exit_code = 4
+
+
+class RoundRejectedError(ElasticRTError):
+    """A round must form again without nodes the pre-flight test excluded (handled by the agent)."""
+
+    def __init__(self, message: str, nodes: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.nodes = nodes

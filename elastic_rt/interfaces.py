@@ -54,6 +54,11 @@ class MembershipHandler(ABC):
     def close(self) -> None:
         """Release the handler's connections (after leave() and tidy())."""
 
+    def fence_view(self) -> dict | None:
+        """What checkpoint fencing needs (elastic_rt/checkpoint/fence.py: run, launch, round, the lease's last
+        confirmed renewal); None: this handler offers no fencing, and workers commit under the writer lease alone."""
+        return None
+
 
 class AgentObserver:
     """What the agent reports as it goes (metrics, the goodput journal, logs); an observer decides nothing.

@@ -18,6 +18,7 @@ ENV_CHECKPOINT_URL = "ELASTIC_RT_CHECKPOINT_URL"
 ENV_STACK_SIGNAL = "ELASTIC_RT_STACK_SIGNAL"  # faulthandler dumps stacks on this signal (0: off)
 ENV_FLIGHT_RECORDER = "ELASTIC_RT_FLIGHT_RECORDER"  # 1: serve flight recorder dump requests
 ENV_NO_PROGRESS_HOOK = "ELASTIC_RT_NO_PROGRESS_HOOK"  # 1: optimizer steps do not count as progress
+ENV_NO_COMPUTE_TIMER = "ELASTIC_RT_NO_COMPUTE_TIMER"  # 1: backward() is not timed (stragglers off)
 
 # torchrun's launch-time part of the worker contract (torch/distributed/run.py, launcher/api.py),
 # decided once per launch by elastic_rt.config.worker_env_defaults. The per-worker part (RANK,
@@ -33,6 +34,8 @@ OMP_DEFAULT_WARNING = (
     "application as needed."
 )
 ENV_HOST_CACHE_DIR = "ELASTIC_RT_HOST_CACHE_DIR"  # the node's checkpoint copy in shared memory
+# seconds a new checkpoint writer waits for another job's writer lease on its URL (the k8s recipe sets it)
+ENV_CHECKPOINT_WRITER_WAIT_S = "ELASTIC_RT_CHECKPOINT_WRITER_WAIT_S"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +48,7 @@ class WorkerEnvironment:
     round: int | None = None
     agent_pid: int | None = None
     checkpoint_url: str | None = None
+    checkpoint_writer_wait_s: float | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerEnvironment":
@@ -58,4 +62,13 @@ class WorkerEnvironment:
             round=int(rnd) if rnd and rnd.isdigit() else None,
             agent_pid=int(pid) if pid and pid.isdigit() else None,
             checkpoint_url=env.get(ENV_CHECKPOINT_URL) or None,
+            checkpoint_writer_wait_s=_seconds(env.get(ENV_CHECKPOINT_WRITER_WAIT_S)),
         )
+
+
+def _seconds(text: str | None) -> float | None:
+    try:
+        value = float(text) if text else None
+    except ValueError:
+        return None
+    return value if value is not None and value >= 0 else None

@@ -12,12 +12,15 @@ from typing import Any, Callable, Sequence
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, failure_record, hang_record
 from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.exit_aborts import forgive_teardown_exits
 from elastic_rt.agent.process_tree import stop_tree
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.agent.warm_start import warm_start
+from elastic_rt.checkpoint.fence import FencePublisher
 from elastic_rt.decisions import Response, RestartReason
+from elastic_rt.errors import RoundRejectedError
 from elastic_rt.interfaces import AgentObserver, MembershipHandler, RestartPolicy
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
@@ -49,6 +52,7 @@ class ElasticRTAgent(LocalElasticAgent):
         log_line_prefix_template: str | None = None,
         diagnostics: FailureDiagnostics | None = None,
         warm_pool: WarmPool | None = None,
+        crash_loop: CrashLoopJudge | None = None,
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout_s,
@@ -70,7 +74,9 @@ class ElasticRTAgent(LocalElasticAgent):
         self._extras = spec.rdzv_handler if isinstance(spec.rdzv_handler, MembershipHandler) else None
         if self._extras is not None:
             self._extras.add_etcd_listener(self.observer.on_etcd)
+        self.crash_loop = crash_loop
         self._warm_pool = warm_pool
+        self._fence: FencePublisher | None = None  # the round, for the workers' checkpoint commits
         if warm_pool is not None:
             warm_pool.log_prefix = self._prefix
 
@@ -92,20 +98,27 @@ class ElasticRTAgent(LocalElasticAgent):
 
     # ---- worker lifecycle --------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        t0 = time.monotonic()
-        self.observer.on_rendezvous_started()
-        super()._rendezvous(worker_group)
-        m = self._membership()
-        self.observer.on_rendezvous(
-            round=m.round if m else 0,
-            world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
-            nodes=worker_group.group_world_size,
-            duration_s=time.monotonic() - t0,
-        )
-        if m is not None:
-            for listener in self._round_listeners:
-                listener(round=m.round, store=worker_group.store, group_rank=worker_group.group_rank,
-                         group_world_size=worker_group.group_world_size, master_addr=worker_group.master_addr)
+        while True:
+            t0 = time.monotonic()
+            self.observer.on_rendezvous_started()
+            super()._rendezvous(worker_group)
+            m = self._membership()
+            self.observer.on_rendezvous(
+                round=m.round if m else 0,
+                world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
+                nodes=worker_group.group_world_size,
+                duration_s=time.monotonic() - t0,
+            )
+            if m is None:
+                return
+            try:
+                for listener in self._round_listeners:
+                    listener(round=m.round, store=worker_group.store, group_rank=worker_group.group_rank,
+                             group_world_size=worker_group.group_world_size, master_addr=worker_group.master_addr)
+                return
+            except RoundRejectedError as exc:  # the pre-flight test excluded nodes: meet again without them
+                log.warning("%s %s; meeting again once they left", self._prefix(), exc)
+                self._wait_for_peer_loss()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         m = self._membership()
@@ -118,6 +131,10 @@ class ElasticRTAgent(LocalElasticAgent):
             ENV_NODE_ID: self._node_id,
             ENV_ROUND: str(m.round if m else 0),
         })
+        if self._fence is None and self._extras is not None:
+            self._fence = FencePublisher(self._reports.directory, self._extras)
+        if self._fence is not None:
+            self._fence.start()  # the new round is in the file before a worker can read it
         with warm_start(self._warm_pool, ready=self._workers_stepped):
             pids = super()._start_workers(worker_group)
         self.diagnostics.on_workers_started(
@@ -169,6 +186,7 @@ class ElasticRTAgent(LocalElasticAgent):
         if reason is RestartReason.WORKER_FAILURE and before and after and set(before.nodes) - set(after.nodes):
             # The failure was a symptom of a lost peer: give the restart back.
             self._remaining_restarts += 1
+            self._forget_crash()
             log.info("%s peer(s) %s left; restart not counted", self._prefix(),
                      ",".join(sorted(set(before.nodes) - set(after.nodes))))
         self.observer.on_recovered(time.monotonic() - detected_at)
@@ -236,12 +254,16 @@ class ElasticRTAgent(LocalElasticAgent):
                 change = self._membership_change()
                 if change in (RestartReason.ROUND_ADVANCED, RestartReason.PEER_LOST):
                     self._restart(change, now)
-                elif self._remaining_restarts > 0:
+                    continue
+                self._judge_crash_loop(lambda beats, committed: failure_record(
+                    self.diagnostics.last_classified, beats, committed))
+                if self._remaining_restarts > 0:
                     self._remaining_restarts -= 1
                     self._restart(RestartReason.WORKER_FAILURE, now)
                 else:
                     change = self._wait_for_peer_loss()
                     if change:
+                        self._forget_crash()
                         self._restart(change, now)
                         continue
                     self._out_of_restarts(RestartReason.WORKER_FAILURE)
@@ -260,6 +282,9 @@ class ElasticRTAgent(LocalElasticAgent):
                 if change is RestartReason.HANG:
                     self.diagnostics.on_hang(self._prefix(), self.policy.hang_verdict())
                     self.observer.on_failures(dict(self.diagnostics.last_failures))
+                    hung = dict(self.diagnostics.last_failures)
+                    self._judge_crash_loop(lambda beats, committed: hang_record(
+                        min(hung, default=-1), "; ".join(hung.values()) or "a hang", beats, committed))
                     self.policy.on_hang_restart()
                 if change is not None and change.counted:
                     if self._remaining_restarts <= 0:
@@ -270,6 +295,24 @@ class ElasticRTAgent(LocalElasticAgent):
                     self._restart(change, now)
             else:
                 raise RuntimeError(f"{self._prefix()} worker group in unexpected state {state.name}")
+
+    def _judge_crash_loop(self, record_of) -> None:
+        """Hand a failure the agent would restart for to the crash-loop judge (record_of(heartbeats, committed
+        step) -> FailureRecord); on its verdict stop the workers, say it in one line, raise CrashLoopError."""
+        if self.crash_loop is None:
+            return
+        verdict = self.crash_loop.on_failure(record_of(self._reports.heartbeats(), self.crash_loop.committed_step()))
+        if verdict is None:
+            return
+        line = verdict.line(self.crash_loop.settings)
+        log.error("%s %s", self._prefix(), line)
+        self._stop_workers(self._worker_group)
+        self._worker_group.state = WorkerState.FAILED
+        raise CrashLoopError(line)
+
+    def _forget_crash(self) -> None:
+        if self.crash_loop is not None:
+            self.crash_loop.forget_last()
 
     def _out_of_restarts(self, reason: RestartReason) -> None:
         """A counted restart is due and none are left: say why in one line, stop the workers, fail."""

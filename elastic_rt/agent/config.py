@@ -60,6 +60,12 @@ class AgentConfig:
     straggler_windows: int = 3
     straggler_window_s: float = 10.0
     straggler_action: str = "report"
+    preflight: str = "auto"  # auto (report with CUDA, else off), off, report, exclude (doctor/preflight.py)
+    preflight_threshold: float = 1.5
+    preflight_timeout_s: float = 60.0
+    preflight_every_round: bool = False
+    crash_loop_repeats: int = 3  # agent/crash_loop.py; 0: off
+    crash_loop_no_step: int = 5
     warm_workers: bool = True
     host_cache: bool = True
     warm_imports: tuple[str, ...] = DEFAULT_WARM_IMPORTS

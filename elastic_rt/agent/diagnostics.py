@@ -45,6 +45,7 @@ class FailureDiagnostics:
         self._started_wall_s = 0.0
         self._dumped: set[int] = set()  # pids whose stacks were written in this attempt
         self.last_failures: dict[int, str] = {}  # global rank -> cause line, of the last failure or hang
+        self.last_classified: dict[int, tuple[int, ClassifiedFailure]] = {}  # global rank -> (local rank, cause)
         self._stopped_by_agent: set[int] = set()  # local ranks torch terminated after a sibling failed
 
     def worker_env(self, environ: Mapping[str, str], *, torch_version: str = "") -> dict[str, str]:
@@ -96,7 +97,7 @@ class FailureDiagnostics:
     def on_failures(self, prefix: str, failures: Mapping[int, Any]) -> list[ClassifiedFailure]:
         """One line and one count per failed worker (torch ProcessFailure: local_rank, pid, exitcode, error_file)."""
         causes = []
-        self.last_failures = {}
+        self.last_failures, self.last_classified = {}, {}
         nccl_dumps = fr.timeout_dumps(self.fr_dir, self._started_wall_s - 1.0) if self.flight_recorder else {}
         errors = {r: read_error_file(f.error_file) for r, f in failures.items()}
         # a worker the agent stopped had failed on its own if it had already recorded an exception: it raised,
@@ -127,6 +128,7 @@ class FailureDiagnostics:
                 self._metrics.on_failure(cause.cause, cause.collective)
             causes.append(cause)
             self.last_failures[rank] = describe(cause)
+            self.last_classified[rank] = (failure.local_rank, cause)
         return causes
 
     def on_hang(self, prefix: str, verdict: HangVerdict | None) -> str:

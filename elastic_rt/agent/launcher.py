@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.utils import macros
 
 from elastic_rt.agent.agent import ElasticRTAgent
+from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, CrashLoopSettings
 from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.limits import needed_open_files, raise_open_files_limit
@@ -35,16 +36,19 @@ from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.agent.host_memory import make_host_cache
 from elastic_rt.agent.warm import WarmPool
-from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError, RunClosedError
+from elastic_rt.doctor.preflight import Preflight, PreflightMode, PreflightSettings
+from elastic_rt.errors import (ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError,
+                               NodeExcludedError, RunClosedError)
 from elastic_rt.interfaces import AgentObserver, MembershipHandler
 from elastic_rt.metrics.health import liveness_threshold_s
 from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
 from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
 from elastic_rt.rendezvous.claim import JobFingerprint
+from elastic_rt.reporting.checkpoint import CheckpointReportReader
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.torchrun_compat import STATIC_RDZV_TIMEOUT_S, logs_specs_class, virtual_local_rank_env
-from elastic_rt.worker_env import ENV_CHECKPOINT_URL, OMP_DEFAULT_WARNING
+from elastic_rt.worker_env import ENV_CHECKPOINT_URL, ENV_NO_COMPUTE_TIMER, OMP_DEFAULT_WARNING
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,8 @@ def apply_worker_env(cfg: AgentConfig) -> None:
     if cfg.omp_threads_defaulted:
         log.warning(OMP_DEFAULT_WARNING)
     os.environ.update(cfg.worker_env)
+    if cfg.straggler_threshold <= 0:  # detection off: workers need not time their compute
+        os.environ[ENV_NO_COMPUTE_TIMER] = "1"
     if cfg.checkpoint_url:
         os.environ[ENV_CHECKPOINT_URL] = cfg.checkpoint_url
 
@@ -163,7 +169,7 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     )
     reports = WorkerReports(os.path.join(log_dir, "heartbeat"))
     stop = threading.Event()
-    round_checks = goodput = failure_metrics = None
+    round_checks = goodput = failure_metrics = registry = None
     if observer is None:
         from elastic_rt.collectors.schedule import NtpPoller, RoundChecks
         from elastic_rt.metrics.definitions import FailureMetrics
@@ -183,7 +189,9 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
                                   started_at=process_start_monotonic())
         observer = ObserverGroup(metrics_observer, goodput)
         failure_metrics = FailureMetrics(registry=metrics_observer.registry, run_id=cfg.rdzv_id, node=node_id)
+        registry = metrics_observer.registry
     diagnostics = build_diagnostics(cfg, log_dir, reports.directory, failure_metrics)
+    node_test = build_node_test(cfg, node_id, registry)
     policy = HealthPolicy(
         heartbeats=reports.heartbeats, hang_timeout_s=cfg.hang_timeout_s,
         probe_failure=round_checks.probe_failure if round_checks else (lambda: None),
@@ -207,11 +215,15 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         peer_loss_wait_s=(extras.settings.lease_ttl_s if extras else 3.0) + 1.0,
         observer=observer,
         policy=policy,
-        round_listeners=(round_checks.on_round, goodput.exchange.on_round) if round_checks else (),
+        round_listeners=(node_test.on_round,) + ((round_checks.on_round, goodput.exchange.on_round)
+                                                 if round_checks else ()),
         diagnostics=diagnostics,
         warm_pool=warm_pool,
+        crash_loop=CrashLoopJudge(CrashLoopSettings(repeats=cfg.crash_loop_repeats, no_step=cfg.crash_loop_no_step),
+                                  checkpoints=CheckpointReportReader(reports.directory)),
     )
     try:
+        node_test.run_compute()  # before the first round, and before warm workers compete for the CPU
         if warm_pool is not None:
             warm_pool.start()
             observer.track_warm_workers(lambda: len(warm_pool.idle_pids(ready_only=True)))
@@ -237,6 +249,24 @@ def build_diagnostics(cfg: AgentConfig, log_dir: str, reports_dir: str, metrics)
                                      stack_signal=cfg.stack_signal, flight_recorder=recorder)
     os.environ.update(diagnostics.worker_env(os.environ, torch_version=torch.__version__))
     return diagnostics
+
+
+def build_node_test(cfg: AgentConfig, node_id: str, registry) -> Preflight:
+    """The pre-flight node test (--preflight; auto: report where CUDA is available, else off)."""
+    import torch
+
+    mode = PreflightMode(cfg.preflight)
+    if mode is PreflightMode.AUTO:
+        mode = PreflightMode.REPORT if torch.cuda.is_available() else PreflightMode.OFF
+    settings = PreflightSettings(mode=mode, threshold=cfg.preflight_threshold, timeout_s=cfg.preflight_timeout_s,
+                                 every_round=cfg.preflight_every_round, min_nodes=cfg.min_nodes)
+    metrics = None
+    if registry is not None:
+        from elastic_rt.metrics.definitions import PreflightMetrics
+
+        metrics = PreflightMetrics(registry=registry, run_id=cfg.rdzv_id, node=node_id)
+    return Preflight(node=node_id, settings=settings, nproc=cfg.nproc_per_node, metrics=metrics,
+                     backend=cfg.probe_backend)
 
 
 def make_warm_pool(cfg: AgentConfig, node_id: str, entrypoint: str, args: tuple[str, ...]) -> WarmPool | None:
@@ -299,6 +329,15 @@ def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, extras: M
         raise RunClosedError(f"{why} before this node joined; it did not train. Use a new --rdzv-id to train "
                              "again (or --rdzv-conf accept_closed=1 where a node may come after its job finished)"
                              ) from exc
+    except NodeExcludedError as exc:
+        if leave:
+            leave()
+        log.error("[%s] %s; leaving the job", node_id, exc)
+        return exc.exit_code
+    except CrashLoopError as exc:  # the agent said why in its verdict line
+        if leave:
+            leave()
+        return exc.exit_code
     except RendezvousTimeoutError as exc:
         if leave:
             leave()

@@ -22,6 +22,7 @@ from elastic_rt.worker_env import (
     ENV_FLIGHT_RECORDER,
     ENV_HEARTBEAT_DIR,
     ENV_HEARTBEAT_FILE,
+    ENV_NO_COMPUTE_TIMER,
     ENV_NO_PROGRESS_HOOK,
     ENV_PARENT_PID,
     ENV_STACK_SIGNAL,
@@ -51,6 +52,11 @@ def _hook_optimizer_steps() -> None:
     from elastic_rt.reporting.heartbeat import install_optimizer_progress
 
     when_imported("torch.optim.optimizer", install_optimizer_progress)
+    if os.environ.get(ENV_NO_COMPUTE_TIMER, "") in ("", "0"):  # lock-step stragglers (goodput/compute.py)
+        from elastic_rt.goodput.compute import install_collectives_in_worker, install_in_worker
+
+        when_imported("torch.autograd", install_in_worker)
+        when_imported("torch.distributed", install_collectives_in_worker)
 
 
 def _install_diagnostics(hb_dir: str, local_rank: int) -> None:

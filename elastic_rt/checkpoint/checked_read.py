@@ -13,11 +13,13 @@ before anything unpickles them.
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from elastic_rt.checkpoint.manifest import FileEntry
+from elastic_rt.checkpoint.storage import file_problem
 from elastic_rt.checkpoint.tensor_read import read_fully
 
 # Pieces at least this large get their crc32 computed in the helper thread while the next one is read.
@@ -34,10 +36,11 @@ def verified_while_loading(name: str) -> bool:
 class CheckedFile:
     """Reads one stream in increasing offsets and computes the crc32 of every byte of it."""
 
-    def __init__(self, stream: Any, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, stream: Any, pool: ThreadPoolExecutor, *, sha: bool = False) -> None:
         self._stream, self._pool = stream, pool
         self.pos = 0
         self._crc = 0
+        self._hasher = hashlib.sha256() if sha else None  # with a job secret: the signed manifest's sha256
         self._pending: Future | None = None
 
     def read_into(self, offset: int, view: memoryview) -> None:
@@ -58,9 +61,7 @@ class CheckedFile:
             return f"{name}: not in the manifest"
         if self.pos != entry.size:
             return f"{name}: size {self.pos} bytes, manifest says {entry.size}"
-        if crc != entry.crc32:
-            return f"{name}: crc32 {crc:08x}, manifest says {entry.crc32:08x}"
-        return None
+        return file_problem(entry, (crc, self._hasher.hexdigest() if self._hasher is not None else None))
 
     def close(self) -> None:
         """Wait for the helper thread (it may still read memory the caller is about to free)."""
@@ -87,12 +88,17 @@ class CheckedFile:
         self.pos += got
         return got
 
+    def _digest(self, piece: memoryview, crc: int) -> int:
+        if self._hasher is not None:
+            self._hasher.update(piece)
+        return zlib.crc32(piece, crc)
+
     def _feed(self, piece: memoryview) -> None:
         crc = self._settle()
         if piece.nbytes < OVERLAP_MIN_BYTES:
-            self._crc = zlib.crc32(piece, crc)
+            self._crc = self._digest(piece, crc)
         else:
-            self._pending = self._pool.submit(zlib.crc32, piece, crc)
+            self._pending = self._pool.submit(self._digest, piece, crc)
 
     def _settle(self) -> int:
         if self._pending is not None:

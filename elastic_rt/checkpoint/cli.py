@@ -8,6 +8,7 @@ import time
 from typing import Any, TextIO
 
 from elastic_rt.checkpoint.storage import CheckpointEntry, CheckpointStore
+from elastic_rt.checkpoint.trust import read_secret_file
 from elastic_rt.errors import ElasticRTError
 
 
@@ -23,6 +24,9 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     )
     verify.add_argument("url", metavar="URL", help="checkpoint root: a path or fsspec URL")
     verify.add_argument("--step", type=int, default=None, help="verify only this step")
+    for sub in (listing, verify):
+        sub.add_argument("--secret-file", default=None, metavar="PATH",
+                         help="the job's checkpoint secret: manifests must be signed with it")
     parser.set_defaults(func=run)
     return parser
 
@@ -32,7 +36,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     try:
-        store = CheckpointStore(args.url)
+        secret_file = getattr(args, "secret_file", None)
+        store = CheckpointStore(args.url, secret=read_secret_file(secret_file) if secret_file else None)
         entries = store.list()
         if getattr(args, "step", None) is not None:
             entries = [e for e in entries if e.step == args.step]
@@ -61,7 +66,7 @@ def _verify(store: CheckpointStore, entries: list[CheckpointEntry], out: TextIO,
         if entry.manifest is None:
             row["integrity"] = "-"
         else:
-            problems = store.verify_files(entry.path, entry.manifest.files)
+            problems = store.verify_files(entry.data_dir(entry.manifest), entry.manifest.files)
             row["integrity"] = "ok" if not problems else f"FAILED ({len(problems)} files)"
             failed += bool(problems)
             details += [f"step {entry.step}: {p}" for p in problems]
@@ -70,6 +75,11 @@ def _verify(store: CheckpointStore, entries: list[CheckpointEntry], out: TextIO,
     for line in details:
         print(line, file=out)
     committed = sum(e.committed for e in entries)
+    damaged = [e.step for e in entries if e.damaged]
+    if damaged:
+        print(f"elastic-rt ckpt: damaged manifests (steps {', '.join(map(str, damaged))}); they are never deleted "
+              "by elastic-rt: look at them, then move them aside", file=err)
+        return 1
     if failed:
         print(f"elastic-rt ckpt: {failed} of {committed} committed checkpoints failed verification", file=err)
         return 1
@@ -92,13 +102,13 @@ def _row(store: CheckpointStore, entry: CheckpointEntry) -> dict[str, str]:
         }
     try:
         size = _human(store.fs.du(entry.path))
-    except OSError:
+    except Exception:  # noqa: BLE001 (a size is a courtesy: any client error shows as '?')
         size = "?"
     return {
         "step": str(entry.step),
         "world": "-",
         "size": size,
-        "state": f"uncommitted: {entry.problem}",
+        "state": f"DAMAGED: {entry.problem}" if entry.damaged else f"uncommitted: {entry.problem}",
         "created": "-",
     }
 

@@ -88,7 +88,7 @@ class HostCache:
         """Copy the files this rank wrote for committed `step` into the cache, in the background.
         Local storage only: the copy reads the files back (from the page cache, just written); from
         an object store that would download them again after every save."""
-        if not store.is_local:
+        if not store.storage.local:
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rt-host-cache")
@@ -107,7 +107,11 @@ class HostCache:
 
     def _keep(self, store: CheckpointStore, step: int) -> None:
         try:
-            manifest = store.read_manifest(store.step_dir(step))
+            entry = store.entry(step)
+            manifest = entry.manifest
+            if manifest is None:
+                raise CheckpointError(f"step {step} is not committed ({entry.problem})")
+            data_dir = entry.data_dir(manifest)
             mine = [f for f in manifest.files if f.rank == self.rank]
             free = shutil.disk_usage(self.directory).free
             if sum(f.size for f in mine) > free:
@@ -117,20 +121,20 @@ class HostCache:
                     self._full_logged = True
                 return
             os.makedirs(os.path.join(self.directory, step_dirname(step)), exist_ok=True)
-            for entry in mine:
-                self._copy(store, step, entry)
+            for file in mine:
+                self._copy(store, step, data_dir, file)
             self._drop_other_steps(step)
         except (OSError, CheckpointError) as exc:  # the cache is an optimisation: storage has it all
             log.warning("rank %d: checkpoint step %d not kept in host memory (%s)", self.rank, step, exc)
 
-    def _copy(self, store: CheckpointStore, step: int, entry: FileEntry) -> None:
+    def _copy(self, store: CheckpointStore, step: int, data_dir: str, entry: FileEntry) -> None:
         final = self.path(step, entry)
         if os.path.exists(final):
             return
         tmp = f"{final}.tmp{os.getpid()}"
         crc = 0
         try:
-            with store.fs.open(posixpath.join(store.step_dir(step), entry.path), "rb") as src, open(tmp, "wb") as dst:
+            with store.open_read(posixpath.join(data_dir, entry.path)) as src, open(tmp, "wb") as dst:
                 while chunk := src.read(COPY_CHUNK_BYTES):
                     crc = zlib.crc32(chunk, crc)
                     dst.write(chunk)
@@ -149,8 +153,8 @@ class HostCache:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     # ---- loading ------------------------------------------------------------------------------------
-    def wrap(self, store: CheckpointStore, groups: coll.CheckpointGroups, *, verify: bool) -> "CachedStore":
-        return CachedStore(store, self, groups, verify=verify)
+    def source(self, store: CheckpointStore, groups: coll.CheckpointGroups, *, verify: bool) -> "CachedSource":
+        return CachedSource(store, self, groups, verify=verify)
 
     def lookup(self, step: int, entry: FileEntry) -> tuple[str | None, str]:
         """(path of the memory copy, "") or (None, "" if there is none | why it is stale)."""
@@ -213,55 +217,49 @@ class _ViewStream(io.RawIOBase):
         super().close()
 
 
-class CachedStore:
-    """A CheckpointStore for the loader whose reads come from host memory where a good copy is there."""
+class CachedSource:
+    """The loader's ReadSource: a step's files from host memory where a good copy is there, else from the
+    CheckpointStore (each method says which of its calls it passes on)."""
 
     def __init__(self, store: CheckpointStore, cache: HostCache, groups: coll.CheckpointGroups, *,
                  verify: bool) -> None:
         self._store, self._cache, self._groups, self._verify = store, cache, groups, verify
-        self._manifests: dict[str, Manifest] = {}
-        self._unverified: dict[str, set[str]] = {}  # step dir -> storage files nobody verified
+        self.url = store.url
+        self._commits: dict[str, tuple[int, dict[str, FileEntry]]] = {}  # data folder -> (step, entries)
+        self._unverified: dict[str, set[str]] = {}  # data folder -> storage files nobody verified
         self._warned: set[str] = set()
-        self.fs = _RoutingFs(store.fs, self)
         self.from_memory: list[str] = []
         self.from_storage: list[str] = []
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+    def prepare(self, step: int, data_dir: str, manifest: Manifest) -> None:
+        self._commits[data_dir] = (step, {f.path: f for f in manifest.files})
 
-    def _entries(self, step_dir: str) -> dict[str, FileEntry]:
-        if step_dir not in self._manifests:
-            self._manifests[step_dir] = self._store.read_manifest(step_dir)
-        return {f.path: f for f in self._manifests[step_dir].files}
+    def check_sizes(self, data_dir: str, files: Iterable[FileEntry]) -> list[str]:
+        return self._store.check_sizes(data_dir, files)
 
-    def verify_files(self, step_path: str, files: Iterable[FileEntry]) -> list[str]:
+    def verify_files(self, data_dir: str, files: Iterable[FileEntry]) -> list[str]:
         """Collective (every rank calls it once per candidate, as the loader does): storage files are
         verified as before; files with a memory copy on this node are checked by whoever reads them."""
-        step = self._manifest_step(step_path)
+        step = self._commits[data_dir][0]
         files = list(files)
         deferred = [f.path for f in files if self._cache.lookup(step, f)[0] is not None]
-        problems = self._store.verify_files(step_path, [f for f in files if f.path not in deferred])
+        problems = self._store.verify_files(data_dir, [f for f in files if f.path not in deferred])
         everyone = coll.all_gather(deferred, self._groups.ctl)
-        self._unverified[step_path] = {p for per_rank in everyone for p in per_rank}
+        self._unverified[data_dir] = {p for per_rank in everyone for p in per_rank}
         return problems
 
-    def read_file(self, step_path: str, name: str) -> bytes:
-        with self.fs.open(posixpath.join(step_path, name), "rb") as f:
+    def read_file(self, data_dir: str, name: str) -> bytes:
+        with self.open_read(posixpath.join(data_dir, name)) as f:
             return f.read()
 
-    def _manifest_step(self, step_path: str) -> int:
-        return self._manifests[step_path].step if step_path in self._manifests else \
-            int(STEP_DIR_RE.match(posixpath.basename(step_path)).group(1))  # type: ignore[union-attr]
-
-    def open_for_read(self, path: str) -> io.RawIOBase | None:
-        """A verified stream for `path` (memory copy, or storage checked as read), or None: plain storage."""
-        step_path, name = posixpath.split(path)
-        if not STEP_DIR_RE.match(posixpath.basename(step_path)):
-            return None
-        entry = self._entries(step_path).get(name)
-        if entry is None:
-            return None
-        copy, stale = self._cache.lookup(self._manifest_step(step_path), entry)
+    def open_read(self, path: str) -> Any:
+        """A verified stream for `path` (memory copy, or storage checked as read), or storage's own stream."""
+        data_dir, name = posixpath.split(path)
+        commit = self._commits.get(data_dir)
+        entry = commit[1].get(name) if commit is not None else None
+        if commit is None or entry is None:
+            return self._store.open_read(path)
+        copy, stale = self._cache.lookup(commit[0], entry)
         if copy is not None:
             stream = self._open_copy(copy, entry)
             if stream is not None:
@@ -271,14 +269,13 @@ class CachedStore:
         if stale:
             self._warn(stale)
         self.from_storage.append(name)
-        if not self._verify or (name not in self._unverified.get(step_path, ()) and not stale):
-            return None
-        with self._store.fs.open(path, "rb") as f:
-            data = f.read()
+        if not self._verify or (name not in self._unverified.get(data_dir, ()) and not stale):
+            return self._store.open_read(path)
+        data = self._store.read_file(data_dir, name)
         if len(data) != entry.size or zlib.crc32(data) != entry.crc32:
             raise CheckpointError(f"{path} does not match its manifest (size or crc32); the checkpoint "
                                   "on storage is damaged: move the step directory aside to load the previous one")
-        return _ViewStream(data, checksum_verified=True)
+        return _ViewStream(data, checksum_verified=entry.sha256 is None)
 
     def _open_copy(self, path: str, entry: FileEntry) -> io.RawIOBase | None:
         try:
@@ -294,7 +291,7 @@ class CachedStore:
         if self._verify and not _stamp_holds(path, stat) and zlib.crc32(mapped) != entry.crc32:
             mapped.close()
             return None
-        return _ViewStream(mapped, closer=mapped.close, checksum_verified=self._verify)
+        return _ViewStream(mapped, closer=mapped.close, checksum_verified=self._verify and entry.sha256 is None)
 
     def report(self, step: int | None) -> int | None:
         """Log where the loaded step's files came from; returns `step`."""
@@ -307,20 +304,3 @@ class CachedStore:
         if what not in self._warned:
             self._warned.add(what)
             log.warning("rank %d: %s; reading it from storage", self._cache.rank, what)
-
-
-class _RoutingFs:
-    """The storage's fsspec file system, except that reads of checkpoint files go through CachedStore."""
-
-    def __init__(self, fs: Any, store: CachedStore) -> None:
-        self._fs, self._store = fs, store
-
-    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        if "r" in mode:
-            stream = self._store.open_for_read(path)
-            if stream is not None:
-                return stream
-        return self._fs.open(path, mode, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._fs, name)

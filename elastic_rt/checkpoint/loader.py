@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from typing import Any, MutableMapping
+import zlib
+from dataclasses import dataclass
+from typing import Any, Iterable, MutableMapping, Protocol
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -11,58 +14,118 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastic_rt.checkpoint import collectives as coll
 from elastic_rt.checkpoint.checked_read import verified_while_loading
 from elastic_rt.checkpoint.collectives import CheckpointGroups
-from elastic_rt.checkpoint.manifest import Manifest
+from elastic_rt.checkpoint.manifest import FileEntry, Manifest
 from elastic_rt.checkpoint.options import CheckpointOptions
 from elastic_rt.checkpoint.saver import describe_error
+from elastic_rt.checkpoint.storage import CheckpointStore, file_problem, rank_filename
+from elastic_rt.checkpoint.trust import SafeLoadPlanner
 from elastic_rt.checkpoint.user_state import decode_per_rank, split_state
-from elastic_rt.checkpoint.storage import CheckpointStore, rank_filename
-from elastic_rt.checkpoint.writer import FsspecCheckpointReader
+from elastic_rt.checkpoint.writer import METADATA_NAME, CheckpointReader
 from elastic_rt.errors import CheckpointError, ElasticRTError
 
 log = logging.getLogger(__name__)
 
 
+class ReadSource(Protocol):
+    """Where a load reads a step's files: storage (CheckpointStore), or host memory in front of it."""
+
+    url: str
+
+    def prepare(self, step: int, data_dir: str, manifest: Manifest) -> None: ...
+    def verify_files(self, data_dir: str, files: Iterable[FileEntry]) -> list[str]: ...
+    def check_sizes(self, data_dir: str, files: Iterable[FileEntry]) -> list[str]: ...
+    def read_file(self, data_dir: str, name: str) -> bytes: ...
+    def open_read(self, path: str) -> Any: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A step's commit to try (manifest), or a damaged one to report (problem); `stops` ends the load."""
+
+    step: int
+    label: str
+    data_dir: str = ""
+    manifest: Manifest | None = None
+    problem: str = ""
+    stops: bool = False
+
+
+_FIX_UNREADABLE = ("nothing was loaded, and an older checkpoint is not loaded in its place: fix the storage "
+                   "error and start again")
+
+
+def candidates(store: CheckpointStore) -> list[Candidate]:
+    """Rank 0: every commit, newest step and generation first; damaged ones as reports."""
+    out = []
+    for entry in reversed(store.list()):
+        newest = True
+        for commit in reversed(entry.commits):
+            label = f"step {entry.step}" if newest else f"step {entry.step} (an earlier save of it)"
+            newest = False
+            if commit.manifest is not None:
+                out.append(Candidate(step=entry.step, label=label, data_dir=entry.data_dir(commit.manifest),
+                                     manifest=commit.manifest))
+                continue
+            stops = commit.damage is not None and commit.damage.stops_load
+            problem = f"{commit.name}: {commit.problem}"
+            if stops and "upgrade" not in problem:
+                problem = f"{problem}; {_FIX_UNREADABLE}"
+            out.append(Candidate(step=entry.step, label=label, problem=problem, stops=stops))
+    return out
+
+
 def load_latest(
-    state: MutableMapping[str, Any], *, store: CheckpointStore, groups: CheckpointGroups, options: CheckpointOptions
+    state: MutableMapping[str, Any], *, store: CheckpointStore, source: ReadSource, groups: CheckpointGroups,
+    options: CheckpointOptions,
 ) -> int | None:
-    """Every rank: load the newest committed checkpoint whose files match its manifest into
-    state; a damaged one is skipped with a warning naming the file and the reason. Small files
-    (.metadata, per-rank files) are checked before anything reads them, each rank 1/world of
-    them; DCP's data files are checked by the load's own read (checkpoint/checked_read.py), and
-    a step whose files do not match is loaded no further: the previous one is loaded again in
-    full (the bad one may have written into the state's tensors). None when nothing was ever
-    committed; CheckpointError when checkpoints exist but none verifies (starting over silently
-    would lose the run; the state's tensors may then hold partly loaded values)."""
-    candidates: Any = None
+    """Every rank: load the newest committed checkpoint whose files match its manifest into state.
+    A damaged manifest (bad JSON, checksum, signature) or a file that does not match is skipped with a
+    warning naming the step and the reason, and left on storage; a manifest that cannot be read (a
+    storage error) or is from a newer format stops the load with one line. Small files (.metadata,
+    per-rank files) are checked before anything reads them; DCP's data files by the load's own read
+    (checkpoint/checked_read.py); a step whose files do not match is loaded no further and the
+    previous one is loaded again in full. None when nothing was ever committed."""
+    found: Any = None
     if groups.rank == 0:
         try:
-            candidates = [(e.step, e.manifest) for e in reversed(store.list()) if e.committed]
+            found = candidates(store)
         except ElasticRTError as exc:
-            candidates = str(exc)
-    candidates = coll.broadcast(candidates, groups.ctl)
-    if isinstance(candidates, str):
-        raise CheckpointError(candidates)
+            found = f"cannot list checkpoints under {store.url}: {exc}"
+    found = coll.broadcast(found, groups.ctl)
+    if isinstance(found, str):
+        raise CheckpointError(found)
     failures = []
-    for i, (step, manifest) in enumerate(candidates):
-        step_dir = store.step_dir(step)
-        problems = _check_before_load(step_dir, manifest, store=store, groups=groups, options=options)
+    for i, cand in enumerate(found):
+        if cand.stops:
+            raise CheckpointError(f"checkpoint {cand.label} under {store.url} cannot be read: {cand.problem}")
+        problems = _try(cand, state, source, groups, options)
         if not problems:
-            problems = _load_step(step, step_dir, manifest, state, store=store, groups=groups, options=options)
-            if not problems:
-                return step
-        following = f"step {candidates[i + 1][0]}" if i + 1 < len(candidates) else "nothing"
-        failures.append(f"step {step}: {problems[0]}")
+            return cand.step
+        following = found[i + 1].label if i + 1 < len(found) else "nothing"
+        failures.append(f"{cand.label}: {problems[0]}")
         if groups.rank == 0:
-            log.warning(
-                "checkpoint step %d under %s is corrupt (%s); falling back to %s",
-                step, store.url, "; ".join(problems), following,
-            )
+            what = "has a damaged manifest" if cand.manifest is None else "is corrupt"
+            log.warning("checkpoint %s under %s %s (%s); falling back to %s (the damaged one stays on storage)",
+                        cand.label, store.url, what, "; ".join(problems), following)
     if failures:
         raise CheckpointError(
-            f"none of the {len(failures)} committed checkpoints under {store.url} verifies "
+            f"none of the {len(failures)} checkpoints under {store.url} verifies "
             f"({'; '.join(failures)}); move them aside to start from scratch"
         )
     return None
+
+
+def _try(cand: Candidate, state: MutableMapping[str, Any], source: ReadSource, groups: CheckpointGroups,
+         options: CheckpointOptions) -> list[str]:
+    manifest = cand.manifest
+    if manifest is None:
+        return [cand.problem]
+    source.prepare(cand.step, cand.data_dir, manifest)
+    problems = _check_before_load(cand.data_dir, manifest, source=source, groups=groups, options=options)
+    if not problems:
+        problems = _load_step(cand.step, cand.data_dir, manifest, state, source=source, groups=groups,
+                              options=options)
+    return problems
 
 
 def _everyone(problems: list[str], groups: CheckpointGroups) -> list[str]:
@@ -70,23 +133,22 @@ def _everyone(problems: list[str], groups: CheckpointGroups) -> list[str]:
 
 
 def _check_before_load(
-    step_dir: str, manifest: Manifest, *, store: CheckpointStore, groups: CheckpointGroups, options: CheckpointOptions
+    data_dir: str, manifest: Manifest, *, source: ReadSource, groups: CheckpointGroups, options: CheckpointOptions
 ) -> list[str]:
-    """Every rank (collective): sizes of 1/world of the files, and the crc32 of those among them that
+    """Every rank (collective): sizes of 1/world of the files, and the checksums of those among them that
     the load's own read does not check. The problems of all ranks, so that all decide alike."""
     problems: list[str] = []
     if options.verify_on_load:
         mine = [f for j, f in enumerate(manifest.files) if j % groups.world_size == groups.rank]
-        problems = store.verify_files(step_dir, [f for f in mine if not verified_while_loading(f.path)])
-        problems += store.check_sizes(step_dir, [f for f in mine if verified_while_loading(f.path)])
+        problems = source.verify_files(data_dir, [f for f in mine if not verified_while_loading(f.path)])
+        problems += source.check_sizes(data_dir, [f for f in mine if verified_while_loading(f.path)])
     return _everyone(problems, groups)
 
 
 def _check_after_load(
-    reader: FsspecCheckpointReader, step_dir: str, manifest: Manifest, *, store: CheckpointStore,
-    groups: CheckpointGroups,
+    reader: CheckpointReader, data_dir: str, manifest: Manifest, *, source: ReadSource, groups: CheckpointGroups,
 ) -> list[str]:
-    """Every rank (collective): what the load's reads found, and the crc32 of data files no rank read
+    """Every rank (collective): what the load's reads found, and the checksums of data files no rank read
     (no state came from them, but a checkpoint that loads has every file intact)."""
     gathered = coll.all_gather((reader.problems, sorted(reader.files_read)), groups.ctl)
     problems = sorted(p for found, _ in gathered for p in found)
@@ -94,34 +156,37 @@ def _check_after_load(
     unread = [f for f in manifest.files if verified_while_loading(f.path) and f.path not in read]
     if unread:  # the same list on every rank
         mine = [f for j, f in enumerate(unread) if j % groups.world_size == groups.rank]
-        problems += _everyone(store.verify_files(step_dir, mine), groups)
+        problems += _everyone(source.verify_files(data_dir, mine), groups)
     return problems
 
 
 def _load_step(
     step: int,
-    step_dir: str,
+    data_dir: str,
     manifest: Manifest,
     state: MutableMapping[str, Any],
     *,
-    store: CheckpointStore,
+    source: ReadSource,
     groups: CheckpointGroups,
     options: CheckpointOptions,
 ) -> list[str]:
     """Load one step into `state`; the problems its data files showed (then `state` must not be used)."""
     global_part, per_rank = split_state(state, options.per_rank_keys)
-    expected = {f.path: f for f in manifest.files if verified_while_loading(f.path)} if options.verify_on_load \
-        else None
-    reader = FsspecCheckpointReader(store.fs, step_dir, expected=expected)
+    by_name = {f.path: f for f in manifest.files}
+    verify = options.verify_on_load or manifest.signed
+    expected = {n: f for n, f in by_name.items() if verified_while_loading(n)} if verify else None
+    reader = CheckpointReader(source.open_read, data_dir, expected=expected,
+                              metadata_entry=by_name.get(METADATA_NAME) if verify else None)
     try:
-        dcp.load(global_part, storage_reader=reader, process_group=groups.io, no_dist=groups.io is None)
+        dcp.load(global_part, storage_reader=reader, planner=SafeLoadPlanner(), process_group=groups.io,
+                 no_dist=groups.io is None)
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(
-            f"loading step {step} from {store.url} failed ({describe_error(exc)}); "
+            f"loading step {step} from {source.url} failed ({describe_error(exc)}); "
             "does the state passed to load_latest() have the keys and shapes that were saved?"
         ) from exc
     if expected is not None:
-        problems = _check_after_load(reader, step_dir, manifest, store=store, groups=groups)
+        problems = _check_after_load(reader, data_dir, manifest, source=source, groups=groups)
         if problems:
             return problems
     state.update(global_part)
@@ -129,13 +194,20 @@ def _load_step(
     if not wanted:
         return []
     name = rank_filename(groups.rank)
-    if not any(f.path == name for f in manifest.files):
+    entry = by_name.get(name)
+    if entry is None:
         log.info(
             "rank %d: step %d was saved at world size %d and has no %s for this rank; keeping current",
             groups.rank, step, manifest.world_size, sorted(wanted),
         )
         return []
-    loaded = decode_per_rank(store.read_file(step_dir, name))
+    data = source.read_file(data_dir, name)
+    if verify:  # the bytes that are decoded are the bytes that are checked
+        sha = hashlib.sha256(data).hexdigest() if entry.sha256 is not None else None
+        problem = "size" if len(data) != entry.size else file_problem(entry, (zlib.crc32(data), sha))
+        if problem is not None:
+            raise CheckpointError(f"{data_dir}/{name} changed after it was verified ({problem}); not loaded")
+    loaded = decode_per_rank(data)
     for key in wanted & set(loaded):
         state[key] = loaded[key]
     return []

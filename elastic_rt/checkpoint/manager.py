@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 import warnings
+from dataclasses import replace
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, MutableMapping
 
@@ -15,14 +16,21 @@ import torch.distributed as dist
 
 from elastic_rt.checkpoint import collectives as coll
 from elastic_rt.checkpoint import loader
+from elastic_rt.checkpoint.backends import Storage, open_storage
+from elastic_rt.checkpoint.fence import FenceCheck
+from elastic_rt.checkpoint.guard import WriterGuard
 from elastic_rt.checkpoint.host_cache import HostCache
 from elastic_rt.checkpoint.options import CheckpointOptions, IfBusy, SaveStats
+from elastic_rt.checkpoint.retention import apply_retention
 from elastic_rt.checkpoint.saver import SaveContext, SaveJob, describe_error, run_save
 from elastic_rt.checkpoint.staging import BufferPool
-from elastic_rt.checkpoint.user_state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
 from elastic_rt.checkpoint.storage import CheckpointEntry, CheckpointStore
+from elastic_rt.checkpoint.trust import read_secret_file
+from elastic_rt.checkpoint.user_state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
 from elastic_rt.checkpoint.writer import ChecksumWriter
+from elastic_rt.checkpoint.writer_lease import WriterLease
 from elastic_rt.errors import CheckpointError, ElasticRTError
+from elastic_rt.worker_env import WorkerEnvironment
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,13 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         on_saved: Callable[[SaveStats], None] | None = None,
+        secret_file: str | None = None,
+        file_mode: int = 0o600,
+        dir_mode: int = 0o700,
+        writer_lease_ttl_s: float = 20.0,
+        writer_wait_s: float | None = None,
+        fence_wait_s: float = 5.0,
+        storage: Storage | None = None,
     ) -> None:
         self.options = CheckpointOptions(
             keep_last=keep_last,
@@ -58,15 +73,31 @@ class CheckpointManager:
             sync_files=sync_files,
             thread_count=thread_count,
             storage_options=storage_options or {},
+            secret_file=secret_file,
+            file_mode=file_mode,
+            dir_mode=dir_mode,
+            writer_lease_ttl_s=writer_lease_ttl_s,
+            # None: what the launcher's environment says (ELASTIC_RT_CHECKPOINT_WRITER_WAIT_S), else long
+            # enough for a crashed predecessor on another host to be taken over (its beat stands still for
+            # the TTL); a live holder is refused after that
+            writer_wait_s=writer_wait_s if writer_wait_s is not None else (
+                WorkerEnvironment.from_env().checkpoint_writer_wait_s or 1.5 * writer_lease_ttl_s),
+            fence_wait_s=fence_wait_s,
         )
+        if keep_last == 1:
+            log.warning("checkpoint keep_last=1 under %s: a save that turns out damaged leaves nothing to fall back "
+                        "to; keep at least 2", url)
         self.url = url
-        self._store = CheckpointStore(url, self.options.storage_options)
-        self._sync_files = self._store.is_local if sync_files is None else sync_files
+        secret = read_secret_file(secret_file) if secret_file else None
+        storage = storage or open_storage(url, self.options.storage_options, file_mode=file_mode, dir_mode=dir_mode)
+        self._store = CheckpointStore(url, storage=storage, secret=secret)
+        self._sync_files = storage.local if sync_files is None else sync_files
         self._on_saved = on_saved
         self._groups = coll.CheckpointGroups.create(process_group, self.options.collective_timeout_s)
         if self._groups.io is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
         self.rank, self.world_size = self._groups.rank, self._groups.world_size
+        self._guard = self._acquire_guard()
         self._host_cache = HostCache.from_env(rank=self.rank)  # the node's copy in shared memory, if any
         self._ctx = SaveContext(
             url=url,
@@ -75,6 +106,7 @@ class CheckpointManager:
             options=self.options,
             sync_files=self._sync_files,
             pool=BufferPool(),
+            guard=self._guard,
             make_writer=self._make_writer,
             before_prepare=self._wait_retention,
         )
@@ -88,13 +120,35 @@ class CheckpointManager:
         self._last_stats: SaveStats | None = None
         self._closed = False
 
+    def _acquire_guard(self) -> WriterGuard:
+        """Rank 0 takes the writer lease (one writer per URL) and tells the others its epoch; an error
+        there (another job holds the URL, storage unreachable) is raised on every rank alike."""
+        fence = FenceCheck.from_env()
+        token = WriterGuard.token_from_env(fence)
+        lease, outcome = None, None
+        if self.rank == 0:
+            lease = WriterLease(self._store.storage, token=token, ttl_s=self.options.writer_lease_ttl_s,
+                                wait_s=self.options.writer_wait_s, fenced=fence is not None)
+            try:
+                outcome = lease.acquire()
+            except ElasticRTError as exc:
+                outcome = str(exc)
+        outcome = coll.broadcast(outcome, self._groups.ctl)
+        if isinstance(outcome, str):
+            self._groups.destroy()
+            raise CheckpointError(outcome)
+        token = replace(token, epoch=outcome)
+        return WriterGuard(token=token, lease=lease, fence=fence, fence_wait_s=self.options.fence_wait_s)
+
     # ------------------------------------------------------------------ saving
 
     def _make_writer(
-        self, fs: Any, path: str, *, rank: int, step: int, sync_files: bool, thread_count: int
+        self, storage: Storage, path: str, *, rank: int, step: int, sync_files: bool, thread_count: int,
+        sha: bool = False,
     ) -> ChecksumWriter:
         """The DCP storage writer of one rank's save (a subclass may wrap it)."""
-        return ChecksumWriter(fs, path, rank=rank, step=step, sync_files=sync_files, thread_count=thread_count)
+        return ChecksumWriter(storage, path, rank=rank, step=step, sync_files=sync_files, thread_count=thread_count,
+                              sha=sha)
 
     def save(self, step: int, state: MutableMapping[str, Any]) -> bool:
         """Checkpoint `state` as step `step`. Sync: returns once committed. Async: returns once
@@ -196,10 +250,8 @@ class CheckpointManager:
                 f"background checkpoint save failed: {describe_error(exc)}"
             ) from exc
 
-    def _run_job(self, job: SaveJob) -> SaveStats | None:
+    def _run_job(self, job: SaveJob) -> SaveStats:
         stats = run_save(job, self._ctx)
-        if stats is None:
-            return None
         if self._host_cache is not None:
             self._host_cache.keep(self._store, job.step)
         if self.rank == 0:  # deleting old checkpoints is off the training loop's path
@@ -218,11 +270,12 @@ class CheckpointManager:
     def _apply_retention(self, newest_step: int) -> None:
         """Rank 0, after the commit was announced, so no other rank waits for the deletes."""
         try:
-            deleted = self._store.apply_retention(self.options.keep_last, newest_step)
+            deleted = apply_retention(self._store, self._guard, keep_last=self.options.keep_last,
+                                      newest_step=newest_step)
             if deleted:
                 log.info("checkpoint retention under %s deleted steps %s", self.url, deleted)
         except (OSError, ElasticRTError) as exc:
-            log.warning("checkpoint retention under %s failed: %s", self.url, exc)
+            log.warning("checkpoint retention under %s stopped: %s", self.url, exc)
 
     def _wait_retention(self) -> None:
         """Rank 0: retention must not run while a save writes a new step directory."""
@@ -241,14 +294,16 @@ class CheckpointManager:
         self._wait_inflight()
         self._wait_retention()
         if self._host_cache is None:
-            return loader.load_latest(state, store=self._store, groups=self._groups, options=self.options)
-        store = self._host_cache.wrap(self._store, self._groups, verify=self.options.verify_on_load)
-        return store.report(loader.load_latest(state, store=store, groups=self._groups, options=self.options))
+            return loader.load_latest(state, store=self._store, source=self._store, groups=self._groups,
+                                      options=self.options)
+        source = self._host_cache.source(self._store, self._groups, verify=self.options.verify_on_load)
+        return source.report(loader.load_latest(state, store=self._store, source=source, groups=self._groups,
+                                                options=self.options))
 
     # --------------------------------------------------------------- inspection / lifecycle
 
     def list_checkpoints(self) -> list[CheckpointEntry]:
-        """Step directories under the URL, oldest first (committed or not; not verified)."""
+        """Step folders under the URL, oldest first: absent, committed or damaged (files not verified)."""
         self._wait_retention()
         return self._store.list()
 
@@ -278,6 +333,8 @@ class CheckpointManager:
             self._wait_retention()
             if self._gc_executor is not None:
                 self._gc_executor.shutdown(wait=True)
+            if self._guard.lease is not None:
+                self._guard.lease.release()
             if self._host_cache is not None:
                 self._host_cache.close()
             self._ctx.pool.clear()

@@ -25,6 +25,14 @@ class CheckpointOptions:
     sync_files: fsync every file before commit; None means "on local file systems".
     thread_count: writer threads (one file per thread) per rank.
     storage_options: passed to fsspec (credentials, endpoints, ...).
+    secret_file: a file holding the job secret: manifests are HMAC-signed and every file's sha256
+        is in them; loads refuse what does not verify (docs/checkpoint.md, "Trust").
+    file_mode, dir_mode: permissions of the files and folders a save creates (local disks).
+    writer_lease_ttl_s: the writer lease's time to live (checkpoint/writer_lease.py).
+    writer_wait_s: how long a new manager waits for another job's live lease on the URL to be
+        released before refusing (0: refuse at once).
+    fence_wait_s: how long a commit waits for the agent to confirm the round (a late lease beat)
+        before refusing.
     """
 
     keep_last: int = 3
@@ -36,6 +44,12 @@ class CheckpointOptions:
     sync_files: bool | None = None
     thread_count: int = 1
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    secret_file: str | None = None
+    file_mode: int = 0o600
+    dir_mode: int = 0o700
+    writer_lease_ttl_s: float = 20.0
+    writer_wait_s: float = 0.0
+    fence_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1:
@@ -51,6 +65,15 @@ class CheckpointOptions:
             )
         if not isinstance(self.thread_count, int) or self.thread_count < 1:
             raise ConfigError(f"thread_count must be an integer >= 1 (got {self.thread_count!r})")
+        for name in ("file_mode", "dir_mode"):
+            mode = getattr(self, name)
+            if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+                raise ConfigError(f"{name} must be a permission mode such as 0o600 (got {mode!r})")
+        if not self.writer_lease_ttl_s > 0:
+            raise ConfigError(f"writer_lease_ttl_s must be > 0 seconds (got {self.writer_lease_ttl_s!r})")
+        for name in ("writer_wait_s", "fence_wait_s"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0 seconds (got {getattr(self, name)!r})")
         if isinstance(self.per_rank_keys, str):
             raise ConfigError("per_rank_keys must be a tuple of key names, not a string")
         object.__setattr__(self, "per_rank_keys", tuple(self.per_rank_keys))
@@ -75,3 +98,4 @@ class SaveStats:
     staging_s: float
     bytes_written: int
     url: str
+    fence_check_s: float = 0.0  # rank 0: checking the writer's token before the commit

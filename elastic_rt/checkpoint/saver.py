@@ -1,12 +1,22 @@
-"""One save from start to commit: step directory, per-rank file, DCP shards, then the manifest."""
+"""One save from start to commit: a save folder of the writer's epoch, DCP shards and per-rank files, then
+a create-only manifest, committed only while the writer's token is current.
+
+Failure symmetry: every step a rank takes between two collectives is caught and carried, as a
+status, into the next collective (the gather of file lists, the broadcast of the outcome), so an
+error on any one rank (ENOSPC, an unpicklable per-rank value, a bug on rank 0) is one
+CheckpointError on every rank within one collective round trip, never a wait for the timeout.
+DCP's own steps already exchange their errors that way.
+"""
 
 from __future__ import annotations
 
 import logging
+import posixpath
 import threading
 import time
+import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -15,15 +25,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_rt.checkpoint import collectives as coll
 from elastic_rt.checkpoint.collectives import CheckpointGroups
-from elastic_rt.checkpoint.manifest import FileEntry, Manifest, ManifestError
+from elastic_rt.checkpoint.guard import WriterGuard
+from elastic_rt.checkpoint.manifest import FileEntry, Manifest
 from elastic_rt.checkpoint.options import CheckpointOptions, SaveStats
 from elastic_rt.checkpoint.staging import BufferPool, StagingSavePlanner
+from elastic_rt.checkpoint.storage import CheckpointStore, rank_filename, save_dirname
 from elastic_rt.checkpoint.user_state import encode_per_rank
-from elastic_rt.checkpoint.storage import CheckpointStore, rank_filename
 from elastic_rt.checkpoint.writer import ChecksumWriter
 from elastic_rt.errors import CheckpointError, ElasticRTError
 
 log = logging.getLogger(__name__)
+
+COMMIT_TRIES = 3
 
 
 def describe_error(exc: BaseException) -> str:
@@ -71,70 +84,52 @@ class SaveContext:
     options: CheckpointOptions
     sync_files: bool
     pool: BufferPool
-    make_writer: Callable[..., ChecksumWriter] = ChecksumWriter  # (fs, path, *, rank, step, sync_files, thread_count)
-    before_prepare: Callable[[], None] = lambda: None  # rank 0, before touching the step directory
+    guard: WriterGuard
+    make_writer: Callable[..., ChecksumWriter] = ChecksumWriter  # (storage, path, *, rank, step, sync_files, ...)
+    before_prepare: Callable[[], None] = lambda: None  # rank 0, before touching the step folder
 
 
-def run_save(job: SaveJob, ctx: SaveContext) -> SaveStats | None:
-    """Write and commit job on this rank (every rank calls it); None when the step was already
-    committed. Raises CheckpointError; nothing is committed then."""
+def run_save(job: SaveJob, ctx: SaveContext) -> SaveStats:
+    """Write and commit job on this rank (every rank calls it). Raises CheckpointError on every rank
+    alike; nothing is committed then."""
     try:
         return _save_and_commit(job, ctx)
     except ElasticRTError:
         raise
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(
-            f"saving step {job.step} to {ctx.url} failed ({describe_error(exc)}); "
-            "the previous checkpoint stays the latest"
-        ) from exc
+    except (Exception, CheckpointException) as exc:  # a collective failed: a peer died or timed out
+        raise _failed(job, ctx, describe_error(exc)) from exc
     finally:
         job.staged.set()
 
 
-def _save_and_commit(job: SaveJob, ctx: SaveContext) -> SaveStats | None:
+def _failed(job: SaveJob, ctx: SaveContext, why: str) -> CheckpointError:
+    return CheckpointError(f"saving step {job.step} to {ctx.url} failed ({why}); the previous checkpoint stays "
+                           "the latest")
+
+
+def _save_and_commit(job: SaveJob, ctx: SaveContext) -> SaveStats:
     store, io_group, rank = ctx.store, ctx.groups.io, ctx.groups.rank
-    step_dir = store.step_dir(job.step)
-    decision = _prepare_step_dir(job.step, step_dir, ctx) if rank == 0 else None
-    decision = coll.broadcast(decision, io_group)
-    if decision == "exists":
-        log.info("checkpoint step %d already committed under %s; not saving it again", job.step, ctx.url)
-        return None
-    if decision != "go":
-        raise CheckpointError(str(decision))
-    store.makedirs(step_dir)
-    writer = ctx.make_writer(
-        store.fs,
-        step_dir,
-        rank=rank,
-        step=job.step,
-        sync_files=ctx.sync_files,
-        thread_count=ctx.options.thread_count,
-    )
-    planner = StagingSavePlanner(
-        pool=ctx.pool if job.async_save else None,
-        on_staged=job.mark_staged,
-        balance_ptrs=job.balance_ptrs,
-    )
-    try:
-        dcp.save(
-            job.global_state, storage_writer=writer, planner=planner, process_group=io_group, no_dist=io_group is None
-        )
-    finally:
-        writer.close()
-    files = writer.file_entries()
-    if job.per_rank:  # after the shards: an async save() does not wait for this write
-        name = rank_filename(rank)
-        size, crc = store.write_file(step_dir, name, encode_per_rank(job.per_rank), sync=ctx.sync_files)
-        files.append(FileEntry(path=name, size=size, crc32=crc, rank=rank))
-    if ctx.sync_files:
-        store.fsync_dir(step_dir)
-    gathered = coll.gather(files, io_group)  # doubles as the barrier: every rank's files are durable
+    plan = _prepare(job, ctx) if rank == 0 else None
+    plan = coll.broadcast(plan, io_group)
+    if isinstance(plan, str):
+        raise _failed(job, ctx, plan)
+    step_path = store.step_dir(job.step)
+    data_dir = posixpath.join(step_path, plan["save_dir"])
+    files: list[FileEntry] = []
     error = None
+    try:
+        files = _write_rank_files(job, ctx, data_dir)
+    except CheckpointException as exc:  # DCP's: every rank has it, with every rank's reasons
+        error = describe_error(exc)
+    except Exception as exc:  # this rank's alone: the others learn it in the gather below
+        error = f"rank {rank}: {describe_error(exc)}"
+    gathered = coll.gather((files, error), io_group)  # doubles as the barrier: every rank's files are durable
+    outcome = None
     if rank == 0:
-        error = _commit(job, step_dir, [f for per_rank in gathered for f in per_rank], ctx)  # type: ignore[union-attr]
-    error = coll.broadcast(error, io_group)
-    if error is not None:
-        raise CheckpointError(error)
+        outcome = _decide(job, ctx, step_path, plan, gathered)  # type: ignore[arg-type]
+    outcome = _announce(job, ctx, outcome)
+    if outcome is not None:
+        raise _failed(job, ctx, outcome)
     now = time.monotonic()
     if job.async_save:  # blocked_s is final only once save() has added its own wait
         job.returned.wait()
@@ -147,39 +142,103 @@ def _save_and_commit(job: SaveJob, ctx: SaveContext) -> SaveStats | None:
         staging_s=job.staging_s if job.async_save else 0.0,
         bytes_written=sum(f.size for f in files),
         url=ctx.url,
+        fence_check_s=ctx.guard.last_check_s if rank == 0 else 0.0,
     )
 
 
-def _prepare_step_dir(step: int, step_dir: str, ctx: SaveContext) -> str:
-    """Rank 0: 'exists' if the step is committed, else clear leftovers of a crashed save."""
-    ctx.before_prepare()
+def _announce(job: SaveJob, ctx: SaveContext, outcome: str | None) -> str | None:
+    """Broadcast rank 0's outcome. When that fails (the peers are gone: a stale rank 0 resumed after the
+    others were re-formed out of its group), rank 0 still says what it decided, not only the broken pipe."""
     try:
-        if ctx.store.fs.exists(step_dir):
-            try:
-                ctx.store.read_manifest(step_dir)
-                return "exists"
-            except ManifestError as exc:
-                log.info("checkpoint step %d under %s: clearing leftovers of an interrupted save (%s)",
-                         step, ctx.url, exc)
-                ctx.store.delete(step_dir)
-        ctx.store.make_step_dir(step_dir, sync=ctx.sync_files)
-    except OSError as exc:
-        return f"cannot prepare {step_dir} on {ctx.url} ({exc})"
-    return "go"
+        return coll.broadcast(outcome, ctx.groups.io)
+    except (Exception, CheckpointException) as exc:
+        if ctx.groups.rank != 0:
+            raise
+        if outcome is None:
+            raise CheckpointError(
+                f"step {job.step} was committed under {ctx.url}, but telling the other ranks failed "
+                f"({describe_error(exc)})") from exc
+        # the collective's own text (gloo's, several sentences) adds nothing to rank 0's line: name it only
+        raise _failed(job, ctx, f"{outcome}; the other ranks are gone ({type(exc).__name__} telling them)") from exc
 
 
-def _commit(job: SaveJob, step_dir: str, files: list[FileEntry], ctx: SaveContext) -> str | None:
-    """Rank 0: write the manifest, the commit point; returns an error message or None."""
+def _prepare(job: SaveJob, ctx: SaveContext) -> dict[str, Any] | str:
+    """Rank 0: the step's next generation and a new save folder of this writer's epoch, or an error line."""
     try:
-        manifest = Manifest(
-            step=job.step,
-            world_size=ctx.groups.world_size,
-            files=tuple(files),
-            created_unix_s=time.time(),
-            torch_version=torch.__version__,
-            per_rank_keys=tuple(sorted(job.per_rank)),
-        )
-        ctx.store.write_manifest(step_dir, manifest)
-    except (OSError, ElasticRTError) as exc:
-        return f"committing step {job.step} to {ctx.url} failed: {exc}"
-    return None
+        ctx.before_prepare()
+        entry = ctx.store.entry(job.step)
+        generation = max((c.generation for c in entry.commits), default=0) + 1
+        save_dir = save_dirname(ctx.guard.epoch, uuid.uuid4().hex[:8])
+        storage = ctx.store.storage
+        storage.makedir(entry.path, sync=ctx.sync_files)
+        storage.makedir(posixpath.join(entry.path, save_dir), sync=ctx.sync_files)
+    except Exception as exc:  # carried to every rank by the broadcast
+        return f"rank 0: cannot prepare step {job.step} under {ctx.url} ({describe_error(exc)})"
+    return {"save_dir": save_dir, "generation": generation}
+
+
+def _write_rank_files(job: SaveJob, ctx: SaveContext, data_dir: str) -> list[FileEntry]:
+    store, rank = ctx.store, ctx.groups.rank
+    sha = store.secret is not None
+    writer = ctx.make_writer(store.storage, data_dir, rank=rank, step=job.step, sync_files=ctx.sync_files,
+                             thread_count=ctx.options.thread_count, sha=sha)
+    planner = StagingSavePlanner(
+        pool=ctx.pool if job.async_save else None, on_staged=job.mark_staged, balance_ptrs=job.balance_ptrs)
+    try:
+        dcp.save(job.global_state, storage_writer=writer, planner=planner, process_group=ctx.groups.io,
+                 no_dist=ctx.groups.io is None)
+    finally:
+        writer.close()
+    files = writer.file_entries()
+    if job.per_rank:  # after the shards: an async save() does not wait for this write
+        entry = store.write_file(data_dir, rank_filename(rank), encode_per_rank(job.per_rank), sync=ctx.sync_files)
+        files.append(replace(entry, rank=rank))
+    if ctx.sync_files:
+        store.storage.sync_dir(data_dir)
+    return files
+
+
+def _decide(job: SaveJob, ctx: SaveContext, step_path: str, plan: dict[str, Any],
+            gathered: list[tuple[list[FileEntry], str | None]]) -> str | None:
+    """Rank 0: commit if every rank wrote its files and this writer is current; else the error line
+    (the save folder of this attempt is removed then: it is this writer's own)."""
+    errors = list(dict.fromkeys(e for _, e in gathered if e))
+    outcome = "; ".join(errors) if errors else None
+    if outcome is None:
+        try:
+            outcome = _commit(job, ctx, step_path, plan, [f for files, _ in gathered for f in files])
+        except Exception as exc:  # rank 0's own failure reaches the others through the broadcast
+            outcome = f"rank 0: {describe_error(exc)}"
+    if outcome is not None:
+        try:
+            ctx.store.storage.remove_tree(posixpath.join(step_path, plan["save_dir"]))
+        except (OSError, CheckpointError) as exc:
+            log.info("checkpoint step %d: the failed save's folder stays until the next clean-up (%s)", job.step, exc)
+    return outcome
+
+
+def _commit(job: SaveJob, ctx: SaveContext, step_path: str, plan: dict[str, Any], files: list[FileEntry]) -> str | None:
+    """Rank 0: check the token, then create the manifest; another writer's manifest of that generation is
+    never replaced (this one goes on top of it, as the next generation)."""
+    manifest = Manifest(
+        step=job.step,
+        world_size=ctx.groups.world_size,
+        files=tuple(files),
+        created_unix_s=time.time(),
+        torch_version=torch.__version__,
+        per_rank_keys=tuple(sorted(job.per_rank)),
+        generation=plan["generation"],
+        data_dir=plan["save_dir"],
+        writer=ctx.guard.token,
+    )
+    for _ in range(COMMIT_TRIES):
+        ctx.guard.check()  # FencedError: one line, nothing committed
+        try:
+            ctx.store.commit(step_path, manifest)
+            return None
+        except FileExistsError:
+            log.warning("checkpoint step %d under %s: generation %d was committed by another writer meanwhile; "
+                        "committing this save as generation %d", job.step, ctx.url, manifest.generation,
+                        manifest.generation + 1)
+            manifest = replace(manifest, generation=manifest.generation + 1)
+    return f"step {job.step} under {ctx.url}: {COMMIT_TRIES} generations were committed by other writers meanwhile"

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import random
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from elastic_rt.checkpoint.trust import refused_type
 from elastic_rt.errors import CheckpointError
 
 
@@ -83,8 +85,11 @@ def decode_per_rank(data: bytes) -> dict[str, Any]:
     """Inverse of encode_per_rank; weights_only, so storage cannot run code on load."""
     try:
         loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for bad or unsafe data
-        raise CheckpointError(f"per-rank state is unreadable ({exc})") from exc
+    except pickle.UnpicklingError as exc:
+        raise refused_type("this rank's per-rank state", exc) from exc
+    except Exception as exc:  # torch raises several types for bad data
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(f"per-rank state is unreadable ({type(exc).__name__}: {first})") from exc
     if not isinstance(loaded, dict):
         raise CheckpointError("per-rank state is not a dict")
     return loaded

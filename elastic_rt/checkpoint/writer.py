@@ -1,7 +1,8 @@
-"""DCP storage writer/reader over an fsspec file system that records each file's size and crc32."""
+"""DCP storage writer/reader over a checkpoint Storage that records each file's size and checksums."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
@@ -11,18 +12,23 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Generator, Mapping
+from typing import Any, Callable, Generator, Mapping
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from elastic_rt.checkpoint import tensor_read
 from elastic_rt.checkpoint.checked_read import CheckedFile
+from elastic_rt.checkpoint.backends import Storage
 from elastic_rt.checkpoint.manifest import FileEntry
+from elastic_rt.checkpoint.storage import file_problem
+from elastic_rt.checkpoint.trust import load_metadata
 from elastic_rt.checkpoint.writeback import StartWriteback, start_writeback
+from elastic_rt.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +38,7 @@ OVERLAP_CRC_MIN_BYTES = 1 << 20
 # ... and are written in chunks of this size, each handed to the disk (start_writeback) as
 # soon as it is in the page cache, so the disk works while the next chunk is copied.
 WRITE_CHUNK_BYTES = 16 << 20
+METADATA_NAME = ".metadata"
 
 
 _zip_crc_lock = threading.Lock()
@@ -61,15 +68,17 @@ def zip_crc32_disabled() -> Generator[None, None, None]:
 
 
 class _ChecksumStream(io.RawIOBase):
-    """Write-through wrapper that counts bytes and computes a running crc32; with
-    `writeback`, starts the disk on each large chunk as soon as it is written."""
+    """Write-through wrapper that counts bytes and computes a running crc32 (and sha256 when the job
+    has a secret); with `writeback`, starts the disk on each large chunk as soon as it is written."""
 
-    def __init__(self, raw: Any, pool: ThreadPoolExecutor, writeback: StartWriteback | None = None) -> None:
+    def __init__(self, raw: Any, pool: ThreadPoolExecutor, writeback: StartWriteback | None = None,
+                 *, sha: bool = False) -> None:
         super().__init__()
         self.raw = raw
         self.pool = pool
         self.crc = 0
         self.size = 0
+        self.hasher = hashlib.sha256() if sha else None
         self._writeback = writeback
         self._fd: int | None = None
         if writeback is not None:
@@ -81,15 +90,20 @@ class _ChecksumStream(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
+    def _digest(self, view: memoryview, crc: int) -> int:
+        if self.hasher is not None:
+            self.hasher.update(view)
+        return zlib.crc32(view, crc)
+
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         if view.nbytes < OVERLAP_CRC_MIN_BYTES:
             self._write_all(view)
-            self.crc = zlib.crc32(view, self.crc)
+            self.crc = self._digest(view, self.crc)
             return view.nbytes
         for start in range(0, view.nbytes, WRITE_CHUNK_BYTES):
             chunk = view[start:start + WRITE_CHUNK_BYTES]
-            pending = self.pool.submit(zlib.crc32, chunk, self.crc)
+            pending = self.pool.submit(self._digest, chunk, self.crc)
             try:
                 offset = self.size
                 self._write_all(chunk)
@@ -115,16 +129,21 @@ class _ChecksumStream(io.RawIOBase):
         self.raw.flush()
 
     def fileno(self) -> int:
+        self.raw.flush()  # whoever fsyncs this descriptor gets the buffered bytes too
         return self.raw.fileno()
 
 
 class ChecksumFileSystem(FileSystemBase):
-    """torch's FileSystemBase over a given fsspec instance; records what every write produced."""
+    """torch's FileSystemBase over a Storage; records what every write produced. With `sync`, every file
+    is flushed and fsynced when it is closed and every rename's directory fsynced (local disks)."""
 
-    def __init__(self, fs: Any, *, early_writeback: bool = False) -> None:
-        self.fs = fs
-        self._writeback = start_writeback() if early_writeback else None
-        self.written: dict[str, tuple[int, int]] = {}  # path -> (size, crc32)
+    def __init__(self, storage: Storage, *, sync: bool = False, early_writeback: bool = False,
+                 sha: bool = False) -> None:
+        self.storage = storage
+        self.sync = sync and storage.local
+        self._sha = sha
+        self._writeback = start_writeback() if early_writeback and self.sync else None
+        self.written: dict[str, tuple[int, int, str | None]] = {}  # path -> (size, crc32, sha256)
         self._lock = threading.Lock()
         self._crc_pool: ThreadPoolExecutor | None = None
 
@@ -138,27 +157,29 @@ class ChecksumFileSystem(FileSystemBase):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
         path = os.fspath(path)
         if "r" in mode:
-            with self.fs.open(path, mode) as stream:
+            with self.storage.open_read(path) as stream:
                 yield stream
             return
-        with self.fs.open(path, mode) as raw:
-            stream = _ChecksumStream(raw, self._pool(), self._writeback)
+        with self.storage.open_write(path) as raw:
+            stream = _ChecksumStream(raw, self._pool(), self._writeback, sha=self._sha)
             try:
                 yield stream  # type: ignore[misc]
+                if self.sync:
+                    self.storage.sync_file(raw)
             except BaseException:
                 try:
-                    self.fs.rm(path)
-                except OSError as exc:  # the save fails anyway; the step directory is not committed
+                    self.storage.remove(path)
+                except (OSError, CheckpointError) as exc:  # the save fails anyway; nothing is committed
                     log.debug("checkpoint writer: could not remove the partial file %s (%s)", path, exc)
                 raise
         with self._lock:
-            self.written[path] = (stream.size, stream.crc)
+            self.written[path] = (stream.size, stream.crc, stream.hasher.hexdigest() if stream.hasher else None)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return posixpath.join(os.fspath(path), suffix)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        self.fs.mv(os.fspath(path), os.fspath(new_path))
+        self.storage.rename(os.fspath(path), os.fspath(new_path), sync=self.sync)
         with self._lock:
             if os.fspath(path) in self.written:
                 self.written[os.fspath(new_path)] = self.written.pop(os.fspath(path))
@@ -167,20 +188,24 @@ class ChecksumFileSystem(FileSystemBase):
         return os.fspath(path)
 
     def mkdir(self, path: str | os.PathLike) -> None:
-        self.fs.makedirs(os.fspath(path), exist_ok=True)
+        self.storage.makedir(os.fspath(path), sync=self.sync)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
 
     def exists(self, path: str | os.PathLike) -> bool:
-        return self.fs.exists(os.fspath(path))
+        try:
+            self.storage.size(os.fspath(path))
+        except FileNotFoundError:
+            return False
+        return True
 
     def rm_file(self, path: str | os.PathLike) -> None:
-        self.fs.rm(os.fspath(path))
+        self.storage.remove(os.fspath(path))
 
     def ls(self, path: str | os.PathLike) -> list[str]:
-        return self.fs.ls(os.fspath(path), detail=False)
+        return [posixpath.join(os.fspath(path), n) for n in self.storage.listdir(os.fspath(path))]
 
     def close(self) -> None:
         with self._lock:
@@ -190,24 +215,25 @@ class ChecksumFileSystem(FileSystemBase):
 
 
 class ChecksumWriter(FileSystemWriter):
-    """DCP FileSystemWriter on fsspec that reports (name, size, crc32) of each file it wrote."""
+    """DCP FileSystemWriter on a Storage that reports (name, size, crc32, sha256) of each file it wrote."""
 
     def __init__(
         self,
-        fs: Any,
+        storage: Storage,
         path: str,
         *,
         rank: int,
         step: int,
         sync_files: bool,
         thread_count: int = 1,
+        sha: bool = False,
     ) -> None:
-        super().__init__(
-            path, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count, overwrite=True
-        )
+        # DCP's own fsync (of a descriptor, before its buffer is flushed) is off: ChecksumFileSystem
+        # flushes and fsyncs every file it closes, .metadata included, and the directory of a rename.
+        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=thread_count, overwrite=True)
         # Only when the files are fsynced anyway: the early start changes when the disk works, not
         # whether (without fsync, pages may stay in memory, and early writeback would cost time).
-        self.fs = ChecksumFileSystem(fs, early_writeback=sync_files)
+        self.fs = ChecksumFileSystem(storage, sync=sync_files, early_writeback=sync_files, sha=sha)
         self.path = path
         self.rank = rank
         self.step = step
@@ -222,26 +248,64 @@ class ChecksumWriter(FileSystemWriter):
     def file_entries(self) -> list[FileEntry]:
         """Files this rank wrote (the coordinator also wrote .metadata)."""
         return [
-            FileEntry(path=posixpath.basename(path), size=size, crc32=crc, rank=self.rank)
-            for path, (size, crc) in sorted(self.fs.written.items())
+            FileEntry(path=posixpath.basename(path), size=size, crc32=crc, rank=self.rank, sha256=sha)
+            for path, (size, crc, sha) in sorted(self.fs.written.items())
         ]
 
 
-class FsspecCheckpointReader(FileSystemReader):
-    """DCP FileSystemReader over a given fsspec instance; tensors it can are read straight into the
-    state's tensors (checkpoint/tensor_read.py), the rest as DCP reads them. With `expected` (the
-    manifest's entries), each data file's crc32 is checked by this read (checkpoint/checked_read.py):
-    a file that does not match is reported in `problems` (nothing of it reaches DCP's unpickling
-    path), and the caller must not use the state."""
+class _ReadFileSystem(ChecksumFileSystem):
+    """The read side of FileSystemBase over a function that opens a checkpoint file (storage, or host memory)."""
 
-    def __init__(self, fs: Any, path: str, *, expected: Mapping[str, FileEntry] | None = None) -> None:
+    def __init__(self, open_read: Callable[[str], Any]) -> None:
+        self._open_read = open_read
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if "r" not in mode:
+            raise ValueError("a checkpoint reader does not write")
+        with self._open_read(os.fspath(path)) as stream:
+            yield stream
+
+    def close(self) -> None:
+        return None
+
+
+class CheckpointReader(FileSystemReader):
+    """DCP FileSystemReader over `open_read(path)`; tensors it can are read straight into the
+    state's tensors (checkpoint/tensor_read.py), the rest as DCP reads them. With `expected` (the
+    manifest's entries), each data file's checksums are checked by this read (checkpoint/checked_read.py):
+    a file that does not match is reported in `problems` (nothing of it reaches DCP's unpickling
+    path), and the caller must not use the state. `.metadata` is read once, checked against
+    `metadata_entry` when given, and unpickled with an allow-list (checkpoint/trust.py)."""
+
+    def __init__(self, open_read: Callable[[str], Any], path: str, *,
+                 expected: Mapping[str, FileEntry] | None = None, metadata_entry: FileEntry | None = None) -> None:
         super().__init__(path)
-        self.fs = ChecksumFileSystem(fs)
+        self.fs = _ReadFileSystem(open_read)
         self.path = path
         self.zero_copy_items = 0
         self.expected = expected
+        self.metadata_entry = metadata_entry
         self.problems: list[str] = []
         self.files_read: set[str] = set()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = posixpath.join(self.path, METADATA_NAME)
+        with self.fs.create_stream(path, "rb") as f:
+            data = f.read()
+        entry = self.metadata_entry
+        if entry is not None:
+            sha = hashlib.sha256(data).hexdigest() if entry.sha256 is not None else None
+            problem = "size" if len(data) != entry.size else file_problem(entry, (zlib.crc32(data), sha))
+            if problem is not None:
+                raise CheckpointError(f"{path} does not match its manifest ({problem}); not unpickled")
+        metadata = load_metadata(data, path)
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} is not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -272,7 +336,8 @@ class FsspecCheckpointReader(FileSystemReader):
         try:
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
                 if pool is not None and not getattr(stream, "checksum_verified", False):
-                    checked = CheckedFile(stream, pool)
+                    entry = self.expected.get(name)  # type: ignore[union-attr]
+                    checked = CheckedFile(stream, pool, sha=entry is not None and entry.sha256 is not None)
                 try:
                     for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                         if not self._read_direct(stream, item, planner, checked):

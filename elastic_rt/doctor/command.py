@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, TextIO
 
-from elastic_rt.errors import ConfigError
+from elastic_rt.errors import ConfigError, ElasticRTError
 from elastic_rt.doctor.checks import (
     GIB,
     CheckResult,
@@ -61,6 +61,8 @@ class DoctorOptions:
     sysfs_root: str = "/sys"
     timeout_s: float = 3.0  # per etcd request and per NTP query
     etcd_warn_latency_s: float = 0.1
+    bench_s: float = 0.0  # --bench: seconds of matmuls per local device (0: no compute test)
+    bench_threshold: float = 1.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +75,8 @@ class DoctorSources:
     gpu_probe: Callable[[], GpuInfo] = probe_gpus
     etcd_client_factory: Callable[[Any], Any] | None = None  # EtcdConfig -> client
     disk_usage: Callable[[str], Any] = shutil.disk_usage
+    compute_bench: Callable[..., Mapping[int, Any]] | None = None  # (devices, seconds=, timeout_s=) -> results
+    devices: Callable[[], list[str]] | None = None  # the local devices to test
 
 
 def etcd_config(endpoint: str, conf: Mapping[str, str], *, timeout_s: float):
@@ -111,6 +115,7 @@ def options_from_args(args: argparse.Namespace) -> DoctorOptions:
         min_free_gb=args.min_free_gb,
         sysfs_root=args.sysfs_root,
         timeout_s=timeout_s,
+        bench_s=_seconds("--bench-seconds", args.bench_seconds) if args.bench else 0.0,
     )
 
 
@@ -180,7 +185,37 @@ def run_doctor(options: DoctorOptions, sources: DoctorSources) -> list[CheckResu
             options.checkpoint_url, min_free_bytes=int(options.min_free_gb * GIB), disk_usage=sources.disk_usage
         )),  # fmt: skip
     ]
+    if options.bench_s > 0:
+        results += bench_rows(options, sources)
     return results
+
+
+def bench_rows(options: DoctorOptions, sources: DoctorSources) -> list[CheckResult]:
+    """--bench: one row per local device with its matmul rate; a device at least bench_threshold x the
+    node's median time fails (a node's lemon GPU); a test that fails or hangs fails its row."""
+    from elastic_rt.doctor import bench
+
+    devices = (sources.devices or (lambda: sorted(set(bench.local_devices(_visible_devices())))))()
+    runner = sources.compute_bench or bench.run_local
+    try:
+        results = runner(devices, seconds=options.bench_s, timeout_s=options.bench_s * 10 + 60)
+    except ElasticRTError as exc:
+        return [CheckResult(name="compute", status=Status.FAIL, detail=str(exc))]
+    slow = bench.slow_devices({r.device: r.seconds for r in results.values()}, options.bench_threshold)
+    rows = []
+    for _, r in sorted(results.items()):
+        detail = r.describe()
+        if r.device in slow:
+            detail += f"; {slow[r.device]:.2f}x the node's median: a slow device"
+        rows.append(CheckResult(name=f"compute {r.device}", status=Status.FAIL if r.device in slow else Status.OK,
+                                detail=detail, data={"seconds": r.seconds, "tflops": r.tflops, "size": r.size}))
+    return rows
+
+
+def _visible_devices() -> int:
+    import torch
+
+    return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
 
 
 def hard_checks(
@@ -237,7 +272,8 @@ def render_json(results: Iterable[CheckResult]) -> str:
 def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `doctor` on the top-level parser's subparsers."""
     p = subparsers.add_parser(
-        "doctor", help="pre-flight checks: etcd, clock, RDMA, NCCL environment, GPUs, checkpoint space",
+        "doctor", help="pre-flight checks: etcd, clock, RDMA, NCCL environment, GPUs, checkpoint space; --bench: "
+                       "device speed",
         description="Run pre-flight checks and print one row per check; exit 1 when a check failed.",
     )  # fmt: skip
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
@@ -254,6 +290,10 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sysfs-root", default="/sys", help="sysfs mount to read RDMA ports and interfaces from")
     p.add_argument("--timeout", type=float, default=3.0,
                    help="seconds to wait for each etcd request and NTP query (default 3)")
+    p.add_argument("--bench", action="store_true",
+                   help="also time a matmul on every local device (GPUs, else the CPU); a device 1.5x slower "
+                        "than the node's median fails")
+    p.add_argument("--bench-seconds", type=float, default=2.0, help="seconds of matmuls per device (default 2)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     p.set_defaults(func=run)
     return p

@@ -17,7 +17,7 @@ from elastic_rt.goodput.events import EventLog, journal_path
 from elastic_rt.interfaces import AgentObserver, RestartPolicy
 from elastic_rt.goodput.ledger import GoodputLedger, LostProgress
 from elastic_rt.goodput.steptime import StepTimer
-from elastic_rt.goodput.stragglers import SpeedExchange, StragglerBoard, StragglerSettings, Verdict
+from elastic_rt.goodput.stragglers import NodeWindow, Signal, SpeedExchange, StragglerBoard, StragglerSettings, Verdict
 from elastic_rt.metrics.definitions import GoodputMetrics
 from elastic_rt.reporting.checkpoint import CheckpointReportReader
 from elastic_rt.reporting.heartbeat import Heartbeat
@@ -57,7 +57,7 @@ class GoodputObserver(AgentObserver):
                                       on_verdict=self._on_verdict, on_new_round=self._on_new_round, stop=self._stop)
         self._local_board = StragglerBoard(threshold=settings.threshold, windows=settings.windows)
         self._lock = threading.Lock()
-        self._window: tuple[int, dict[int, float]] | None = None
+        self._window: NodeWindow | None = None
         self._window_seq = 0
         self._local_ranks: set[int] = set()
         self.flagged: dict[int, float] = {}  # local rank -> ratio, in the current round
@@ -122,15 +122,18 @@ class GoodputObserver(AgentObserver):
         now = self._clock()
         if self.timer.window_due(now):
             medians = self.timer.close_window(now)
-            if medians:
+            if medians.step or medians.compute:
                 self._window_seq += 1
+                window = (self._window_seq, {Signal.STEP_TIME: medians.step, Signal.COMPUTE: medians.compute})
                 with self._lock:
-                    self._window = (self._window_seq, medians)
+                    self._window = window
+                self.exchange.window_closed.set()
                 if self.metrics is not None:
-                    self.metrics.on_step_times(medians)
+                    self.metrics.on_step_times(medians.step)
+                    self.metrics.on_compute_times(medians.compute)
                 if self.exchange.round < 0 and self._settings.enabled:
                     # No rounds with a store (c10d, standalone): judge the local ranks among themselves.
-                    verdict = self._local_board.update({self._node: (self._window_seq, medians)})
+                    verdict = self._local_board.update({self._node: window})
                     if verdict is not None:
                         self._on_verdict(self._round, verdict)
         if now >= self._next_totals:
@@ -144,6 +147,7 @@ class GoodputObserver(AgentObserver):
             return
         self._closed = True
         self._stop.set()
+        self.exchange.window_closed.set()  # the exchange thread returns now, not a window later
         if self.ledger.phase != "other":
             self._read_checkpoint()
             self._record_lost(self.ledger.finished(succeeded=False))
@@ -158,7 +162,7 @@ class GoodputObserver(AgentObserver):
         return DetectionAction.LEAVE if leave else DetectionAction.REPORT
 
     # ---- straggler exchange callbacks -----------------------------------------------------
-    def _latest_window(self) -> tuple[int, dict[int, float]] | None:
+    def _latest_window(self) -> NodeWindow | None:
         with self._lock:
             return self._window
 
@@ -181,16 +185,19 @@ class GoodputObserver(AgentObserver):
         if self.metrics is not None:
             self.metrics.on_stragglers(set(mine), self._local_ranks)
             if window is not None:
-                self.metrics.on_step_times(window[1], job_median_s=verdict.median_s)
+                self.metrics.on_step_times(window[1][Signal.STEP_TIME], job_median_s=verdict.median_s)
+                self.metrics.on_compute_times(window[1][Signal.COMPUTE],
+                                              job_median_s=verdict.medians.get(Signal.COMPUTE))
         action = self.action
         for rank, s in sorted(new.items()):
-            log.warning("[%s round %d] straggler: local rank %d steps in %.4g s, %.2fx the job median %.4g s "
-                        "(%d windows of %g s in a row; threshold %gx)%s", self._node, rnd, rank, s.step_time_s,
-                        s.ratio, s.median_s, s.windows, self._settings.window_s, self._settings.threshold,
+            log.warning("[%s round %d] straggler: local rank %d %s %.4g s per step, %.2fx the job median %.4g s "
+                        "(%d windows of %g s in a row; threshold %gx)%s", self._node, rnd, rank, s.signal.describe,
+                        s.value_s, s.ratio, s.median_s, s.windows, self._settings.window_s,
+                        self._settings.threshold,
                         "; leaving the job (--straggler-action leave)" if action is DetectionAction.LEAVE else "")
-            self.events.write("straggler", round=rnd, local_rank=rank, step_time_s=round_s(s.step_time_s),
-                              median_s=round_s(s.median_s), ratio=round(s.ratio, 3), windows=s.windows,
-                              action=action)
+            self.events.write("straggler", round=rnd, local_rank=rank, signal=s.signal.value,
+                              value_s=round_s(s.value_s), median_s=round_s(s.median_s), ratio=round(s.ratio, 3),
+                              windows=s.windows, action=action)
         for rank in sorted(gone):
             log.info("[%s round %d] local rank %d is no longer a straggler", self._node, rnd, rank)
             self.events.write("straggler_cleared", round=rnd, local_rank=rank)

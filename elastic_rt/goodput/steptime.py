@@ -1,5 +1,10 @@
 """Per-rank step timing from the step heartbeats sampled every monitor tick: Δtime/Δstep between two
-reports, and its median per window (robust to the odd long step: a checkpoint save, an evaluation)."""
+reports, and its median per window (robust to the odd long step: a checkpoint save, an evaluation);
+and compute time per step (outside backward() and collectives, goodput/compute.py), which names the
+slow rank of a lock-step job where step times are all the same: its mean per window, leaving out the
+slowest tenth (a save, an evaluation). A mean, because in lock-step every delay of one rank delays the
+job: a rank stalled on a third of its steps (a data loader, a CPU quota's bursts) holds the others back
+by a third of a stall per step, and a median would not move."""
 
 from __future__ import annotations
 
@@ -33,6 +38,34 @@ def weighted_median(values: Iterable[tuple[float, int]]) -> float:
     return pairs[-1][0]
 
 
+@dataclass(frozen=True)
+class WindowMedians:
+    """One window's figures per local rank: median step time, and (trimmed mean) compute time where the
+    workers time it."""
+
+    step: dict[int, float]
+    compute: dict[int, float]
+
+
+def trimmed_mean(values: Iterable[tuple[float, int]], trim: float = 0.1) -> float:
+    """Weighted mean of (value, weight) pairs without the top `trim` of the weight (the largest values)."""
+    pairs = sorted((v, w) for v, w in values if w > 0)
+    if not pairs:
+        raise ValueError("trimmed_mean of nothing")
+    keep = sum(w for _, w in pairs) * (1.0 - trim)
+    total = weight = 0.0
+    for v, w in pairs:
+        take = min(float(w), keep - weight)
+        if take <= 0:
+            break
+        total += v * take
+        weight += take
+    return total / weight
+
+
+COMPUTE_TRIM = 0.1
+
+
 class StepTimer:
     """Step time per local rank, from the workers' own report times (CLOCK_MONOTONIC of the writer).
 
@@ -48,12 +81,15 @@ class StepTimer:
         self._clock = clock
         self._last: dict[int, tuple[float, int, int]] = {}  # rank -> (report time, step, seq)
         self._window: dict[int, list[tuple[float, int]]] = {}
+        self._last_compute: dict[int, tuple[int, int, int]] = {}  # rank -> (pid, compute_ns, timed)
+        self._compute: dict[int, list[tuple[float, int]]] = {}
         self._window_start = clock()
 
     def reset(self, local_ranks: Iterable[int]) -> None:
         """New workers: forget the old ones' reports and start a fresh window."""
-        self._last = {}
+        self._last, self._last_compute = {}, {}
         self._window = {rank: [] for rank in local_ranks}
+        self._compute = {rank: [] for rank in self._window}
         self._window_start = self._clock()
 
     def observe(self, beats: Mapping[int, Heartbeat | None]) -> list[StepObservation]:
@@ -72,17 +108,30 @@ class StepTimer:
                 out.append(obs)
             if last is None or beat.step != last[1]:
                 self._last[rank] = (beat.timestamp_s, beat.step, beat.seq)
+            self._observe_compute(rank, beat)
         return out
+
+    def _observe_compute(self, rank: int, beat: Heartbeat) -> None:
+        last = self._last_compute.get(rank)
+        if last is not None and last[0] == beat.pid and beat.timed_steps > last[2]:
+            steps = beat.timed_steps - last[2]
+            self._compute.setdefault(rank, []).append((max(0, beat.compute_ns - last[1]) / 1e9 / steps, steps))
+        if last is None or last[0] != beat.pid or beat.timed_steps != last[2]:
+            self._last_compute[rank] = (beat.pid, beat.compute_ns, beat.timed_steps)
 
     def window_due(self, now: float | None = None) -> bool:
         now = self._clock() if now is None else now
         return now - self._window_start >= self.window_s
 
-    def close_window(self, now: float | None = None) -> dict[int, float]:
-        """The median step time of each rank over the window that ends now; a rank that made no step
-        in the window is left out (it may be waiting for the others; stalls are the hang detector's)."""
+    def close_window(self, now: float | None = None) -> WindowMedians:
+        """The step and compute time of each rank over the window that ends now; a rank that
+        made no (timed) step in the window is left out (it may be waiting for the others; stalls are
+        the hang detector's)."""
         now = self._clock() if now is None else now
-        medians = {rank: weighted_median(obs) for rank, obs in self._window.items() if obs}
+        medians = WindowMedians(step={rank: weighted_median(obs) for rank, obs in self._window.items() if obs},
+                                compute={rank: trimmed_mean(obs, COMPUTE_TRIM)
+                                         for rank, obs in self._compute.items() if obs})
         self._window = {rank: [] for rank in self._window}
+        self._compute = {rank: [] for rank in self._compute}
         self._window_start = now
         return medians

@@ -1,9 +1,13 @@
 """Relative speed across nodes, without a collective in the training loop: every agent publishes its
-ranks' median step times to the round's store once per window; the agent of group rank 0 compares
-them with the job median and publishes one small verdict (the stragglers) that every agent reads.
+ranks' median step and compute times to the round's store once per window; the agent of group rank 0
+compares them with the job medians and publishes one small verdict (the stragglers) that every agent
+reads.
 
 Per window and node: one write and one read (rank 0: one read per node). A rank is a straggler when
-its median step time is at least `threshold` x the job's (lower) median for `windows` windows in a row.
+one of its signals is at least `threshold` x the job's (lower) median of that signal for `windows`
+windows in a row. Step time names the slow rank where ranks do not wait for each other every step
+(local SGD); compute time (outside backward(), goodput/compute.py) where they do (DDP: every rank
+steps at the slowest one's pace, but only the slow one computes for longer).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import json
 import logging
 import statistics
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Callable, Mapping
 
 log = logging.getLogger(__name__)
@@ -21,6 +26,21 @@ STRAGGLER_ACTIONS = ("report", "leave")
 _NODE_KEY = "elastic-rt/speed/node/{}"
 _VERDICT_KEY = "elastic-rt/speed/verdict"
 _MAX_AGE = 3  # aggregations after which a node that published nothing new no longer counts
+
+
+class Signal(str, Enum):
+    """What a rank is judged by."""
+
+    STEP_TIME = "step_time"  # median time per step (Δtime/Δstep of its heartbeats)
+    COMPUTE = "compute"  # median time per step spent outside backward(): the rank's own work
+
+    @property
+    def describe(self) -> str:
+        return "steps in" if self is Signal.STEP_TIME else "computes (outside backward() and collectives) for"
+
+
+# One node's window: its number, and per signal {local_rank: median seconds}
+NodeWindow = tuple[int, Mapping[Signal, Mapping[int, float]]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,8 +61,9 @@ class StragglerSettings:
 class Straggler:
     node: str
     local_rank: int
-    step_time_s: float
-    median_s: float
+    signal: Signal
+    value_s: float  # the rank's median of `signal` in the last window
+    median_s: float  # the job's median of `signal`
     ratio: float
     windows: int
 
@@ -52,66 +73,91 @@ class Verdict:
     """Rank 0's judgement after one aggregation."""
 
     seq: int
-    median_s: float
-    fastest_s: float
-    ranks: int
+    medians: dict[Signal, float]  # the job's median of each signal some rank reported
+    fastest_s: float  # the smallest median step time
+    ranks: int  # ranks with a step time
     stragglers: tuple[Straggler, ...] = ()
 
+    @property
+    def median_s(self) -> float:
+        """The job's median step time (0 when no rank reported one)."""
+        return self.medians.get(Signal.STEP_TIME, 0.0)
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        data = asdict(self)
+        data["medians"] = {s.value: v for s, v in self.medians.items()}
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Verdict":
         data = json.loads(text)
-        return cls(seq=int(data["seq"]), median_s=float(data["median_s"]), fastest_s=float(data["fastest_s"]),
-                   ranks=int(data["ranks"]), stragglers=tuple(Straggler(**s) for s in data["stragglers"]))
+        stragglers = tuple(Straggler(**{**s, "signal": Signal(s["signal"])}) for s in data["stragglers"])
+        return cls(seq=int(data["seq"]), medians={Signal(k): float(v) for k, v in data["medians"].items()},
+                   fastest_s=float(data["fastest_s"]), ranks=int(data["ranks"]), stragglers=stragglers)
+
+
+@dataclass
+class _Seen:
+    node_seq: int  # the node's own window number
+    at: int  # our aggregation number when it changed
+    streaks: dict[tuple[int, Signal], int] = field(default_factory=dict)
 
 
 class StragglerBoard:
-    """Rank 0's bookkeeping: the latest medians of every node, and each rank's run of slow windows."""
+    """Rank 0's bookkeeping: the latest medians of every node, and each rank's run of slow windows
+    per signal."""
 
     def __init__(self, *, threshold: float, windows: int) -> None:
         self._threshold = threshold
         self._windows = windows
         self._seq = 0
-        self._seen: dict[str, tuple[int, int]] = {}  # node -> (its seq, our seq when it changed)
-        self._streak: dict[tuple[str, int], int] = {}
+        self._seen: dict[str, _Seen] = {}
 
-    def update(self, entries: Mapping[str, tuple[int, Mapping[int, float]]]) -> Verdict | None:
-        """entries: node -> (its window number, {local_rank: median step time}). None: too few ranks."""
+    def update(self, entries: Mapping[str, NodeWindow]) -> Verdict | None:
+        """entries: node -> (its window number, {signal: {local_rank: median}}). None: too few ranks."""
         self._seq += 1
         fresh = set()
         for node, (node_seq, _) in entries.items():
-            if node not in self._seen or self._seen[node][0] != node_seq:
-                self._seen[node] = (node_seq, self._seq)
+            seen = self._seen.get(node)
+            if seen is None or seen.node_seq != node_seq:
+                self._seen[node] = _Seen(node_seq, self._seq, seen.streaks if seen else {})
                 fresh.add(node)
-        live = {node: ranks for node, (_, ranks) in entries.items()
-                if self._seq - self._seen[node][1] < _MAX_AGE and ranks}
-        values = [v for ranks in live.values() for v in ranks.values() if v > 0]
-        if len(values) < 2:
+        live = {node: signals for node, (_, signals) in entries.items() if self._seq - self._seen[node].at < _MAX_AGE}
+        medians: dict[Signal, float] = {}
+        for signal in Signal:
+            values = [v for signals in live.values() for v in signals.get(signal, {}).values() if v > 0]
+            if len(values) >= 2:
+                medians[signal] = statistics.median_low(values)
+        if not medians:
             return None
-        median = statistics.median_low(values)
         for node in fresh & set(live):
-            for rank, value in live[node].items():
-                key = (node, rank)
-                slow = value > 0 and value >= self._threshold * median
-                self._streak[key] = self._streak.get(key, 0) + 1 if slow else 0
-        stragglers = tuple(
-            Straggler(node=node, local_rank=rank, step_time_s=live[node][rank], median_s=median,
-                      ratio=live[node][rank] / median, windows=n)
-            for (node, rank), n in sorted(self._streak.items())
-            if n >= self._windows and node in live and rank in live[node]
-        )
-        return Verdict(seq=self._seq, median_s=median, fastest_s=min(values), ranks=len(values),
-                       stragglers=stragglers)
+            streaks = self._seen[node].streaks
+            for signal, median in medians.items():
+                for rank, value in live[node].get(signal, {}).items():
+                    slow = value > 0 and value >= self._threshold * median
+                    streaks[(rank, signal)] = streaks.get((rank, signal), 0) + 1 if slow else 0
+        found: dict[tuple[str, int], Straggler] = {}
+        for node, signals in sorted(live.items()):
+            for (rank, signal), n in sorted(self._seen[node].streaks.items()):
+                value = signals.get(signal, {}).get(rank)
+                if n < self._windows or value is None or signal not in medians:
+                    continue
+                s = Straggler(node=node, local_rank=rank, signal=signal, value_s=value, median_s=medians[signal],
+                              ratio=value / medians[signal], windows=n)
+                if (node, rank) not in found or s.ratio > found[(node, rank)].ratio:
+                    found[(node, rank)] = s
+        steps = [v for signals in live.values() for v in signals.get(Signal.STEP_TIME, {}).values() if v > 0]
+        return Verdict(seq=self._seq, medians=medians, fastest_s=min(steps, default=0.0), ranks=len(steps),
+                       stragglers=tuple(found[k] for k in sorted(found)))
 
 
 class SpeedExchange:
-    """Round listener: per round, a thread that publishes this node's medians every window and reads
-    the verdict (rank 0 also aggregates); it ends when the round does. A store error skips a window."""
+    """Round listener: per round, a thread that publishes this node's figures as soon as a window closes
+    (window_closed is set) and reads the verdict (rank 0 also aggregates); it ends when the round does.
+    A store error skips a window."""
 
     def __init__(self, *, node: str, settings: StragglerSettings,
-                 latest: Callable[[], tuple[int, dict[int, float]] | None],
+                 latest: Callable[[], NodeWindow | None],
                  on_verdict: Callable[[int, Verdict], None], on_new_round: Callable[[int], None],
                  stop: threading.Event) -> None:
         self._node = node
@@ -122,6 +168,7 @@ class SpeedExchange:
         self._stop = stop
         self.round = -1
         self.nodes = 1  # nodes in the current round
+        self.window_closed = threading.Event()  # set by the observer when this node closed a window
 
     def on_round(self, *, round: int, store, group_rank: int, group_world_size: int,
                  master_addr: str | None = None) -> None:
@@ -138,8 +185,10 @@ class SpeedExchange:
             if rank == 0 else None
         published, seen_verdict, failed = None, 0, False
         present: set[int] = set()
-        while not self._stop.wait(self._settings.window_s):
-            if rnd != self.round:
+        while not self._stop.is_set():
+            self.window_closed.wait(self._settings.window_s)  # at the latest a window's time
+            self.window_closed.clear()
+            if rnd != self.round or self._stop.is_set():
                 return
             sample = self._latest()
             if sample is None or sample[0] == published:
@@ -147,7 +196,8 @@ class SpeedExchange:
             published = sample[0]
             try:
                 store.set(_NODE_KEY.format(rank), json.dumps(
-                    {"node": self._node, "seq": sample[0], "ranks": {str(k): v for k, v in sample[1].items()}}))
+                    {"node": self._node, "seq": sample[0],
+                     "signals": {s.value: {str(k): v for k, v in ranks.items()} for s, ranks in sample[1].items()}}))
                 if board is not None:
                     verdict = board.update(self._read_nodes(store, world, present))
                     if verdict is not None:
@@ -166,8 +216,8 @@ class SpeedExchange:
                 self._on_verdict(rnd, verdict)
 
     @staticmethod
-    def _read_nodes(store, world: int, present: set[int]) -> dict[str, tuple[int, dict[int, float]]]:
-        entries: dict[str, tuple[int, dict[int, float]]] = {}
+    def _read_nodes(store, world: int, present: set[int]) -> dict[str, NodeWindow]:
+        entries: dict[str, NodeWindow] = {}
         for r in range(world):
             key = _NODE_KEY.format(r)
             if r not in present:
@@ -175,5 +225,6 @@ class SpeedExchange:
                     continue  # not published yet: a get would wait for it
                 present.add(r)
             data = json.loads(store.get(key))
-            entries[str(data["node"])] = (int(data["seq"]), {int(k): float(v) for k, v in data["ranks"].items()})
+            entries[str(data["node"])] = (int(data["seq"]), {
+                Signal(s): {int(k): float(v) for k, v in ranks.items()} for s, ranks in data["signals"].items()})
         return entries

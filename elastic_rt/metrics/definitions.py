@@ -326,6 +326,13 @@ class GoodputMetrics:
         self.step_time_ratio = Gauge("elastic_rt_step_time_ratio",
                                      "The worker's median step time / the job's median (all nodes).",
                                      base + ["local_rank"], registry=registry)
+        self.compute_time = Gauge("elastic_rt_compute_time_seconds",
+                                  "Median compute time per step of the worker in the last window: the time between "
+                                  "optimizer steps outside backward() (where lock-step ranks wait for each other).",
+                                  base + ["local_rank"], registry=registry)
+        self.compute_time_ratio = Gauge("elastic_rt_compute_time_ratio",
+                                        "The worker's median compute time per step / the job's median (all nodes).",
+                                        base + ["local_rank"], registry=registry)
         self.straggler = Gauge("elastic_rt_straggler",
                                "1 while the worker is flagged as a straggler, else 0.", base + ["local_rank"],
                                registry=registry)
@@ -356,6 +363,12 @@ class GoodputMetrics:
             if job_median_s:
                 self.step_time_ratio.labels(*self._base, str(rank)).set(value / job_median_s)
             self._ranks.add(rank)
+
+    def on_compute_times(self, medians: Mapping[int, float], *, job_median_s: float | None = None) -> None:
+        for rank, value in medians.items():
+            self.compute_time.labels(*self._base, str(rank)).set(value)
+            if job_median_s:
+                self.compute_time_ratio.labels(*self._base, str(rank)).set(value / job_median_s)
 
     def on_stragglers(self, flagged: set[int], local_ranks: set[int]) -> None:
         """Set the flag of every local rank (1: flagged)."""
@@ -449,3 +462,42 @@ class EtcdMetrics:
 
     def describe(self):
         yield from self._families()
+
+
+# ---- the pre-flight node test (recorded by elastic_rt.doctor.preflight) -----------------------------
+class PreflightMetrics:
+    """The launch's pre-flight test: this node's matmul times, its ring link, and whether it was named."""
+
+    def __init__(self, *, registry: CollectorRegistry, run_id: str, node: str) -> None:
+        self._base = (run_id, node)
+        base = ["run_id", "node"]
+        self.compute = Gauge("elastic_rt_preflight_compute_seconds",
+                             "Median seconds per matmul of each local device in the pre-flight test.",
+                             base + ["local_rank"], registry=registry)
+        self.compute_ratio = Gauge("elastic_rt_preflight_compute_ratio",
+                                   "A local device's pre-flight matmul time / the job's median.",
+                                   base + ["local_rank"], registry=registry)
+        self.link = Gauge("elastic_rt_preflight_link_seconds",
+                          "Seconds the pre-flight ring test took to receive from the previous node.", base,
+                          registry=registry)
+        self.slow = Gauge("elastic_rt_preflight_slow", "1 when the pre-flight test named this node, else 0.",
+                          base, registry=registry)
+        self.duration = Gauge("elastic_rt_preflight_duration_seconds",
+                              "Seconds the last pre-flight phase took (compute test, or ring test and verdict).",
+                              base + ["phase"], registry=registry)
+        self._compute: dict[int, float] = {}
+
+    def on_compute(self, seconds: Mapping[int, float], *, duration_s: float) -> None:
+        self._compute = dict(seconds)
+        for rank, value in seconds.items():
+            self.compute.labels(*self._base, str(rank)).set(value)
+        self.duration.labels(*self._base, "compute").set(duration_s)
+
+    def on_verdict(self, *, compute_median_s: float, link_s: float | None, slow: bool, duration_s: float) -> None:
+        if compute_median_s > 0:
+            for rank, value in self._compute.items():
+                self.compute_ratio.labels(*self._base, str(rank)).set(value / compute_median_s)
+        if link_s is not None:
+            self.link.labels(*self._base).set(link_s)
+        self.slow.labels(*self._base).set(1.0 if slow else 0.0)
+        self.duration.labels(*self._base, "round").set(duration_s)

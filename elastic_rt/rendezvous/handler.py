@@ -340,6 +340,22 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         registered = self.settings.local_addr if m.rank == 0 else registered_addr(rank0)
         return master, master_refusal(master, m.nodes[0], registered)
 
+    def fence_view(self) -> dict | None:
+        """What checkpoint fencing needs (elastic_rt/checkpoint/fence.py): the round in the view, the
+        launch (the `round` key's create revision: one per run prefix created), the lease's last
+        confirmed renewal and how often it was found gone. None before the first round."""
+        if self.membership is None or not self._started:
+            return None
+        last_renewed = self._lease.last_renewed  # before renewals_lost: a fresh renewal implies its loss count
+        renewals_lost = self._lease.renewals_lost
+        with self._view.lock:
+            kv = self._view.round
+            rnd = self._view.current_round()
+        return {"run_id": self.settings.run_id, "launch_id": str(kv.create_revision) if kv else "",
+                "round": rnd if rnd is not None else -1, "last_renewed": last_renewed,
+                "renewals_lost": renewals_lost, "lease_ttl_s": self.settings.lease_ttl_s,
+                "reachable": self.etcd_reachable(), "etcd_up": self.health.up}
+
     def _follow_failover(self) -> None:
         """After a beat: if the keepalive failed over to another endpoint, move the watch there too
         (a hung member keeps a watch stream open and silent); as rank 0, keep the run's lease alive."""

@@ -79,8 +79,9 @@ def render(t: Timeline) -> str:
         elif kind == "lost":
             text = f"progress lost: {e.get('steps')} step(s), {float(e.get('seconds', 0)):.1f} s re-done"
         elif kind == "straggler":
-            text = (f"STRAGGLER local rank {e.get('local_rank')}: {float(e.get('ratio', 0)):.2f}x the job median step "
-                    f"time ({float(e.get('step_time_s', 0)):.4g} s vs {float(e.get('median_s', 0)):.4g} s), "
+            what = "compute time" if e.get("signal") == "compute" else "step time"
+            text = (f"STRAGGLER local rank {e.get('local_rank')}: {float(e.get('ratio', 0)):.2f}x the job median {what} "
+                    f"({float(e.get('value_s', e.get('step_time_s', 0))):.4g} s vs {float(e.get('median_s', 0)):.4g} s), "
                     f"action {e.get('action', 'report')}")
         elif kind == "finished":
             text = f"workers finished: {e.get('state')}"

@@ -1,4 +1,4 @@
-"""Per-worker step heartbeat: a 36-byte record the worker writes and the agent reads."""
+"""Per-worker step heartbeat: a 52-byte record the worker writes and the agent reads."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from elastic_rt.worker_env import WorkerEnvironment
 
 log = logging.getLogger(__name__)
 
-# Record layout (little-endian, 36 bytes at offset 0 of the file):
+# Record layout (little-endian, 52 bytes at offset 0 of the file):
 #   magic    4s   b"ERHB"; once the script is done: b"ERHR" if it returned (or exited 0),
 #                 b"ERHD" if it raised or exited non-zero (both: finished)
 #   pid      u32  the writer's pid
@@ -26,13 +26,15 @@ log = logging.getLogger(__name__)
 #   step     i64  the last step passed to report_step; without any, the number of
 #                 optimizer steps
 #   mono_ns  i64  the writer's CLOCK_MONOTONIC in nanoseconds (system-wide on Linux)
-#   crc      u32  zlib.crc32 of the 32 bytes above; a torn read fails it
+#   compute_ns u64  total compute time of the timed steps (goodput/compute.py): outside backward()
+#   timed    u64  number of timed steps in compute_ns
+#   crc      u32  zlib.crc32 of the 48 bytes above; a torn read fails it
 _MAGIC = b"ERHB"
 _MAGIC_FINISHED = b"ERHD"
 _MAGIC_RETURNED = b"ERHR"
-_BODY = struct.Struct("<4sIQqq")  # magic, pid, seq, step, mono_ns  (32 bytes)
+_BODY = struct.Struct("<4sIQqqQQ")  # magic, pid, seq, step, mono_ns, compute_ns, timed  (48 bytes)
 _CRC = struct.Struct("<I")
-RECORD_SIZE = _BODY.size + _CRC.size  # 36 bytes
+RECORD_SIZE = _BODY.size + _CRC.size  # 52 bytes
 _READ_ATTEMPTS = 3
 
 
@@ -47,26 +49,28 @@ class Heartbeat:
     age_s: float  # reader's clock minus timestamp_s, clamped at 0
     finished: bool = False  # the script returned or raised: the process is exiting, not stuck
     returned: bool = False  # finished by returning (or exit status 0): its work is done
+    compute_ns: int = 0  # total compute time (outside backward()) of `timed_steps` steps
+    timed_steps: int = 0
 
 
-def encode_record(*, pid: int, seq: int, step: int, mono_ns: int) -> bytes:
+def encode_record(*, pid: int, seq: int, step: int, mono_ns: int, compute_ns: int = 0, timed: int = 0) -> bytes:
     """Return the on-disk bytes of one heartbeat record."""
-    body = _BODY.pack(_MAGIC, pid & 0xFFFFFFFF, seq, step, mono_ns)
+    body = _BODY.pack(_MAGIC, pid & 0xFFFFFFFF, seq, step, mono_ns, compute_ns, timed)
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def decode_record(data: bytes) -> tuple[int, int, int, int] | None:
-    """Return (pid, seq, step, mono_ns), or None for a short, torn or foreign record."""
+def decode_record(data: bytes) -> tuple[int, int, int, int, int, int] | None:
+    """Return (pid, seq, step, mono_ns, compute_ns, timed), or None for a short, torn or foreign record."""
     if len(data) < RECORD_SIZE:
         return None
     body = data[: _BODY.size]
     (crc,) = _CRC.unpack_from(data, _BODY.size)
     if zlib.crc32(body) != crc:
         return None
-    magic, pid, seq, step, mono_ns = _BODY.unpack(body)
+    magic, pid, seq, step, mono_ns, compute_ns, timed = _BODY.unpack(body)
     if magic not in (_MAGIC, _MAGIC_FINISHED, _MAGIC_RETURNED) or seq == 0:
         return None
-    return pid, seq, step, mono_ns
+    return pid, seq, step, mono_ns, compute_ns, timed
 
 
 def allocate(fd: int) -> None:
@@ -90,6 +94,7 @@ class HeartbeatWriter:
         self._seq = 0
         self._step = 0
         self._explicit = False  # report_step was called: its steps win over the optimizer count
+        self._compute: tuple[int, int] = (0, 0)  # (compute_ns, timed steps) from goodput/compute.py
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             allocate(fd)
@@ -114,6 +119,10 @@ class HeartbeatWriter:
             self._step += 1
         self._write()
 
+    def set_compute(self, compute_ns: int, timed: int) -> None:
+        """The compute timer's totals, carried by the next record."""
+        self._compute = (compute_ns, timed)
+
     def finish(self, returned: bool = False) -> None:
         """The script is done (returned: True if it returned or exited 0, False if it raised);
         interpreter teardown can take seconds."""
@@ -121,7 +130,7 @@ class HeartbeatWriter:
 
     def _write(self, magic: bytes = _MAGIC) -> None:
         self._seq += 1
-        body = _BODY.pack(magic, self._pid, self._seq, self._step, self._clock_ns())
+        body = _BODY.pack(magic, self._pid, self._seq, self._step, self._clock_ns(), *self._compute)
         self._map[0:RECORD_SIZE] = body + _CRC.pack(zlib.crc32(body))
 
     def close(self) -> None:
@@ -137,6 +146,9 @@ class _NullWriter:
         return None
 
     def tick(self, advance: bool = True) -> None:
+        return None
+
+    def set_compute(self, compute_ns: int, timed: int) -> None:
         return None
 
     def finish(self, returned: bool = False) -> None:
@@ -190,6 +202,14 @@ def report_finished(returned: bool = False) -> None:
 
 
 _counted_optimizer: "weakref.ref[Any] | None" = None
+_step_timer: Callable[[Any], tuple[int, int] | None] | None = None  # goodput/compute.py's step end, if installed
+
+
+def set_step_timer(step_ended: Callable[[Any], tuple[int, int] | None] | None) -> None:
+    """Call step_ended(optimizer) -> (compute_ns, timed steps), or None, at each counted optimizer step;
+    the totals go into the record."""
+    global _step_timer
+    _step_timer = step_ended
 
 
 def optimizer_step_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -200,7 +220,10 @@ def optimizer_step_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
     if counted is None:
         _counted_optimizer = weakref.ref(optimizer)
         counted = optimizer
-    _get_writer().tick(counted is optimizer)
+    writer = _get_writer()
+    if counted is optimizer and _step_timer is not None and (totals := _step_timer(optimizer)) is not None:
+        writer.set_compute(*totals)
+    writer.tick(counted is optimizer)
 
 
 def install_optimizer_progress(optimizer_module: Any) -> Any:
@@ -282,11 +305,11 @@ def read_heartbeat(path: str, *, clock: Callable[[], float] = time.monotonic) ->
             return None  # created but never written
         decoded = decode_record(data)
         if decoded is not None:
-            pid, seq, step, mono_ns = decoded
+            pid, seq, step, mono_ns, compute_ns, timed = decoded
             ts = mono_ns / 1e9
             return Heartbeat(pid=pid, seq=seq, step=step, timestamp_s=ts, age_s=max(0.0, clock() - ts),
                              finished=data[:4] in (_MAGIC_FINISHED, _MAGIC_RETURNED),
-                             returned=data[:4] == _MAGIC_RETURNED)
+                             returned=data[:4] == _MAGIC_RETURNED, compute_ns=compute_ns, timed_steps=timed)
     return None
 
 

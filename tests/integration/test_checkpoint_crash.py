@@ -7,8 +7,10 @@ import logging
 import os
 import time
 from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -60,7 +62,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
         for rank in (0, 1):
             wait_for(f"{pause_file}.rank{rank}.paused")
         step_dir = tmp_path / "ckpt" / "step_00000002"
-        assert any(p.name.endswith(".distcp") for p in step_dir.iterdir())  # mid-save indeed
+        assert any(p.name.endswith(".distcp") for p in step_dir.glob("save-*/*"))  # mid-save indeed
         world.kill(1)  # SIGKILL
         os.remove(pause_file)  # let the survivor run into its dead peer
         survivor = world.results(ranks=[0], timeout_s=120)[0]
@@ -86,13 +88,21 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
     assert "uncommitted" not in rows["1"] and "uncommitted" in rows["2"]
 
 
-def corrupt_save_worker(rank: int, world_size: int, url: str) -> None:
+def flip_and_load_worker(rank: int, world_size: int, url: str, root: str) -> dict:
+    """Save steps 1 and 2, flip a byte in step 2's shard that holds the tensor (rank 0, between two
+    barriers), then load: one world for the save and the load."""
     with CheckpointManager(url) as mgr:
         for step in (1, 2):
             mgr.save(step, {"model": {"w": torch.full((1000,), float(step))}, "extra": {"step": step}})
-
-
-def corrupt_load_worker(rank: int, world_size: int, url: str) -> dict:
+    victim = ""
+    if rank == 0:
+        shards = sorted(Path(root, "step_00000002").glob("save-*/*.distcp"))
+        path = max(shards, key=lambda p: p.stat().st_size)  # the one holding the tensor
+        data = bytearray(path.read_bytes())
+        data[len(data) - 100] ^= 0x40
+        path.write_bytes(bytes(data))
+        victim = path.name
+    dist.barrier()
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
@@ -100,19 +110,13 @@ def corrupt_load_worker(rank: int, world_size: int, url: str) -> dict:
     state = {"model": {"w": torch.zeros(1000)}, "extra": {"step": 0}}
     with CheckpointManager(url) as mgr:
         step = mgr.load_latest(state)
-    return {"step": step, "w": state["model"]["w"][0].item(), "warnings": records}
+    return {"step": step, "w": state["model"]["w"][0].item(), "warnings": records, "victim": victim}
 
 
 def test_a_flipped_byte_in_one_ranks_shard_makes_every_rank_fall_back(tmp_path):
     url = f"file://{tmp_path}/ckpt"
-    run_world(corrupt_save_worker, 2, url, timeout_s=120)
-    shards = sorted((tmp_path / "ckpt" / "step_00000002").glob("*.distcp"))
-    victim = max(shards, key=lambda p: p.stat().st_size)  # the one holding the tensor
-    data = bytearray(victim.read_bytes())
-    data[len(data) - 100] ^= 0x40
-    victim.write_bytes(bytes(data))
-    results = run_world(corrupt_load_worker, 2, url, timeout_s=120)
+    results = run_world(flip_and_load_worker, 2, url, str(tmp_path / "ckpt"), timeout_s=120)
     assert [r["step"] for r in results] == [1, 1]
     assert [r["w"] for r in results] == [1.0, 1.0]
     warning = " ".join(results[0]["warnings"])
-    assert f"{victim.name}: crc32" in warning and "falling back to step 1" in warning
+    assert f"{results[0]['victim']}: crc32" in warning and "falling back to step 1" in warning

@@ -35,6 +35,7 @@ from k8s_support import (
 )
 
 from elastic_rt.agent.config import DEFAULT_METRICS_PORT
+from elastic_rt.agent.crash_loop import CrashLoopError
 from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous.conf import valid_keys
 from tests.chaos.harness import Node
@@ -165,6 +166,7 @@ def check_job(docs: list[dict], job: dict, spec: dict, c: dict, cfg) -> None:
     fail = [r for r in rules if r["action"] == "FailJob" and "onExitCodes" in r]
     assert fail and fail[0]["onExitCodes"]["operator"] == "In"
     assert ConfigError.exit_code in fail[0]["onExitCodes"]["values"]
+    assert CrashLoopError.exit_code in fail[0]["onExitCodes"]["values"], "a crash loop must not be run again"
     assert fail[0]["onExitCodes"].get("containerName") == c["name"]
     assert 0 not in fail[0]["onExitCodes"]["values"]
     assert {"succeededCount": 1} in js["successPolicy"]["rules"], \

@@ -1,11 +1,13 @@
 """Pause points in a checkpoint save, for tests: a CheckpointManager whose writer stops where told.
 
 The package has no test hooks. PausingCheckpointManager overrides the manager's writer
-factory (`_make_writer`) and wraps each rank's DCP writer so that a hook runs at two phases:
+factory (`_make_writer`) and wraps each rank's DCP writer so that a hook runs at three phases:
 
   "staging"  the writer got this rank's plan (prepare_local_plan); the copy to host memory
              (async saves) has not started, nothing is written yet
   "written"  this rank's shard files are on storage (after write_data); nothing is committed
+  "commit"   rank 0 only: every rank's files are written and gathered; the writer's token is about
+             to be checked and the manifest created (not retention's own token check)
 
 A hook may block (to hold a save at that point), raise (to fail it) or return.
 """
@@ -27,6 +29,7 @@ from elastic_rt.errors import CheckpointError
 
 PHASE_STAGING = "staging"
 PHASE_WRITTEN = "written"
+PHASE_COMMIT = "commit"
 
 
 class PauseHook(Protocol):
@@ -36,7 +39,7 @@ class PauseHook(Protocol):
 
 
 class PausingWriter(ChecksumWriter):
-    """The package's writer, calling `hook` at the "staging" and "written" phases."""
+    """The package's writer, calling `hook` at the "staging" and "written" phases (the manager calls "commit")."""
 
     def __init__(self, *args: Any, hook: PauseHook, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -59,6 +62,28 @@ class PausingCheckpointManager(CheckpointManager):
     def __init__(self, url: str, *, pause_hook: PauseHook, **kwargs: Any) -> None:
         self._pause_hook = pause_hook
         super().__init__(url, **kwargs)
+        guard, check = self._guard, self._guard.check
+        step = {"now": -1}
+        self._in_retention = threading.local()
+
+        def check_after_hook() -> None:
+            if not getattr(self._in_retention, "active", False):
+                self._pause_hook(rank=self.rank, step=step["now"], phase=PHASE_COMMIT)
+            check()
+
+        guard.check = check_after_hook  # type: ignore[method-assign]
+        self._step_box = step
+
+    def _apply_retention(self, newest_step: int) -> None:
+        self._in_retention.active = True
+        try:
+            super()._apply_retention(newest_step)
+        finally:
+            self._in_retention.active = False
+
+    def save(self, step: int, state: Any) -> bool:
+        self._step_box["now"] = step
+        return super().save(step, state)
 
     def _make_writer(self, fs: Any, path: str, **kwargs: Any) -> ChecksumWriter:
         return PausingWriter(fs, path, hook=self._pause_hook, **kwargs)
@@ -82,11 +107,13 @@ class EventPauseHook:
 
 
 class FilePauseHook:
-    """Across processes: at "written", if PATH exists, create PATH.rank<r>.paused and wait
-    until PATH is removed (so a test can SIGKILL a rank mid-save)."""
+    """Across processes: at `phase` ("written"), if PATH exists, create PATH.rank<r>.paused and wait
+    until PATH is removed (so a test can SIGKILL or SIGSTOP a rank mid-save)."""
 
-    def __init__(self, path: str, *, poll_s: float = 0.01, max_wait_s: float = 300.0) -> None:
+    def __init__(self, path: str, *, phase: str = PHASE_WRITTEN, poll_s: float = 0.01,
+                 max_wait_s: float = 300.0) -> None:
         self.path = path
+        self.phase = phase
         self.poll_s = poll_s
         self.max_wait_s = max_wait_s
 
@@ -94,7 +121,7 @@ class FilePauseHook:
         return f"{self.path}.rank{rank}.paused"
 
     def __call__(self, *, rank: int, step: int, phase: str) -> None:
-        if phase != PHASE_WRITTEN or not os.path.exists(self.path):
+        if phase != self.phase or not os.path.exists(self.path):
             return
         with open(self.marker(rank), "w") as f:
             f.write(f"{step}\n")

@@ -75,7 +75,7 @@ def _save_two_steps(url: str) -> None:
 
 
 def _shard(tmp_path, step: int):
-    return next((tmp_path / "ckpt" / f"step_{step:08d}").glob("*.distcp"))
+    return next((tmp_path / "ckpt" / f"step_{step:08d}").glob("save-*/*.distcp"))
 
 
 @pytest.mark.parametrize("where", ["tensor bytes", "record header", "end of file"])
@@ -91,9 +91,9 @@ def test_a_flipped_byte_in_a_shard_is_caught_by_the_load_and_the_previous_step_i
     data[offset] ^= 0x10
     shard.write_bytes(bytes(data))
     checksummed: list[str] = []
-    whole_file_crc = CheckpointStore.file_crc32
-    monkeypatch.setattr(CheckpointStore, "file_crc32",
-                        lambda self, path: checksummed.append(path) or whole_file_crc(self, path))
+    whole_file_digest = CheckpointStore._digest
+    monkeypatch.setattr(CheckpointStore, "_digest",
+                        lambda self, path, sha: checksummed.append(path) or whole_file_digest(self, path, sha))
     state = {"model": {"w": torch.zeros(256, 1024), "b": torch.zeros(7)}, "extra": {"step": 0}}
     with caplog.at_level(logging.WARNING, logger="elastic_rt.checkpoint"):
         with CheckpointManager(url) as mgr:

@@ -43,7 +43,8 @@ def root(tmp_path) -> str:
 
 def _shard(url: str, step: int) -> str:
     store = CheckpointStore(url)
-    return next(p for p in store.fs.ls(store.step_dir(step), detail=False) if p.endswith(".distcp"))
+    entry = store.entry(step)
+    return next(p for p in store.fs.ls(entry.data_dir(entry.manifest), detail=False) if p.endswith(".distcp"))
 
 
 def test_list_shows_committed_and_uncommitted(root):

@@ -135,7 +135,7 @@ def test_an_uncommitted_leftover_is_never_loaded_and_is_cleaned_after_the_next_c
         mgr.save(10, state)
         assert [e.step for e in mgr.list_checkpoints()] == [10]  # also waits for retention
         fs = CheckpointStore(url).fs
-        leftover = step_dir(url, 20)
+        leftover = f"{step_dir(url, 20)}/save-00000000-deadbeef"  # an older writer's save that never committed
         fs.makedirs(leftover, exist_ok=True)
         fs.pipe_file(f"{leftover}/__0_0.distcp", b"half written")
         target = fresh_state()
@@ -145,38 +145,46 @@ def test_an_uncommitted_leftover_is_never_loaded_and_is_cleaned_after_the_next_c
         assert [(e.step, e.committed) for e in mgr.list_checkpoints()] == [(10, True), (11, True)]
 
 
-def test_a_crash_leftover_in_the_same_step_directory_is_replaced(url):
+def test_a_crash_leftover_in_the_same_step_directory_is_cleaned_and_the_step_saved(url):
     fs = CheckpointStore(url).fs
-    leftover = step_dir(url, 5)
+    leftover = f"{step_dir(url, 5)}/save-00000000-deadbeef"
     fs.makedirs(leftover, exist_ok=True)
     fs.pipe_file(f"{leftover}/__7_0.distcp", b"from a dead rank")
     model, optim = make_model(seed=1)
     state = make_state(model, optim, 5)
     with CheckpointManager(url) as mgr:
         mgr.save(5, state)
-        names = {os.path.basename(p) for p in fs.ls(leftover, detail=False)}
-        assert "__7_0.distcp" not in names and MANIFEST_NAME in names
+        mgr.list_checkpoints()  # waits for the clean-up
+        names = {os.path.basename(p.rstrip("/")) for p in fs.ls(step_dir(url, 5), detail=False)}
+        assert "save-00000000-deadbeef" not in names and MANIFEST_NAME in names
         assert mgr.load_latest(fresh_state()) == 5
 
 
-def test_saving_a_committed_step_again_keeps_the_committed_one(url):
+def test_saving_a_committed_step_again_commits_the_next_generation_and_keeps_the_first(url):
     model, optim = make_model(seed=1)
-    state = make_state(model, optim, 3)
-    expected = frozen_copy(state)
     with CheckpointManager(url) as mgr:
-        mgr.save(3, state)
-        before = CheckpointStore(url).read_manifest(step_dir(url, 3))
-        train_step(model, optim, 4)
         mgr.save(3, make_state(model, optim, 3))
-        assert CheckpointStore(url).read_manifest(step_dir(url, 3)) == before
+        first = CheckpointStore(url).entry(3).manifest
+        train_step(model, optim, 4)
+        state = make_state(model, optim, 3)
+        expected = frozen_copy(state)
+        assert mgr.save(3, state) is True
+        entry = CheckpointStore(url).entry(3)
+        assert [c.generation for c in entry.commits] == [1, 2]
+        assert entry.commits[0].manifest == first and entry.manifest.data_dir != first.data_dir
         target = fresh_state()
         assert mgr.load_latest(target) == 3
     assert_state_equal(target, expected)
 
 
+def _data_dir(url: str, step: int) -> str:
+    entry = CheckpointStore(url).entry(step)
+    return entry.data_dir(entry.manifest)
+
+
 def _first_shard(url: str, step: int) -> str:
     fs = CheckpointStore(url).fs
-    return next(p for p in fs.ls(step_dir(url, step), detail=False) if p.endswith(".distcp"))
+    return next(p for p in fs.ls(_data_dir(url, step), detail=False) if p.endswith(".distcp"))
 
 
 def _flip_byte(url: str, path: str, offset: int) -> None:
@@ -210,11 +218,11 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_with_a_warning(u
         with CheckpointManager(url) as mgr:
             assert mgr.load_latest(target) == 1
     assert_state_equal(target, expected)
-    if damage != "manifest":  # a broken manifest means "never committed": skipped silently
-        warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-        assert "step 2" in warning and os.path.basename(shard) in warning and "falling back to step 1" in warning
-        reason = {"flip": "crc32", "truncate": "size", "delete": "missing"}[damage]
-        assert reason in warning
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "step 2" in warning and "falling back to step 1" in warning
+    name = MANIFEST_NAME if damage == "manifest" else os.path.basename(shard)
+    reason = {"flip": "crc32", "truncate": "size", "delete": "missing", "manifest": "JSON"}[damage]
+    assert name in warning and reason in warning
 
 
 def test_when_every_checkpoint_is_corrupt_load_raises_instead_of_starting_over(url):
@@ -223,7 +231,7 @@ def test_when_every_checkpoint_is_corrupt_load_raises_instead_of_starting_over(u
         mgr.save(1, make_state(model, optim, 1))
     _flip_byte(url, _first_shard(url, 1), 10)
     with CheckpointManager(url) as mgr:
-        with pytest.raises(CheckpointError, match="none of the 1 committed checkpoints"):
+        with pytest.raises(CheckpointError, match="none of the 1 checkpoints"):
             mgr.load_latest(fresh_state())
 
 

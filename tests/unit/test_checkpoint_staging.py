@@ -118,11 +118,10 @@ def test_large_writes_are_checksummed_correctly_and_zip_crc_setting_is_restored(
     with CheckpointManager(url) as mgr:
         mgr.save(1, {"model": {"big": big}})
     assert torch.serialization.get_crc32_options() is True
-    store = CheckpointStore(url)
-    manifest = store.read_manifest(store.step_dir(1))
-    for entry in manifest.files:
-        data = fsspec.filesystem("file").cat_file(f"{store.step_dir(1)}/{entry.path}")
-        assert (len(data), zlib.crc32(data)) == (entry.size, entry.crc32)
+    entry = CheckpointStore(url).entry(1)
+    for file in entry.manifest.files:
+        data = fsspec.filesystem("file").cat_file(f"{entry.data_dir(entry.manifest)}/{file.path}")
+        assert (len(data), zlib.crc32(data)) == (file.size, file.crc32)
     target = {"model": {"big": torch.zeros_like(big)}}
     with CheckpointManager(url) as mgr:
         assert mgr.load_latest(target) == 1

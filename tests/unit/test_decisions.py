@@ -35,6 +35,7 @@ def test_each_reason_declares_its_handling():
     assert leave == {RestartReason.PROBE_FAILURE, RestartReason.STRAGGLER}
     for reason in leave:  # the log line names what was detected and the flag that chose to leave
         assert reason.summary and reason.hint.endswith(" leave") and not reason.counted
+    assert [r for r in RestartReason if r.response is Response.STOP] == [RestartReason.CRASH_LOOP]
     assert {r for r in RestartReason if r.counted} == {RestartReason.WORKER_FAILURE, RestartReason.HANG}
     assert {r for r in RestartReason if r.broken} == {RestartReason.WORKER_FAILURE, RestartReason.PEER_LOST}
     assert RestartReason.PEER_LOST.words == "peer lost" == RestartReason.PEER_LOST.summary

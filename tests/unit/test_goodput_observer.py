@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy
-from elastic_rt.goodput.stragglers import Straggler, StragglerSettings, Verdict
+from elastic_rt.goodput.stragglers import Signal, Straggler, StragglerSettings, Verdict
 from elastic_rt.reporting.checkpoint import report_checkpoint
 from elastic_rt.reporting.heartbeat import HeartbeatWriter
 from elastic_rt.reporting.inbox import WorkerReports
@@ -79,10 +79,13 @@ def test_a_verdict_from_rank_0_flags_this_node_and_the_policy_leaves(tmp_path):
                           registry=CollectorRegistry(), clock=clock)
     try:
         store = dist.HashStore()
-        slow = Straggler(node="n1", local_rank=0, step_time_s=0.3, median_s=0.1, ratio=3.0, windows=3)
-        other = Straggler(node="n2", local_rank=0, step_time_s=0.3, median_s=0.1, ratio=3.0, windows=3)
+        slow = Straggler(node="n1", local_rank=0, signal=Signal.STEP_TIME, value_s=0.3, median_s=0.1, ratio=3.0,
+                         windows=3)
+        other = Straggler(node="n2", local_rank=0, signal=Signal.COMPUTE, value_s=0.3, median_s=0.1, ratio=3.0,
+                          windows=3)
         store.set("elastic-rt/speed/verdict",
-                  Verdict(seq=4, median_s=0.1, fastest_s=0.1, ranks=4, stragglers=(slow, other)).to_json())
+                  Verdict(seq=4, medians={Signal.STEP_TIME: 0.1}, fastest_s=0.1, ranks=4,
+                          stragglers=(slow, other)).to_json())
         obs.exchange.on_round(round=2, store=store, group_rank=1, group_world_size=2)
         writers = _start(reports, obs, clock, ranks=(0,))
         policy = StragglerPolicy(obs)

@@ -9,13 +9,18 @@ import pytest
 import torch.distributed as dist
 
 from elastic_rt.goodput.steptime import StepTimer, weighted_median
-from elastic_rt.goodput.stragglers import SpeedExchange, StragglerBoard, StragglerSettings, Verdict
+from elastic_rt.goodput.stragglers import Signal, SpeedExchange, StragglerBoard, StragglerSettings, Verdict
 from elastic_rt.reporting.heartbeat import Heartbeat
 from tests.unit.test_goodput_ledger import Clock
 
 
-def _beat(step: int, t: float) -> Heartbeat:
-    return Heartbeat(pid=1, seq=step, step=step, timestamp_s=t, age_s=0.0)
+def _beat(step: int, t: float, compute_ns: int = 0, timed: int = 0) -> Heartbeat:
+    return Heartbeat(pid=1, seq=step, step=step, timestamp_s=t, age_s=0.0, compute_ns=compute_ns, timed_steps=timed)
+
+
+def _steps(seq: int, ranks: dict[int, float]):
+    """A node's window of step times only."""
+    return seq, {Signal.STEP_TIME: ranks}
 
 
 def test_weighted_median():
@@ -37,7 +42,7 @@ def test_millisecond_steps_are_timed_from_ticks_that_see_many():
     assert [o.steps for o in obs] == [100] * 9
     assert all(o.duration_s == pytest.approx(0.001) for o in obs)
     assert timer.window_due()
-    assert timer.close_window() == {0: pytest.approx(0.001)}
+    assert timer.close_window().step == {0: pytest.approx(0.001)}
     assert not timer.window_due()
 
 
@@ -53,7 +58,8 @@ def test_slow_steps_are_timed_each_and_a_pause_does_not_move_the_median():
         timer.observe({0: _beat(step, t), 1: None})
         timer.observe({0: _beat(step, t), 1: None})  # the same report seen twice: no observation
     medians = timer.close_window()
-    assert medians == {0: pytest.approx(0.5)}  # rank 1 never reported: left out
+    assert medians.step == {0: pytest.approx(0.5)}  # rank 1 never reported: left out
+    assert medians.compute == {}  # the workers time no compute
     timer.reset([0])
     assert timer.observe({0: _beat(1, t + 1)}) == []  # new workers: the old reports are forgotten
 
@@ -73,44 +79,44 @@ def test_a_resumed_worker_switching_to_its_own_step_numbers_is_not_timed_as_thou
         clock.t = beat.timestamp_s
         obs += timer.observe({0: beat})
     assert [o.steps for o in obs] == [1] * 5 and all(o.duration_s == pytest.approx(0.3) for o in obs)
-    assert timer.close_window() == {0: pytest.approx(0.3)}
+    assert timer.close_window().step == {0: pytest.approx(0.3)}
 
 
 def test_board_flags_a_rank_slow_for_n_windows_in_a_row_and_only_it():
     board = StragglerBoard(threshold=1.5, windows=3)
     fast, slow = {0: 0.10, 1: 0.11}, {0: 0.30, 1: 0.10}
     for seq in range(1, 3):
-        v = board.update({"a": (seq, fast), "b": (seq, slow)})
+        v = board.update({"a": _steps(seq, fast), "b": _steps(seq, slow)})
         assert v is not None and v.stragglers == ()
-    v = board.update({"a": (3, fast), "b": (3, slow)})
+    v = board.update({"a": _steps(3, fast), "b": _steps(3, slow)})
     assert [(s.node, s.local_rank, s.windows) for s in v.stragglers] == [("b", 0, 3)]
     assert v.median_s == pytest.approx(0.10) and v.fastest_s == pytest.approx(0.10)
     assert v.stragglers[0].ratio == pytest.approx(3.0)
     # an aggregation without a new window from b changes nothing
-    assert board.update({"a": (4, fast), "b": (3, slow)}).stragglers == v.stragglers
+    assert board.update({"a": _steps(4, fast), "b": _steps(3, slow)}).stragglers == v.stragglers
     # b recovers: the streak resets
-    v = board.update({"a": (5, fast), "b": (4, {0: 0.1, 1: 0.1})})
+    v = board.update({"a": _steps(5, fast), "b": _steps(4, {0: 0.1, 1: 0.1})})
     assert v.stragglers == ()
 
 
 def test_board_with_half_the_job_slow_uses_the_lower_median():
     board = StragglerBoard(threshold=1.5, windows=1)
-    v = board.update({"a": (1, {0: 0.1, 1: 0.1}), "b": (1, {0: 0.3, 1: 0.3})})
+    v = board.update({"a": _steps(1, {0: 0.1, 1: 0.1}), "b": _steps(1, {0: 0.3, 1: 0.3})})
     assert {(s.node, s.local_rank) for s in v.stragglers} == {("b", 0), ("b", 1)}
-    assert StragglerBoard(threshold=1.5, windows=1).update({"a": (1, {0: 0.1})}) is None
+    assert StragglerBoard(threshold=1.5, windows=1).update({"a": _steps(1, {0: 0.1})}) is None
 
 
 def test_board_forgets_a_node_that_stopped_publishing():
     board = StragglerBoard(threshold=1.5, windows=1)
-    board.update({"a": (1, {0: 0.1}), "b": (1, {0: 0.1}), "c": (1, {0: 1.0})})
+    board.update({"a": _steps(1, {0: 0.1}), "b": _steps(1, {0: 0.1}), "c": _steps(1, {0: 1.0})})
     for k in range(2, 6):  # c publishes nothing new (dead, or restarting)
-        v = board.update({"a": (k, {0: 0.1}), "b": (k, {0: 0.1}), "c": (1, {0: 1.0})})
+        v = board.update({"a": _steps(k, {0: 0.1}), "b": _steps(k, {0: 0.1}), "c": _steps(1, {0: 1.0})})
     assert v.stragglers == () and v.ranks == 2
 
 
 def test_verdict_json_round_trip():
     board = StragglerBoard(threshold=1.5, windows=1)
-    v = board.update({"a": (1, {0: 0.1}), "b": (1, {0: 0.5})})
+    v = board.update({"a": _steps(1, {0: 0.1}), "b": _steps(1, {0: 0.5})})
     assert Verdict.from_json(v.to_json()) == v
 
 
@@ -125,7 +131,7 @@ def test_exchange_through_a_store_every_node_learns_the_verdict():
     def latest(node):
         def get():
             seqs[node] += 1
-            return seqs[node], medians[node]
+            return seqs[node], {Signal.STEP_TIME: medians[node]}
         return get
 
     exchanges = [SpeedExchange(node=n, settings=settings, latest=latest(n),
@@ -153,3 +159,24 @@ def test_exchange_is_off_without_a_threshold():
     ex.on_round(round=3, store=None, group_rank=0, group_world_size=2)
     new = set(threading.enumerate()) - before
     assert started == [3] and not any(t.name.startswith("elastic-rt-speed") for t in new)
+
+
+def test_board_names_the_slow_rank_of_a_lock_step_job_by_compute_time():
+    board = StragglerBoard(threshold=1.5, windows=2)
+    step = {0: 0.2, 1: 0.2}  # every rank steps at the slowest one's pace
+    a = (None, {Signal.STEP_TIME: step, Signal.COMPUTE: {0: 0.02, 1: 0.021}})
+    b = (None, {Signal.STEP_TIME: step, Signal.COMPUTE: {0: 0.02, 1: 0.09}})
+    for seq in (1, 2):
+        v = board.update({"a": (seq, a[1]), "b": (seq, b[1])})
+    (s,) = v.stragglers
+    assert (s.node, s.local_rank, s.signal, s.windows) == ("b", 1, Signal.COMPUTE, 2)
+    assert s.ratio == pytest.approx(0.09 / 0.02) and v.medians[Signal.COMPUTE] == pytest.approx(0.02)
+    assert v.median_s == pytest.approx(0.2) and v.ranks == 4
+    assert Verdict.from_json(v.to_json()) == v
+
+
+def test_board_reports_the_stronger_signal_once_per_rank():
+    board = StragglerBoard(threshold=1.5, windows=1)
+    v = board.update({"a": (1, {Signal.STEP_TIME: {0: 0.1}, Signal.COMPUTE: {0: 0.05}}),
+                      "b": (1, {Signal.STEP_TIME: {0: 0.3}, Signal.COMPUTE: {0: 0.25}})})
+    assert [(s.node, s.signal, s.ratio) for s in v.stragglers] == [("b", Signal.COMPUTE, pytest.approx(5.0))]

@@ -73,7 +73,7 @@ def test_torn_record_fails_checksum(tmp_path):
     # A reader that saw the first half of the new write and the second half of the old.
     path.write_bytes(new[:16] + old[16:])
     assert hb.read_heartbeat(str(path)) is None
-    assert hb.decode_record(new) == (1, 8, 800, 2)
+    assert hb.decode_record(new) == (1, 8, 800, 2, 0, 0)
 
 
 def test_report_step_is_a_noop_without_the_agent(monkeypatch, tmp_path):

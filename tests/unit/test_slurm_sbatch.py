@@ -97,8 +97,8 @@ def test_preempted_agents_requeue_the_job(job):
     assert "agents exited with: 137 143" in proc.stderr and "requeueing job 42" in proc.stderr
 
 
-@pytest.mark.parametrize("code,env", [(2, {}), (127, {}), (75, {"ELASTIC_RT_NO_REQUEUE": "2,75"})],
-                         ids=["bad-config", "no-command", "listed-code"])
+@pytest.mark.parametrize("code,env", [(2, {}), (3, {}), (127, {}), (75, {"ELASTIC_RT_NO_REQUEUE": "2,75"})],
+                         ids=["bad-config", "crash-loop", "no-command", "listed-code"])
 def test_codes_a_requeue_cannot_fix_end_the_job(job, code, env):
     proc, d = job({"n1": code, "n2": 143}, **env)
     assert proc.returncode == code and not _requeued(d), proc.stderr

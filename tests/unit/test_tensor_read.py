@@ -11,7 +11,8 @@ import torch.distributed.checkpoint as dcp
 
 from elastic_rt.checkpoint import tensor_read
 from elastic_rt.checkpoint.host_cache import _ViewStream
-from elastic_rt.checkpoint.writer import ChecksumWriter, FsspecCheckpointReader
+from elastic_rt.checkpoint.backends import open_storage
+from elastic_rt.checkpoint.writer import CheckpointReader, ChecksumWriter
 
 
 def _file_with_record(t: torch.Tensor, pad: int = 37) -> tuple[bytes, int, int]:
@@ -49,14 +50,14 @@ def test_records_it_cannot_read_directly_are_left_to_dcp():
 
 
 def test_dcp_load_through_the_reader_reads_tensors_directly_and_the_rest_as_dcp(tmp_path):
-    fs = fsspec.filesystem("file")
+    storage = open_storage(f"file://{tmp_path}")
     state = {"w": torch.randn(64, 32), "b": torch.randn(32).to(torch.bfloat16), "t": torch.randn(4, 5).t(),
              "meta": {"step": 7, "name": "x"}}
-    writer = ChecksumWriter(fs, str(tmp_path), rank=0, step=1, sync_files=False)
+    writer = ChecksumWriter(storage, str(tmp_path), rank=0, step=1, sync_files=False)
     dcp.save(state, storage_writer=writer, no_dist=True)
     target = {"w": torch.zeros(64, 32), "b": torch.zeros(32, dtype=torch.bfloat16), "t": torch.zeros(5, 4),
               "meta": {"step": 0, "name": ""}}
-    reader = FsspecCheckpointReader(fs, str(tmp_path))
+    reader = CheckpointReader(storage.open_read, str(tmp_path))
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
     assert torch.equal(target["t"], state["t"]) and target["meta"] == {"step": 7, "name": "x"}

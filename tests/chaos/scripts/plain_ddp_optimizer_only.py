@@ -1,5 +1,7 @@
 """A plain torchrun-style DDP script: no elastic_rt import, no report_step; its only progress signal is
-optimizer.step(). Injects one fault on request, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0)."""
+optimizer.step(). Injects a fault on request: on the first attempt only (TORCHELASTIC_RESTART_COUNT=0), in
+every attempt at the same step (--fault-when always), or at a later step in each of the first
+--fault-attempts attempts (--fault-when moving: failures that progress)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def parse_args():
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--fault-step", type=int, default=3)
     p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-when", choices=("first", "always", "moving"), default="first")
+    p.add_argument("--fault-attempts", type=int, default=3, help="--fault-when moving: attempts that fail")
     p.add_argument("--oom-cgroup", default="", help="memory cgroup directory to join before allocating (fault oom)")
     return p.parse_args()
 
@@ -59,7 +63,9 @@ def main() -> int:
     timeout = datetime.timedelta(seconds=15) if args.fault == "raise-linger" else None
     dist.init_process_group("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    fault_step = {"first": args.fault_step if attempt == 0 else None, "always": args.fault_step,
+                  "moving": args.fault_step + 2 * attempt if attempt < args.fault_attempts else None}[args.fault_when]
     torch.manual_seed(0)
     model = DDP(nn.Linear(16, 16))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -72,7 +78,7 @@ def main() -> int:
         opt.step()
         if rank == 0:
             print(f"step={step} ", flush=True)
-        if first_attempt and args.fault != "none" and step == args.fault_step and rank == args.fault_rank:
+        if args.fault != "none" and step == fault_step and rank == args.fault_rank:
             inject_failure(args.fault, args, step)
         time.sleep(args.step_sleep)
     if rank == 0:

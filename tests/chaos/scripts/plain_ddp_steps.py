@@ -1,5 +1,7 @@
 """A plain torch DDP job that knows nothing of elastic-rt (what a new user brings): gloo on CPU, a fixed
-number of optimizer steps. Global rank 0 prints `step=N world_size=W` each step and `done steps=N world_size=W`."""
+number of optimizer steps, a gradient all-reduce in each (lock-step). Global rank 0 prints `step=N
+world_size=W` every --print-every steps and `done steps=N world_size=W`; --hidden N makes the model an
+N x N layer before the output (a batch of 64 of width N), for compute worth timing."""
 
 import argparse
 import os
@@ -15,18 +17,22 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--print-every", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=0)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DDP(nn.Linear(16, 1))
+    width, batch = (args.hidden, 64) if args.hidden else (16, 8)
+    layers = [nn.Linear(width, width), nn.ReLU()] if args.hidden else []
+    model = DDP(nn.Sequential(*layers, nn.Linear(width, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(1, args.steps + 1):
-        loss = model(torch.randn(8, 16)).pow(2).mean()
+        loss = model(torch.randn(batch, width)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if rank == 0:
+        if rank == 0 and step % args.print_every == 0:
             print(f"step={step} world_size={world} restart={os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
                   flush=True)
         time.sleep(args.step_sleep)

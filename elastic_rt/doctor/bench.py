@@ -1,0 +1,148 @@
+"""The pre-flight compute test: a matmul sized to the device, timed for a few seconds in a child process
+per local rank (as the workers will run: one per GPU, or one per CPU worker with the workers' threads),
+and the comparison of devices against their median.
+
+A child per device keeps CUDA contexts out of the agent, lets a hung device be killed, and runs every
+device at once, as training does (a node whose power or cooling cannot sustain all its GPUs shows).
+
+    python -m elastic_rt.doctor.bench --device cpu --seconds 2     # one device, one JSON line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Mapping, Sequence
+
+from elastic_rt.errors import HealthCheckError
+
+CPU_SIZE = 512  # float32: 0.27 GFLOP a matmul, 5-30 ms on one core
+GPU_SIZE = 8192  # bfloat16: 1.1 TFLOP a matmul, ~1-3 ms on a datacenter GPU
+MIN_ITERS = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeResult:
+    """One device's matmul: the median seconds per matmul over `iters` timed ones."""
+
+    device: str
+    size: int
+    dtype: str
+    iters: int
+    seconds: float  # median per matmul
+
+    @property
+    def tflops(self) -> float:
+        return 2.0 * self.size**3 / self.seconds / 1e12 if self.seconds > 0 else 0.0
+
+    def describe(self) -> str:
+        rate = f"{self.tflops:.3g} TFLOP/s" if self.tflops >= 1 else f"{self.tflops * 1e3:.3g} GFLOP/s"
+        return f"{rate}: {self.seconds * 1e3:.3g} ms per {self.size}x{self.size} {self.dtype} matmul (median of {self.iters})"
+
+
+def run_matmul(device: str, seconds: float, *, size: int | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> ComputeResult:
+    """Multiply two random square matrices on `device` for about `seconds` (at least MIN_ITERS times)."""
+    import torch
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    n = size or (GPU_SIZE if cuda else CPU_SIZE)
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+
+    def one() -> float:
+        t0 = clock()
+        torch.mm(a, b)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        return clock() - t0
+
+    one()  # warm-up: kernels, allocator, caches
+    times: list[float] = []
+    end = clock() + seconds
+    while len(times) < MIN_ITERS or clock() < end:
+        times.append(one())
+    return ComputeResult(device=str(dev), size=n, dtype=str(dtype).removeprefix("torch."), iters=len(times),
+                         seconds=statistics.median(times))
+
+
+def local_devices(nproc: int, *, cuda_count: int | None = None) -> list[str]:
+    """The device each local rank will train on: cuda:<local rank> when there are GPUs, else cpu."""
+    if cuda_count is None:
+        import torch
+
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [f"cuda:{r % cuda_count}" if cuda_count else "cpu" for r in range(nproc)]
+
+
+def run_local(devices: Sequence[str], *, seconds: float, timeout_s: float,
+              env: Mapping[str, str] | None = None) -> dict[int, ComputeResult]:
+    """One child per local rank, all at once; {local rank: result}. HealthCheckError names a device that
+    failed or overran timeout_s."""
+    procs = []
+    for rank, device in enumerate(devices):
+        cmd = [sys.executable, "-m", "elastic_rt.doctor.bench", "--device", device, "--seconds", str(seconds)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True, env=dict(env if env is not None else os.environ)))
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, ComputeResult] = {}
+    errors: list[str] = []
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                stdout, stderr = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                errors.append(f"local rank {rank} ({devices[rank]}): no result within {timeout_s:g} s")
+                continue
+            lines = stdout.strip().splitlines()
+            if proc.returncode != 0 or not lines:
+                why = (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+                errors.append(f"local rank {rank} ({devices[rank]}): {why}")
+                continue
+            out[rank] = ComputeResult(**json.loads(lines[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if errors:
+        raise HealthCheckError("compute test failed: " + "; ".join(errors))
+    return out
+
+
+def slow_devices(seconds: Mapping[str, float], threshold: float) -> dict[str, float]:
+    """{name: ratio} of those at least `threshold` x the (lower) median of all; none with fewer than 2."""
+    values = [v for v in seconds.values() if v > 0]
+    if len(values) < 2:
+        return {}
+    median = statistics.median_low(values)
+    return {k: v / median for k, v in seconds.items() if v >= threshold * median}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m elastic_rt.doctor.bench")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--size", type=int, default=0, help="matrix size (default: by device)")
+    a = p.parse_args(argv)
+    try:
+        result = run_matmul(a.device, a.seconds, size=a.size or None)
+    except Exception as exc:  # noqa: BLE001 - any device failure is a failed test, in one line
+        print(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}", file=sys.stderr)
+        return 1
+    print(json.dumps(asdict(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
