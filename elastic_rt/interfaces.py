@@ -45,6 +45,10 @@ class MembershipHandler(ABC):
     def leave(self) -> None:
         """Give up this node's place now, so that the others re-form without waiting for its lease to expire."""
 
+    def closed_by_this_launch(self) -> bool:
+        """The run was closed by a node of this very launch (the same job fingerprint and launch id)."""
+        return False
+
     @abstractmethod
     def tidy(self) -> int:
         """After leave(), when the run is closed and this was its last agent: remove the run's keys (but the

@@ -318,12 +318,14 @@ def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, extras: M
         return 128 + int(exc.sigval)
     except RendezvousClosedError as exc:
         # The job finished. A node that trained in it exits 0 (a Kubernetes pod or a systemd unit must not
-        # crash-loop on it); one that came after it finished did not train: exit 5, unless the operator said
-        # accept_closed=1 (a pod restarted after its Job finished).
-        member = extras is not None and extras.membership is not None
+        # crash-loop on it), and so does a node of the same launch (same fingerprint and launch_id: a pod or a
+        # Slurm job restarted after its job finished); one of a new launch did not train: exit 5, unless the
+        # operator said accept_closed=1.
+        same = extras is not None and (extras.membership is not None or extras.settings.accept_closed
+                                       or extras.closed_by_this_launch())
         _leave_finished(extras)
         why = str(exc) or f"run {cfg.rdzv_id} is closed (the job finished)"
-        if member or (extras is not None and extras.settings.accept_closed):
+        if same:
             log.warning("[%s] %s; exiting", node_id, why)
             return 0
         raise RunClosedError(f"{why} before this node joined; it did not train. Use a new --rdzv-id to train "

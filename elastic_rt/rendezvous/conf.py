@@ -40,11 +40,11 @@ KEYS: tuple[ConfKey, ...] = (
                     "other keys (a node joining meanwhile is told the run is over)"),
     ConfKey(key="node_id", field="node_id", meaning="this node's name in the rendezvous (also `--node-id`)"),
     ConfKey(key="launch_id", backends=(ETCD_V3,),
-            meaning="what makes this launch distinct (e.g. `$SLURM_JOB_ID`): part of the job fingerprint, so a "
-                    "second launch of the same command under a live run id is refused"),
+            meaning="what makes this launch distinct (a Job's uid, `$SLURM_JOB_ID`): part of the job fingerprint, so "
+                    "that a second launch of the same command under a live run id is refused, and a node of this "
+                    "launch that finds the run finished (a restarted pod) exits 0, not 5"),
     ConfKey(key="accept_closed", backends=(ETCD_V3,),
-            meaning="`1`: a node that finds its run already finished exits 0 instead of 5 (the Kubernetes Job sets "
-                    "it: a pod restarted after its Job finished)"),
+            meaning="`1`: a node that finds its run already finished exits 0 instead of 5, whatever launched it"),
     ConfKey(key="ca_cert", aliases=("cacert",), field="ca_cert", meaning="TLS: CA bundle to verify etcd's certificate"),
     ConfKey(key="cert", aliases=("ssl_cert",), field="cert", meaning="TLS: client certificate"),
     ConfKey(key="key", aliases=("ssl_cert_key",), field="key", meaning="TLS: client key"),

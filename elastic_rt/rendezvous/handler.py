@@ -194,6 +194,27 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
 
         self._retrying(put, self._clock() + timeout_s)
 
+    def closed_by_this_launch(self) -> bool:
+        """The run's trusted `closed` marker was written by a node of this very launch: the same job fingerprint,
+        with a launch_id (a pod or a Slurm job restarted after its job finished, not a new launch of the
+        command). False without a launch_id: nothing tells a restart from a re-run then."""
+        from elastic_rt.rendezvous.claim import JobFingerprint
+
+        mine = JobFingerprint.decode(self.settings.fingerprint) if self.settings.fingerprint else None
+        if mine is None or not mine.launch_id:
+            return False
+        try:
+            kv, _ = self._client.get(self.keys.closed)
+        except EtcdUnavailableError:
+            return False
+        if kv is None or self._signer.refuses(kv) is not None:
+            return False
+        try:
+            recorded = json.loads(kv.value.decode()).get("fingerprint", "")
+        except (UnicodeDecodeError, ValueError, AttributeError):
+            return False
+        return isinstance(recorded, str) and JobFingerprint.decode(recorded) == mine
+
     def tidy(self) -> int:
         """After leave(), when the run is closed: if this was its last agent (no alive/ key left), delete every key
         of the run but the `closed` marker, which its lease removes closed_ttl_s later. Returns the keys deleted."""

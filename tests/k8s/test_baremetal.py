@@ -33,7 +33,7 @@ from k8s_support import LAUNCH, REPO
 from tests.support.tools import needs_tool, require_tool
 
 from elastic_rt.agent.crash_loop import CrashLoopError
-from elastic_rt.errors import ConfigError, NodeExcludedError
+from elastic_rt.errors import ConfigError, NodeExcludedError, RunClosedError
 
 SCRIPTS = sorted(LAUNCH.glob("*.sh"))
 
@@ -372,7 +372,8 @@ def test_agent_unit_command_line_parses():
     assert svc["KillMode"] == "mixed" and svc["KillSignal"] == "SIGTERM"
     assert int(svc["TimeoutStopSec"]) >= cfg.grace_period_s + 10, "systemd must not SIGKILL inside the grace period"
     assert str(ConfigError.exit_code) in svc["RestartPreventExitStatus"].split()
-    assert {str(CrashLoopError.exit_code), str(NodeExcludedError.exit_code)} <= set(svc["RestartPreventExitStatus"].split())
+    assert {str(CrashLoopError.exit_code), str(NodeExcludedError.exit_code), str(RunClosedError.exit_code)} <= set(
+        svc["RestartPreventExitStatus"].split())
     assert svc["Restart"] == "on-failure"
     assert "StartLimitBurst" in unit["Unit"]
     assert svc["LimitMEMLOCK"] == "infinity"
