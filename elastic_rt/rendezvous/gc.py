@@ -103,7 +103,7 @@ def collect(client: EtcdClient, opts: GcOptions) -> list[RunEntry]:
                                 "stop its agents first")
     out = []
     for e in entries:
-        if e.state in (RunState.FINISHED, RunState.ABANDONED) and not opts.dry_run:
+        if e.state in (RunState.FINISHED, RunState.ABANDONED) and not opts.dry_run and e.keys > e.marker_on_lease:
             removed = remove(client, e)
             e = replace(e, removed=removed, note=e.note if removed else "an agent registered meanwhile: kept")
         out.append(e)

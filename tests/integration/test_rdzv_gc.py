@@ -114,6 +114,8 @@ def test_gc_removes_finished_and_abandoned_runs_and_keeps_live_ones(etcd_endpoin
         assert len(_keys(etcd_client, live)) == before[live] and len(_keys(etcd_client, torch_run)) == 1
         assert keeper.membership_change() is None  # the live run goes on
         assert main(["gc", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", "no-such-run"]) == 3
+        code, again = _gc(etcd_endpoint, "--rdzv-id", finished)  # only its marker is left: nothing to do
+        assert code == 0 and again[0]["removed"] == 0 and again[0]["note"].startswith("its closed marker stays")
     finally:
         keeper.leave()
         keeper.close()
