@@ -34,7 +34,8 @@ from elastic_rt.agent.numa import check_binding, cpu_list, numa_options
 from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
-from elastic_rt.agent.host_memory import make_host_cache
+from elastic_rt.agent.host_memory import HostCacheRoom, make_host_cache
+from elastic_rt.checkpoint.host_cache import reserve_bytes
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.doctor.preflight import Preflight, PreflightMode, PreflightSettings
 from elastic_rt.errors import (ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError,
@@ -216,7 +217,9 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         observer=observer,
         policy=policy,
         round_listeners=(node_test.on_round,) + ((round_checks.on_round, goodput.exchange.on_round)
-                                                 if round_checks else ()),
+                                                 if round_checks else ())
+        + ((HostCacheRoom(host_cache, reserve_bytes=reserve_bytes(host_cache), node_id=node_id).on_round,)
+           if host_cache is not None else ()),
         diagnostics=diagnostics,
         warm_pool=warm_pool,
         crash_loop=CrashLoopJudge(CrashLoopSettings(repeats=cfg.crash_loop_repeats, no_step=cfg.crash_loop_no_step),

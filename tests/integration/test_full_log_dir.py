@@ -19,6 +19,7 @@ from elastic_rt.agent.diagnostics import FailureDiagnostics
 from elastic_rt.reporting import heartbeat as hb
 from elastic_rt.worker_env import ENV_HEARTBEAT_FILE
 from tests.chaos.harness import ROOT, Node
+from tests.support.tmpfs import mounted_tmpfs
 
 PLAIN = str(ROOT / "tests" / "chaos" / "scripts" / "plain_ddp_steps.py")
 
@@ -26,15 +27,7 @@ PLAIN = str(ROOT / "tests" / "chaos" / "scripts" / "plain_ddp_steps.py")
 @pytest.fixture
 def full_dir(tmp_path):
     """A 256 KiB tmpfs with no free block left."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True,
-                         text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "full", "256k") as mnt:
         fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             while True:
@@ -44,8 +37,6 @@ def full_dir(tmp_path):
         finally:
             os.close(fd)
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_worker_reporting_steps_into_a_full_dir_keeps_running(full_dir):

@@ -392,6 +392,7 @@ def test_systemd_analyze_verify(tmp_path, unit):
     exe = shutil.which("true")
     # The binaries are not installed here: point ExecStart at one that exists, check the rest.
     text = text.replace("/opt/elastic-rt/venv/bin/elastic-rt", exe).replace("/usr/local/bin/etcd", exe)
+    text = text.replace("/opt/elastic-rt/venv/bin/python", exe)
     name = unit.replace("@.service", "@job42.service")
     (tmp_path / name).write_text(text)
     proc = run(["systemd-analyze", "verify", "--man=no", str(tmp_path / name)], check=False)
