@@ -12,8 +12,11 @@ from elastic_rt import __version__, torchrun_compat
 from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT, DEFAULT_WARM_IMPORTS
 from elastic_rt.agent.stacks import DEFAULT_STACK_SIGNAL
 from elastic_rt.config import KNOWN_BACKENDS
+from elastic_rt.decisions import DetectionAction
 from elastic_rt.errors import ElasticRTError
 from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE
+
+DETECTION_ACTIONS = tuple(a.value for a in DetectionAction)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,7 +87,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl")
     p.add_argument("--probe-interval", type=float, default=0.0,
                    help="also probe every this many seconds while the round lasts (default 0 = after rendezvous only)")
-    p.add_argument("--probe-failure-action", default="report", choices=("report", "leave"),
+    p.add_argument("--probe-failure-action", default=DetectionAction.REPORT.value, choices=DETECTION_ACTIONS,
                    help="report: fail the /readyz check `probe` and count it; leave: also stop this node's "
                         "workers and leave the job so the others re-form without it (default report)")
     p.add_argument("--straggler-threshold", type=float, default=1.5,
@@ -94,7 +97,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="windows in a row over the threshold before a worker is flagged (default 3)")
     p.add_argument("--straggler-window", type=float, default=10.0,
                    help="seconds per step-timing window; also how often nodes exchange step times (default 10)")
-    p.add_argument("--straggler-action", default="report", choices=("report", "leave"),
+    p.add_argument("--straggler-action", default=DetectionAction.REPORT.value, choices=DETECTION_ACTIONS,
                    help="report: log, count and export elastic_rt_straggler; leave: also stop this node's workers "
                         "and leave the job so the others re-form without it (default report)")
     p.add_argument("--preflight", default="auto", choices=("auto", "off", "report", "exclude"),

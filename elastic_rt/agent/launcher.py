@@ -299,7 +299,7 @@ def add_readiness_checks(readiness, cfg: AgentConfig, round_checks) -> None:
     from elastic_rt.metrics.readiness import clock_check, probe_check, rdma_check
 
     readiness.add("probe", probe_check(round_checks, enabled=cfg.probe_bytes > 0))
-    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=cfg.sysfs_root).read_ports))
+    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=cfg.sysfs_root).read_ports, os.environ))
     readiness.add("clock", clock_check(lambda: round_checks.last_skew, read_timex))
 
 

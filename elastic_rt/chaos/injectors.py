@@ -7,31 +7,18 @@ one JSON line through `emit`.
 
 from __future__ import annotations
 
-import json
 import random
 import signal
-import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Callable, TextIO
 
 import psutil
 
 from elastic_rt.chaos.processes import Node, RefusedError, RunProcesses, etcd_serving, is_etcd
-from elastic_rt.chaos.resumer import arm, start_resumer, stop_resumer
-
-
-def fault_line(action: str, *, run_id: str, node: str | None, pids: list[int], **extra) -> str:
-    """One JSON line: time (UTC, ISO 8601), action, run id, node, target pids and details."""
-    record = {
-        "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-        "action": action, "run_id": run_id, "node": node, "host": socket.gethostname(), "pids": pids,
-    }
-    record.update(extra)
-    return json.dumps(record, sort_keys=False)
+from elastic_rt.chaos.resumer import arm, fault_line, start_resumer, stop_resumer
 
 
 def printer(out: TextIO | None = None) -> Callable[[str], None]:

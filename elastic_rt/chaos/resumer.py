@@ -5,17 +5,30 @@ processes at the pause's deadline, so that a pause always ends even when the com
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 import psutil
 
 from elastic_rt.chaos.processes import RefusedError
+
+
+def fault_line(action: str, *, run_id: str, node: str | None, pids: list[int], **extra) -> str:
+    """One JSON line: time (UTC, ISO 8601), action, run id, node, target pids and details."""
+    record = {
+        "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "action": action, "run_id": run_id, "node": node, "host": socket.gethostname(), "pids": pids,
+    }
+    record.update(extra)
+    return json.dumps(record, sort_keys=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node", default="")
     p.add_argument("--after", required=True)
     args = p.parse_args(argv)
-    from elastic_rt.chaos.injectors import fault_line  # injectors starts this module's resumer
-
     for sig in (signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     os.write(args.ready_fd, b"r")

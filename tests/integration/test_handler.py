@@ -131,7 +131,7 @@ def test_neighbour_watch_reports_a_dead_agent_while_the_group_runs(etcd_endpoint
     survivor.leave()
 
 
-# ---- failure model (issue 9): outages, partitions, liveness evidence ---------------------------
+# ---- failure model: outages, partitions, liveness evidence ---------------------------------------
 
 @pytest.fixture
 def own_etcd():

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from elastic_rt.checkpoint import CheckpointManager
+from benchmarks.gloo_world import run_world
 from tests.support.tmpfs import mounted_tmpfs
-from tests.support.world import run_world
 from elastic_rt.errors import CheckpointError
 from elastic_rt.worker_env import ENV_HOST_CACHE_DIR, ENV_HOST_CACHE_RESERVE
 

@@ -9,7 +9,6 @@ import contextlib
 import copy
 import json
 import math
-import re
 import shutil
 import time
 import uuid
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.dashboard_queries import dashboard_panels, grafana_expand
 from elastic_rt.chaos.etcd_server import free_port
 from tests.chaos.harness import Node
 from tests.support.prometheus import PrometheusServer
@@ -27,7 +27,6 @@ REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "k8s" / "monitoring"
 RULES = MONITORING / "prometheusrule.yaml"
 SCRAPE_CONFIG = MONITORING / "prometheus" / "prometheus.yml"
-DASHBOARD = MONITORING / "dashboards" / "elastic-rt.json"
 LOCAL_SGD = REPO / "tests" / "chaos" / "scripts" / "goodput_local_sgd.py"
 SYSFS_FIXTURE = REPO / "tests" / "fixtures" / "sysfs"
 AGENT_JOB, ETCD_JOB = "elastic-rt-agent", "elastic-rt-etcd"
@@ -102,39 +101,6 @@ def write_targets(path: Path, targets: list[str]) -> None:
 
 
 # ---- dashboard --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Panel:
-    id: int
-    title: str
-    type: str
-    exprs: tuple[str, ...]
-    legends: tuple[str, ...]
-
-
-def dashboard_panels() -> list[Panel]:
-    dash = json.loads(DASHBOARD.read_text())
-    return [Panel(p["id"], p["title"], p["type"], tuple(t["expr"] for t in p["targets"]),
-                  tuple(t.get("legendFormat", "") for t in p["targets"]))
-            for p in dash["panels"] if p["type"] != "row"]
-
-
-def dashboard_variables() -> dict[str, tuple[str, str]]:
-    """name -> (series selector, label) of each label_values(...) variable of the dashboard."""
-    out = {}
-    for v in json.loads(DASHBOARD.read_text())["templating"]["list"]:
-        m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", v.get("definition", ""))
-        if m:
-            out[v["name"]] = (m.group(1), m.group(2))
-    return out
-
-
-def grafana_expand(expr: str, *, run_id: str, range_s: float) -> str:
-    """The query Grafana sends: $namespace All (.*), $run_id this run (regex-escaped, as Grafana does for
-    a =~ matcher), $__range the dashboard's time range."""
-    expr = expr.replace("$namespace", ".*").replace("$run_id", re.escape(run_id).replace("\\", "\\\\"))
-    return expr.replace("$__range", f"{max(1, int(range_s))}s")
-
-
 def empty_panels(prom: PrometheusServer, *, run_id: str, start: float, end: float) -> list[str]:
     """'title: query' of every dashboard expression that has no finite value between start and end, as Grafana
     would query it for this run."""
