@@ -288,7 +288,10 @@ class Bench:
             return [*self.torchrun, "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", endpoint or f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
                     "--local-addr", local_addr, "--max-restarts", "3", "--tee", "3", *job]
-        backend = ["--rdzv-backend", "etcd-v3-torch"] if sc.rdzv == "etcd-v3-torch" else []
+        # torch's handler without a job secret, as the committed figures measured it (the secret's HMAC is not
+        # what these scenarios time); elastic-rt refuses that unless it is said
+        backend = (["--rdzv-backend", "etcd-v3-torch", "--rdzv-conf", "insecure_state=1"]
+                   if sc.rdzv == "etcd-v3-torch" else [])
         return [*self.ert, "launch", "--nnodes", nnodes, "--nproc-per-node", str(nproc), *backend,
                 "--rdzv-endpoint", endpoint or self.etcd_endpoint(), "--rdzv-id", rdzv_id, "--local-addr",
                 local_addr, "--node-id", node, "--metrics-port", "0", "--tee", "3", *job]

@@ -74,6 +74,10 @@ def _params(kind: str, name: str, index: int, n: int, args: dict):
     endpoint = args["etcd_endpoints"] if kind != "c10d" else args["c10d_endpoint"]
     if kind == "etcd-v3":
         conf["node_id"] = name
+    if kind == "etcd-v3-torch":  # its own keys only (it refuses etcd-v3's); no job secret, as the figures measured
+        from elastic_rt.rendezvous.conf import valid_keys
+
+        conf = {k: v for k, v in conf.items() if k in valid_keys(kind)} | {"insecure_state": "1"}
     if kind == "c10d":
         conf["is_host"] = index == 0  # one simulated node hosts the TCPStore, as torchrun's would
     return RendezvousParameters(kind, endpoint, args["run_id"], n - 1, n, local_addr="127.0.0.1", **conf)

@@ -38,8 +38,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="etcd endpoints host:port[,host:port...]; tried in order, failing over")
     p.add_argument("--rdzv-id", "--rdzv_id", default="none", help="job id, the same on every node")
     p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
-                   help="k=v,... : lease_ttl, join_timeout, last_call_timeout, read_timeout, "
-                        "ca_cert, cert, key, user, password")
+                   help="k=v,... : timeouts, TLS files, user and password_file, secret_file, ... (the "
+                        "--rdzv-conf table below; unknown keys of the etcd backends are refused)")
     p.add_argument("--standalone", action="store_true",
                    help="one node, no external service (an embedded store)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
@@ -152,6 +152,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     from elastic_rt.chaos import cli as chaos_cli
     from elastic_rt.checkpoint import cli as ckpt_cli
     from elastic_rt.doctor import command as doctor
+    from elastic_rt.rendezvous import gc as gc_cmd
     from elastic_rt.report import command as report_cmd
     from elastic_rt.status import command as status_cmd
 
@@ -160,6 +161,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     chaos_cli.add_subparser(sub)
     report_cmd.add_subparser(sub)
     status_cmd.add_subparser(sub)
+    gc_cmd.add_subparser(sub)
     return parser
 
 

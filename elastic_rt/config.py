@@ -15,6 +15,7 @@ from elastic_rt.agent.config import AgentConfig
 from elastic_rt.decisions import DetectionAction
 from elastic_rt.errors import ConfigError
 from elastic_rt.rdzv_conf import parse_rdzv_conf
+from elastic_rt.rendezvous import conf as rdzv_conf
 from elastic_rt.rendezvous.keys import validate_run_id
 from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE, ENV_OMP_NUM_THREADS, ENV_SIGNALS_TO_HANDLE
 
@@ -195,6 +196,8 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
     rdzv = choose_rendezvous(args)
     run_id = rdzv.run_id
     validate_run_id(run_id)
+    conf = rdzv_conf.canonical(conf)
+    rdzv_conf.check_keys(rdzv.backend, conf)
     if args.node_id:
         conf["node_id"] = args.node_id
     if args.max_restarts < 0:

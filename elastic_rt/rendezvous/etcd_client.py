@@ -248,7 +248,8 @@ class EtcdClient:
         return resp.deleted > 0
 
     def compare_and_put(
-        self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0
+        self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
+        timeout_s: float | None = None,
     ) -> tuple[bool, KeyValue | None]:
         """Put if the key's mod_revision is `expected` (None: only if absent).
 
@@ -267,7 +268,7 @@ class EtcdClient:
         get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
         put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease))
         req = etcdrpc.TxnRequest(compare=[cmp], success=[put, get], failure=[get])
-        resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
+        resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t), timeout_s)
         rng = resp.responses[-1].response_range
         return bool(resp.succeeded), (_kv(rng.kvs[0]) if rng.kvs else None)
 
@@ -284,6 +285,17 @@ class EtcdClient:
         req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         return sum(int(r.response_delete_range.deleted) for r in resp.responses)
+
+    def delete_ranges_if_empty(self, ranges: list[tuple[str, str]], *, empty: tuple[str, bytes]) -> int:
+        """delete_ranges, in a transaction that does it only while no key k with start <= k < end of `empty`
+        exists (etcd compares an empty range as one key of version 0). Returns the keys deleted (0: not done)."""
+        cmp = etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.VERSION,
+                              key=empty[0].encode(), range_end=empty[1], version=0)
+        ops = [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=a.encode(), range_end=b.encode()))
+               for a, b in ranges]
+        req = etcdrpc.TxnRequest(compare=[cmp], success=ops, failure=[])
+        resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
+        return sum(int(r.response_delete_range.deleted) for r in resp.responses) if resp.succeeded else 0
 
     def read_many(self, keys: list[str], prefixes: list[str]) -> tuple[list[KeyValue | None], list[list[KeyValue]], int]:
         """Read several keys and prefixes in one round trip, at one revision."""
@@ -364,9 +376,10 @@ class EtcdClient:
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         return [int(r.response_range.count) for r in resp.responses], resp.header.revision
 
-    def put_many(self, items: list[tuple[str, bytes]]) -> int:
+    def put_many(self, items: list[tuple[str, bytes]], *, lease: int = 0) -> int:
         """Put every (key, value) in one transaction (keys must be distinct)."""
-        ops = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k.encode(), value=v)) for k, v in items]
+        ops = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k.encode(), value=v, lease=lease))
+               for k, v in items]
         req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         return resp.header.revision

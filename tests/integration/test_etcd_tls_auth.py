@@ -81,8 +81,15 @@ def _tls_conf(pki: Path, ca: str = "ca", client: str | None = "client") -> dict[
     return conf
 
 
+def _plain_auth(endpoint: str, conf: dict[str, str]) -> dict[str, str]:
+    """auth_etcd is plaintext: a user over it must be allowed in so many words (allow_plaintext_auth=1)."""
+    if "user" in conf and not endpoint.startswith("https://"):
+        return {**conf, "allow_plaintext_auth": "1"}
+    return conf
+
+
 def _client(endpoint: str, conf: dict[str, str], env: dict[str, str] | None = None) -> EtcdClient:
-    return EtcdClient(etcd_config_from_conf(endpoint, conf, timeout_s=3.0, env=env or {}))
+    return EtcdClient(etcd_config_from_conf(endpoint, _plain_auth(endpoint, conf), timeout_s=3.0, env=env or {}))
 
 
 # ---- the client ----------------------------------------------------------------------------
@@ -175,13 +182,13 @@ def test_tls_config_errors(pki, tmp_path):
 def test_password_sources(tmp_path):
     pw = tmp_path / "pw"
     pw.write_text("from-file\n")
-    cfg = etcd_config_from_conf("a:1", {"user": "u", "password_file": str(pw)}, timeout_s=1.0,
+    cfg = etcd_config_from_conf("https://a:1", {"user": "u", "password_file": str(pw)}, timeout_s=1.0,
                                 env={ENV_ETCD_PASSWORD: "from-env"})
     assert cfg.password == "from-file" and "from-file" not in repr(cfg)
-    cfg = etcd_config_from_conf("a:1", {"user": "u"}, timeout_s=1.0, env={ENV_ETCD_PASSWORD: "from-env"})
+    cfg = etcd_config_from_conf("https://a:1", {"user": "u"}, timeout_s=1.0, env={ENV_ETCD_PASSWORD: "from-env"})
     assert cfg.password == "from-env"
     with pytest.raises(ConfigError, match="password_file=.*cannot read it"):
-        etcd_config_from_conf("a:1", {"user": "u", "password_file": str(tmp_path / "nope")}, timeout_s=1.0)
+        etcd_config_from_conf("https://a:1", {"user": "u", "password_file": str(tmp_path / "nope")}, timeout_s=1.0)
 
 
 def test_auth_user_limited_to_its_run_prefix(auth_etcd, tmp_path):
@@ -279,7 +286,7 @@ def test_expired_jwt_is_renewed_without_a_restart(tmp_path, caplog):
 
 def _launch(endpoint: str, conf: dict[str, str], run_id: str, *, env: dict[str, str] | None = None,
             timeout_s: float = 240) -> subprocess.CompletedProcess:
-    rdzv_conf = ",".join(f"{k}={v}" for k, v in {**conf, "join_timeout": "600"}.items())
+    rdzv_conf = ",".join(f"{k}={v}" for k, v in {**_plain_auth(endpoint, conf), "join_timeout": "600"}.items())
     cmd = [sys.executable, "-m", "elastic_rt.cli", "launch", "--nnodes", "1", "--nproc-per-node", "1",
            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", rdzv_conf, "--local-addr", "127.0.0.1",
            "--metrics-port", "0", "--probe-bytes", "0", "--tee", "3", EXAMPLE, "--steps", "3"]
