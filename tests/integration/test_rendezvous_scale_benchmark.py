@@ -50,7 +50,9 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         assert r["reform_s"] > 0 and r["req_per_node_round"] > 0 and r["bytes_per_node_round"] > 0, r
         assert set(r["idle"]["requests"]) <= {"LeaseKeepAlive"}, r["idle"]  # watched, not polled
         assert r["ticks_per_node_s"] > 0
-        assert r["client_cpu_ms_per_node_round"] > 0 and r["idle_client_cpu_ms_per_node_s"] > 0, r
+        assert r["client_cpu_ms_per_node_round"] > 0, r
+        # idle: a few keep-alives per node in the window, below the processes' CPU clock tick at 8 nodes
+        assert r["idle_client_cpu_ms_per_node_s"] >= 0, r
         assert r["reform_cpu_s"]["clients"] > 0 and r["reform_cpu_s"]["etcd"] > 0, r
         assert r["settle_req_per_node_s"] >= 0 and r["idle_wall_s"] >= 2.0, r
         assert rows[("c10d", n)]["reform_s"] is None  # --quick skips torch's 45 s re-form

@@ -122,18 +122,26 @@ def healthy_sysfs(dest: Path) -> Path:
 
 
 def agent_args(*, endpoint: str, run_id: str, node: str, metrics_port: int, nnodes: str, checkpoint_url: str,
-               sysfs_root: Path, ntp_server: str, log_dir: Path, step_sleep_s: float,
+               sysfs_root: Path, ntp_server: str, log_dir: Path,
                straggler_window_s: float = 2.0) -> list[str]:
-    """`elastic-rt launch` arguments of one node of the monitored local-SGD job (runs until killed)."""
+    """`elastic-rt launch` arguments of one node of the monitored local-SGD job (runs until killed); the node's
+    step time goes through its environment (step_env): every node of a job runs the same command line."""
     return [
         "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--node-id", node, "--local-addr", "127.0.0.1", "--metrics-port", str(metrics_port),
         "--tee", "3", "--max-restarts", "100", "--rdzv-conf", "last_call_timeout=2",
         "--straggler-window", f"{straggler_window_s:g}", "--checkpoint-url", checkpoint_url,
         "--sysfs-root", str(sysfs_root), "--ntp-server", ntp_server, "--log-dir", str(log_dir),
+        # the restart storm kills a worker before its first step again and again: that is the crash-loop
+        # verdict's pattern, turned off here so the alert sees the storm
+        "--crash-loop-repeats", "0", "--crash-loop-no-step", "0",
         str(LOCAL_SGD), "--steps", "100000000", "--sync-every", "5", "--save-every", "20",
-        "--step-sleep", f"{step_sleep_s:g}",
     ]
+
+
+def step_env(step_sleep_s: float) -> dict[str, str]:
+    """The environment that sets a node's seconds per step in goodput_local_sgd.py."""
+    return {"GOODPUT_STEP_SLEEP": f"{step_sleep_s:g}"}
 
 
 RULE_FILE = "elastic-rt-rules.yml"
@@ -165,7 +173,7 @@ class MonitoredJob:
         self.nodes[name] = Node(agent_args(
             endpoint=self.endpoint, run_id=self.run_id, node=name, metrics_port=self.ports[name], nnodes="2:3",
             checkpoint_url=f"file://{self.tmp}/ck", sysfs_root=self.sysfs, ntp_server=self.ntp_addr,
-            log_dir=self.tmp / f"log-{name}", step_sleep_s=step_sleep_s), name=name)
+            log_dir=self.tmp / f"log-{name}"), name=name, env=step_env(step_sleep_s))
         return self.nodes[name]
 
     def logs(self) -> str:
