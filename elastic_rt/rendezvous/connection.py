@@ -276,9 +276,23 @@ class Connection:
                 data = self._out.read()
             self._sock.sendall(data)
         except (OSError, ssl.SSLError) as exc:
-            error = CallError(_UNAVAILABLE, f"connection broken: {exc}")
+            self._read_refusal()
+            error = self.error or CallError(_UNAVAILABLE, f"connection broken: {exc}")
             self._fail(error)
             raise error from None
+
+    def _read_refusal(self) -> None:
+        """Before the member answered, a write that broke may follow a TLS alert the kernel already holds (etcd
+        refused our certificate after a TLS 1.3 handshake and closed): read it, so that the call fails with
+        the refusal and not as an outage."""
+        if self._tls is None or self.answered or self.error is not None:
+            return
+        try:
+            data = self._sock.recv(65536, socket.MSG_DONTWAIT)
+        except OSError:
+            return
+        if data:
+            self._tls_read(data)
 
     def _fail(self, error: CallError) -> None:
         """Every call on this connection ends with `error`; the reader thread closes the socket."""
