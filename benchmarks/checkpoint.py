@@ -35,7 +35,6 @@ import ctypes
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from datetime import date
@@ -52,12 +51,12 @@ from torch.distributed.tensor import DTensor, Shard
 from elastic_rt.checkpoint import CheckpointManager
 from elastic_rt.checkpoint.fence import FENCE_FILE, FenceState, write_fence
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_ROUND
-from provenance import provenance  # benchmarks/provenance.py (this script's directory is on sys.path)
+from gloo_world import run_world  # benchmarks/gloo_world.py (this script's directory is on sys.path)
+from provenance import provenance  # benchmarks/provenance.py
 from results_file import write_results
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # tests.support: the multi-process gloo world the tests use
-from tests.support.world import run_world  # noqa: E402
+
 
 TENSORS_PER_RANK = 8
 

@@ -21,9 +21,7 @@ import urllib.parse
 import urllib.request
 from datetime import datetime
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from tests.support.monitoring import Panel, dashboard_panels, grafana_expand  # noqa: E402
+from dashboard_queries import Panel, dashboard_panels, grafana_expand  # benchmarks/dashboard_queries.py
 
 # The panels drawn, by title, in reading order (3 columns).
 MAIN_PANELS = (

@@ -1,7 +1,7 @@
-"""recovery.py's failure-model scenarios (issue 9): a 10 s etcd outage, a SIGSTOPped worker, a network partition.
+"""recovery.py's failure-model scenarios: a 10 s etcd outage, a SIGSTOPped worker, a network partition.
 
 Each runs the plain DDP script (tests/chaos/scripts/plain_ddp_steps.py, no elastic_rt import) with
-recovery.py's trial harness (Trial, Bench, _await_recovery) and returns a recovery.TrialResult:
+recovery_harness.py's trial harness (Trial, Bench, _await_recovery) and returns a TrialResult:
 
 etcd-outage  2 nodes x 2 workers on a fresh N-member etcd (--outage-etcd-members, default 3): every
              member SIGSTOPped for --outage-s, then SIGCONT. `extra` holds the steps/s in --window-s
@@ -25,8 +25,8 @@ import statistics
 import subprocess
 import time
 
-from recovery import (PLAIN_SCRIPT, PLAIN_STEP_RE, REASON_RE, Deadline, Scenario, Trial, TrialFailed,
-                      TrialResult)
+from recovery_harness import (PLAIN_SCRIPT, PLAIN_STEP_RE, REASON_RE, Deadline, Scenario, Trial, TrialFailed,
+                              TrialResult, fmt)
 
 
 def scenarios() -> list[Scenario]:
@@ -249,7 +249,6 @@ def outage_row(results: list[TrialResult]) -> dict:
 
 
 def extra_targets(rows: dict[str, dict], hang_timeout: float) -> list[dict]:
-    from recovery import fmt
 
     out = []
     if "etcd-outage/ert" in rows:
@@ -271,7 +270,6 @@ def extra_targets(rows: dict[str, dict], hang_timeout: float) -> list[dict]:
 
 
 def print_outage(rows: list[dict]) -> None:
-    from recovery import fmt
 
     head = ["scenario", "rendezvous", "paused", "ok/n", "lost s", "lost s each", "steps/s before",
             "during", "after", "restarts", "notes"]

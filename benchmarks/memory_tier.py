@@ -29,7 +29,6 @@ import os
 import shutil
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from datetime import date
@@ -39,12 +38,11 @@ import torch
 from elastic_rt.agent.replica_server import ReplicaServer, ReplicaServerConfig
 from elastic_rt.checkpoint import CheckpointManager
 from elastic_rt.checkpoint.memory_tier import ENV_MEMORY_TIER_ADDR, ENV_MEMORY_TIER_DIR
-from provenance import provenance  # benchmarks/provenance.py (this script's directory is on sys.path)
+from gloo_world import run_world  # benchmarks/gloo_world.py (this script's directory is on sys.path)
+from provenance import provenance  # benchmarks/provenance.py
 from results_file import write_results
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # tests.support: the multi-process gloo world the tests use
-from tests.support.world import run_world  # noqa: E402
 
 SECRET = b"memory-tier-benchmark"
 TENSOR_ELEMS = 16 << 20  # 64 MiB float32 tensors

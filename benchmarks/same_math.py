@@ -38,13 +38,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from provenance import provenance  # benchmarks/provenance.py (this script's directory is on sys.path)
+from gloo_world import run_world  # benchmarks/gloo_world.py
 from results_file import write_results
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # tests.support (the tests' gloo world) and launch/ (the example's dataset)
+sys.path.insert(0, REPO)  # launch/ (the example's dataset)
 from elastic_rt.data import ElasticDistributedSampler, GlobalBatchSampler  # noqa: E402
 from launch.train_example import make_dataset  # noqa: E402
-from tests.support.world import run_world  # noqa: E402
 
 EXAMPLE = os.path.join(REPO, "launch", "train_example.py")
 STEP = re.compile(r"\]:step=(\d+) loss=(\S+) world_size=(\d+)$")

@@ -38,7 +38,7 @@ READY = "warm workers ready for local rank"
 
 # ---- recovery ------------------------------------------------------------------------------------
 def recovery_scenarios():
-    from recovery import Scenario
+    from recovery_harness import Scenario
 
     return [
         Scenario("worker/ert-warm", "worker", "elastic-rt", "standalone", "local rank 1"),
@@ -56,7 +56,7 @@ def _with_warm(cmd: list[str], key: str) -> list[str]:
 
 
 def make_bench(args):
-    from recovery import Bench
+    from recovery_harness import Bench
 
     class WarmBench(Bench):
         """recovery.py's Bench with the warm-workers flag of the scenario on elastic-rt's command line."""
@@ -76,7 +76,7 @@ def _wait_running(tr, names: list[str], *, warmup: int, world: str | None, ready
     """Until every node in `names` logged step >= warmup (at `world` if given; rank 0's node prints
     the steps) and, with warm workers, a refill after the first step is ready on every node.
     Returns (seconds from the trial start to the first step, the node printing steps)."""
-    from recovery import STEP_RE, TrialFailed
+    from recovery_harness import STEP_RE, TrialFailed
 
     first, stepping, refilled, printer = None, False, set(), None
     while not (stepping and (not ready or refilled >= set(names))):
@@ -95,7 +95,7 @@ def _wait_running(tr, names: list[str], *, warmup: int, world: str | None, ready
 
 def ert_trial(bench, sc, i: int):
     """elastic-rt worker or node loss; the same code for warm on and off."""
-    from recovery import Deadline, Trial, TrialFailed, TrialResult
+    from recovery_harness import Deadline, Trial, TrialFailed, TrialResult
 
     a, warm = bench.args, sc.key.endswith("-warm")
     with Trial(bench, sc.label(i)) as tr:
@@ -131,7 +131,8 @@ def ert_trial(bench, sc, i: int):
 
 
 def run_recovery(args) -> dict:
-    from recovery import TrialFailed, TrialResult, summarize
+    from recovery import summarize
+    from recovery_harness import TrialFailed, TrialResult
 
     scenarios = [s for s in recovery_scenarios() if any(s.key.startswith(w) for w in args.scenarios.split(","))]
     bench = make_bench(args)
@@ -266,7 +267,7 @@ def restore_worker(rank: int, world_size: int, root: str, cache: str, size_bytes
 
 
 def run_restore(args) -> dict:
-    from tests.support.world import run_world
+    from gloo_world import run_world
 
     root = tempfile.mkdtemp(prefix="elastic-rt-restore-", dir=args.dir)
     cache = tempfile.mkdtemp(prefix="elastic-rt-bench-", dir="/dev/shm")

@@ -12,8 +12,11 @@ from elastic_rt import __version__, torchrun_compat
 from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT, DEFAULT_WARM_IMPORTS
 from elastic_rt.agent.stacks import DEFAULT_STACK_SIGNAL
 from elastic_rt.config import KNOWN_BACKENDS
+from elastic_rt.decisions import DetectionAction
 from elastic_rt.errors import ElasticRTError
 from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE
+
+DETECTION_ACTIONS = tuple(a.value for a in DetectionAction)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,8 +38,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="etcd endpoints host:port[,host:port...]; tried in order, failing over")
     p.add_argument("--rdzv-id", "--rdzv_id", default="none", help="job id, the same on every node")
     p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
-                   help="k=v,... : lease_ttl, join_timeout, last_call_timeout, read_timeout, "
-                        "ca_cert, cert, key, user, password")
+                   help="k=v,... : timeouts, TLS files, user and password_file, secret_file, ... (the "
+                        "--rdzv-conf table below; unknown keys of the etcd backends are refused)")
     p.add_argument("--standalone", action="store_true",
                    help="one node, no external service (an embedded store)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
@@ -84,7 +87,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl")
     p.add_argument("--probe-interval", type=float, default=0.0,
                    help="also probe every this many seconds while the round lasts (default 0 = after rendezvous only)")
-    p.add_argument("--probe-failure-action", default="report", choices=("report", "leave"),
+    p.add_argument("--probe-failure-action", default=DetectionAction.REPORT.value, choices=DETECTION_ACTIONS,
                    help="report: fail the /readyz check `probe` and count it; leave: also stop this node's "
                         "workers and leave the job so the others re-form without it (default report)")
     p.add_argument("--straggler-threshold", type=float, default=1.5,
@@ -94,7 +97,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="windows in a row over the threshold before a worker is flagged (default 3)")
     p.add_argument("--straggler-window", type=float, default=10.0,
                    help="seconds per step-timing window; also how often nodes exchange step times (default 10)")
-    p.add_argument("--straggler-action", default="report", choices=("report", "leave"),
+    p.add_argument("--straggler-action", default=DetectionAction.REPORT.value, choices=DETECTION_ACTIONS,
                    help="report: log, count and export elastic_rt_straggler; leave: also stop this node's workers "
                         "and leave the job so the others re-form without it (default report)")
     p.add_argument("--preflight", default="auto", choices=("auto", "off", "report", "exclude"),
@@ -152,6 +155,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     from elastic_rt.chaos import cli as chaos_cli
     from elastic_rt.checkpoint import cli as ckpt_cli
     from elastic_rt.doctor import command as doctor
+    from elastic_rt.rendezvous import gc as gc_cmd
     from elastic_rt.report import command as report_cmd
     from elastic_rt.status import command as status_cmd
 
@@ -160,6 +164,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     chaos_cli.add_subparser(sub)
     report_cmd.add_subparser(sub)
     status_cmd.add_subparser(sub)
+    gc_cmd.add_subparser(sub)
     return parser
 
 

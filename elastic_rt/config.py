@@ -12,7 +12,10 @@ from typing import Mapping
 
 from elastic_rt import torchrun_compat as torchrun
 from elastic_rt.agent.config import AgentConfig
+from elastic_rt.decisions import DetectionAction
 from elastic_rt.errors import ConfigError
+from elastic_rt.rdzv_conf import parse_rdzv_conf
+from elastic_rt.rendezvous import conf as rdzv_conf
 from elastic_rt.rendezvous.keys import validate_run_id
 from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE, ENV_OMP_NUM_THREADS, ENV_SIGNALS_TO_HANDLE
 
@@ -31,20 +34,6 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     if lo > hi:
         raise ConfigError(f"--nnodes {text!r}: MIN ({lo}) is larger than MAX ({hi})")
     return lo, hi
-
-
-def parse_rdzv_conf(text: str) -> dict[str, str]:
-    """'k1=v1,k2=v2' -> {'k1': 'v1', 'k2': 'v2'}."""
-    out: dict[str, str] = {}
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--rdzv-conf item {item!r}: expected key=value")
-        out[key.strip()] = value.strip()
-    return out
 
 
 def parse_nproc(text: str) -> int:
@@ -207,6 +196,8 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
     rdzv = choose_rendezvous(args)
     run_id = rdzv.run_id
     validate_run_id(run_id)
+    conf = rdzv_conf.canonical(conf)
+    rdzv_conf.check_keys(rdzv.backend, conf)
     if args.node_id:
         conf["node_id"] = args.node_id
     if args.max_restarts < 0:
@@ -271,13 +262,13 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         probe_timeout_s=_positive("--probe-timeout", args.probe_timeout),
         probe_backend=args.probe_backend,
         probe_interval_s=_positive("--probe-interval", args.probe_interval, zero_ok=True),
-        probe_failure_action=args.probe_failure_action,
+        probe_failure_action=DetectionAction(args.probe_failure_action),
         worker_env=worker_env,
         omp_threads_defaulted=omp_defaulted,
         straggler_threshold=args.straggler_threshold,
         straggler_windows=args.straggler_windows,
         straggler_window_s=_positive("--straggler-window", args.straggler_window),
-        straggler_action=args.straggler_action,
+        straggler_action=DetectionAction(args.straggler_action),
         preflight=args.preflight,
         preflight_threshold=args.preflight_threshold,
         preflight_timeout_s=_positive("--preflight-timeout", args.preflight_timeout),

@@ -1,5 +1,5 @@
 """The typed vocabulary of the agent's decisions: why a worker group stops, what the agent does about it, why a
-worker failed. A leaf module (it imports nothing from elastic_rt), so every package may use it.
+worker failed, and the collective backends' error words. A leaf module (it imports nothing from elastic_rt), so every package may use it.
 
 Each value is a `str` whose text is the label value exported in metrics and written to the goodput journal
 (`elastic_rt_restarts_total{reason}`, `elastic_rt_worker_failures_total{cause}`): dashboards and alert rules
@@ -8,6 +8,7 @@ match on these words, so a value is never renamed. Code compares members, never 
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 
 
@@ -108,3 +109,21 @@ class FailureCause(_Word):
     @property
     def collective(self) -> bool:
         return self in (FailureCause.COLLECTIVE_TIMEOUT, FailureCause.COLLECTIVE_ERROR)
+
+
+# Collective backends' own words (torch 2.x c10d, gloo, NCCL) -> (backend, kind) for
+# elastic_rt_collective_errors_total{backend,kind}; the first match wins.
+COLLECTIVE_PATTERNS: tuple[tuple[re.Pattern, str, str], ...] = tuple(
+    (re.compile(rx, re.IGNORECASE), backend, kind) for rx, backend, kind in (
+        (r"Watchdog caught collective operation timeout", "nccl", "timeout"),
+        (r"NCCL communicator was aborted|NCCL.*(?:comm|communicator).*abort|ncclCommAbort", "nccl", "abort"),
+        (r"ncclRemoteError|ncclSystemError|ncclInternalError|ncclUnhandledCudaError|NCCL error", "nccl", "error"),
+        (r"gloo.*Timed out waiting|Timed out waiting \d+ms for (?:recv|send)", "gloo", "timeout"),
+        (r"gloo.*(?:Connection closed by peer|Connection reset by peer|Broken pipe|Read error|Write error)",
+         "gloo", "peer_closed"),
+        (r"DistBackendError|Socket Timeout|wait timeout after|timed out after \d+ ?ms", "c10d", "timeout"),
+    )
+)
+# Every (backend, kind) label pair, in the patterns' order.
+COLLECTIVE_ERROR_KINDS: tuple[tuple[str, str], ...] = tuple(
+    dict.fromkeys((backend, kind) for _, backend, kind in COLLECTIVE_PATTERNS))

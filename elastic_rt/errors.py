@@ -47,6 +47,25 @@ class HealthCheckError(ElasticRTError):
     """A pre-flight or health check failed."""
 
 
+class RunInUseError(ConfigError):
+    """The run id is in use by live agents of another job (another fingerprint: rendezvous/claim.py)."""
+
+
+class DuplicateNodeError(ConfigError):
+    """Another live agent of the run registered this node id (`held`: its alive/ key as read)."""
+
+    def __init__(self, message: str, held: object = None) -> None:
+        super().__init__(message)
+        self.held = held
+
+
+class RunClosedError(ElasticRTError):
+    """This node came to a run that had already finished, and did not train (`--rdzv-conf accept_closed=1`
+    makes that exit 0)."""
+
+    exit_code = 5
+
+
 class NodeExcludedError(HealthCheckError):
     """The pre-flight test found this node slower than the job (--preflight exclude): it leaves before
     training; a scheduler should run it elsewhere, not restart it here."""

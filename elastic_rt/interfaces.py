@@ -45,9 +45,18 @@ class MembershipHandler(ABC):
     def leave(self) -> None:
         """Give up this node's place now, so that the others re-form without waiting for its lease to expire."""
 
+    def closed_by_this_launch(self) -> bool:
+        """The run was closed by a node of this very launch (the same job fingerprint and launch id)."""
+        return False
+
+    @abstractmethod
+    def tidy(self) -> int:
+        """After leave(), when the run is closed and this was its last agent: remove the run's keys (but the
+        short-lived `closed` marker). Returns the keys removed."""
+
     @abstractmethod
     def close(self) -> None:
-        """Release the handler's connections (after leave())."""
+        """Release the handler's connections (after leave() and tidy())."""
 
     def fence_view(self) -> dict | None:
         """What checkpoint fencing needs (elastic_rt/checkpoint/fence.py: run, launch, round, the lease's last

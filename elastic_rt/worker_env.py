@@ -34,6 +34,7 @@ OMP_DEFAULT_WARNING = (
     "application as needed."
 )
 ENV_HOST_CACHE_DIR = "ELASTIC_RT_HOST_CACHE_DIR"  # the node's checkpoint copy in shared memory
+ENV_HOST_CACHE_RESERVE = "ELASTIC_RT_HOST_CACHE_RESERVE_BYTES"  # shared memory the copy leaves free (host_cache.py)
 # seconds a new checkpoint writer waits for another job's writer lease on its URL (the k8s recipe sets it)
 ENV_CHECKPOINT_WRITER_WAIT_S = "ELASTIC_RT_CHECKPOINT_WRITER_WAIT_S"
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic_rt.decisions import DetectionAction
+
 # Suggested default for --metrics-port. Inside the 9100-9999 range Prometheus uses
 # for exporters (so "exporter ports" firewall rules and scrape configs cover it),
 # and clear of what usually runs on a GPU node: node_exporter 9100, DCGM exporter
@@ -52,14 +54,14 @@ class AgentConfig:
     probe_timeout_s: float = 30.0
     probe_backend: str = "auto"
     probe_interval_s: float = 0.0
-    probe_failure_action: str = "report"
+    probe_failure_action: DetectionAction = DetectionAction.REPORT
     # exported into the agent's environment at launch, so every worker inherits them (torchrun's contract)
     worker_env: tuple[tuple[str, str], ...] = ()
     omp_threads_defaulted: bool = False  # OMP_NUM_THREADS=1 was chosen for the user: warn once
     straggler_threshold: float = 1.5
     straggler_windows: int = 3
     straggler_window_s: float = 10.0
-    straggler_action: str = "report"
+    straggler_action: DetectionAction = DetectionAction.REPORT
     preflight: str = "auto"  # auto (report with CUDA, else off), off, report, exclude (doctor/preflight.py)
     preflight_threshold: float = 1.5
     preflight_timeout_s: float = 60.0

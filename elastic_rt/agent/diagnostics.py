@@ -52,7 +52,12 @@ class FailureDiagnostics:
         """Variables every worker inherits (set once by the launcher)."""
         env = {ENV_STACK_SIGNAL: str(self.stack_signal or 0)}
         if self.flight_recorder:
-            os.makedirs(self.fr_dir, exist_ok=True)
+            try:
+                os.makedirs(self.fr_dir, exist_ok=True)
+            except OSError as exc:  # a full or read-only log dir: train without it, say so once
+                log.warning("flight recorder off: cannot create %s (%s)", self.fr_dir, exc.strerror or exc)
+                self.flight_recorder = False
+                return env
             env.update(fr.worker_env(self.fr_dir, environ, fr_names=fr.uses_fr_names(torch_version)))
             env[ENV_FLIGHT_RECORDER] = "1"
         return env

@@ -10,7 +10,7 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Iterable
 
-from elastic_rt.decisions import FailureCause
+from elastic_rt.decisions import COLLECTIVE_PATTERNS, FailureCause
 
 # The causes, in the order an operator reads them (elastic_rt_worker_failures_total{cause}).
 CAUSES: tuple[FailureCause, ...] = tuple(FailureCause)
@@ -18,19 +18,6 @@ CAUSES: tuple[FailureCause, ...] = tuple(FailureCause)
 # Signals someone sends to end a process (kill, the OOM killer, a scheduler); the others are faults.
 _TERMINATING = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 
-# Collective backends' own words (torch 2.x c10d, gloo, NCCL) -> (backend, kind) for
-# elastic_rt_collective_errors_total; the first match wins.
-COLLECTIVE_PATTERNS: tuple[tuple[re.Pattern, str, str], ...] = tuple(
-    (re.compile(rx, re.IGNORECASE), backend, kind) for rx, backend, kind in (
-        (r"Watchdog caught collective operation timeout", "nccl", "timeout"),
-        (r"NCCL communicator was aborted|NCCL.*(?:comm|communicator).*abort|ncclCommAbort", "nccl", "abort"),
-        (r"ncclRemoteError|ncclSystemError|ncclInternalError|ncclUnhandledCudaError|NCCL error", "nccl", "error"),
-        (r"gloo.*Timed out waiting|Timed out waiting \d+ms for (?:recv|send)", "gloo", "timeout"),
-        (r"gloo.*(?:Connection closed by peer|Connection reset by peer|Broken pipe|Read error|Write error)",
-         "gloo", "peer_closed"),
-        (r"DistBackendError|Socket Timeout|wait timeout after|timed out after \d+ ?ms", "c10d", "timeout"),
-    )
-)
 _MEMORY_EXCEPTIONS = ("MemoryError", "OutOfMemoryError")  # torch.OutOfMemoryError is CUDA/accelerator OOM
 _CUDA_OOM = re.compile(r"CUDA out of memory|CUBLAS_STATUS_ALLOC_FAILED|HIP out of memory", re.IGNORECASE)
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')

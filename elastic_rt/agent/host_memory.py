@@ -7,10 +7,12 @@ import logging
 import os
 import re
 import shutil
+import stat
 
 import psutil
 
 from elastic_rt.agent.config import AgentConfig
+from elastic_rt.checkpoint.host_cache import mib
 from elastic_rt.worker_env import ENV_HOST_CACHE_DIR
 
 log = logging.getLogger(__name__)
@@ -44,12 +46,17 @@ def _process_identity(pid: int) -> str:
 
 
 def remove_stale_host_caches(shm_root: str) -> list[str]:
-    """Remove this user's host-cache directories whose owning agent no longer runs."""
+    """Remove the host-cache directories whose owning agent no longer runs: this user's, and every user's when run
+    as root (an agent SIGKILLed under another account leaves its copy in shared memory for good otherwise).
+    Only real directories are touched, never a symbolic link (a user's link would point root elsewhere)."""
     removed = []
     for name in os.listdir(shm_root):
         path = os.path.join(shm_root, name)
         try:
-            if not name.startswith(HOST_CACHE_PREFIX) or os.stat(path).st_uid != os.getuid():
+            st = os.lstat(path)
+            if not name.startswith(HOST_CACHE_PREFIX) or not stat.S_ISDIR(st.st_mode):
+                continue
+            if os.getuid() != 0 and st.st_uid != os.getuid():
                 continue
             with open(os.path.join(path, HOST_CACHE_OWNER)) as f:
                 owner = f.read().strip()
@@ -61,3 +68,38 @@ def remove_stale_host_caches(shm_root: str) -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+class HostCacheRoom:
+    """A round listener: before workers start again, the node's copy is dropped when the shared memory's free
+    space is below the reserve (NCCL and DataLoaders need it more than a restart needs the copy)."""
+
+    def __init__(self, path: str, *, reserve_bytes: int, node_id: str) -> None:
+        self._path = path
+        self._reserve_bytes = reserve_bytes
+        self._node_id = node_id
+
+    def on_round(self, **_: object) -> None:
+        try:
+            free = shutil.disk_usage(self._path).free
+            if free >= self._reserve_bytes:
+                return
+            dropped = [n for n in os.listdir(self._path) if n != HOST_CACHE_OWNER]
+            for name in dropped:
+                target = os.path.join(self._path, name)
+                if os.path.isdir(target) and not os.path.islink(target):
+                    shutil.rmtree(target, ignore_errors=True)
+                else:
+                    os.unlink(target)
+        except OSError as exc:
+            log.warning("[%s] could not check the checkpoint copy in host memory: %s", self._node_id, exc)
+            return
+        if dropped:
+            log.warning("[%s] shared memory has %s free, below the %s reserve: the checkpoint copy in %s "
+                        "dropped before the workers start (they load from storage)", self._node_id, mib(free),
+                        mib(self._reserve_bytes), self._path)
+
+
+if __name__ == "__main__":  # `python -m elastic_rt.agent.host_memory`: the systemd unit's ExecStopPost
+    for gone in remove_stale_host_caches("/dev/shm"):
+        print(f"removed {gone}")

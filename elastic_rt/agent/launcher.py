@@ -35,16 +35,19 @@ from elastic_rt.agent.numa import check_binding, cpu_list, numa_options
 from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
-from elastic_rt.agent.host_memory import make_host_cache
+from elastic_rt.agent.host_memory import HostCacheRoom, make_host_cache
 from elastic_rt.agent.replica_server import replica_budget_bytes, start_memory_tier
+from elastic_rt.checkpoint.host_cache import reserve_bytes
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.doctor.preflight import Preflight, PreflightMode, PreflightSettings
-from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError, NodeExcludedError
+from elastic_rt.errors import (ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError,
+                               NodeExcludedError, RunClosedError)
 from elastic_rt.interfaces import AgentObserver, MembershipHandler
 from elastic_rt.metrics.health import liveness_threshold_s
 from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
 from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
+from elastic_rt.rendezvous.claim import JobFingerprint
 from elastic_rt.reporting.checkpoint import CheckpointReportReader
 from elastic_rt.reporting.inbox import WorkerReports
 from elastic_rt.torchrun_compat import STATIC_RDZV_TIMEOUT_S, logs_specs_class, virtual_local_rank_env
@@ -104,6 +107,10 @@ def build_handler(cfg: AgentConfig):
         local_addr=cfg.local_addr,
         **cfg.conf,
     )
+    if cfg.rdzv_backend == "etcd-v3":  # the job's claim on the run (rendezvous/claim.py)
+        params.config["fingerprint"] = JobFingerprint.of(
+            script=cfg.script, script_args=cfg.script_args, min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes,
+            launch_id=cfg.conf.get("launch_id", "")).encode()
     if cfg.metrics_port:  # the etcd-v3 handler advertises it in alive/ (`elastic-rt status` reads it)
         params.config[registration.METRICS_HOST_KEY] = cfg.metrics_host
         params.config[registration.METRICS_PORT_KEY] = str(cfg.metrics_port)
@@ -216,19 +223,20 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         observer=observer,
         policy=policy,
         round_listeners=(node_test.on_round,) + ((round_checks.on_round, goodput.exchange.on_round)
-                                                 if round_checks else ()),
+                                                 if round_checks else ())
+        + ((HostCacheRoom(host_cache, reserve_bytes=reserve_bytes(host_cache), node_id=node_id).on_round,)
+           if host_cache is not None else ()),
         diagnostics=diagnostics,
         warm_pool=warm_pool,
         crash_loop=CrashLoopJudge(CrashLoopSettings(repeats=cfg.crash_loop_repeats, no_step=cfg.crash_loop_no_step),
                                   checkpoints=CheckpointReportReader(reports.directory)),
     )
-    leave = extras.leave if extras else None
     try:
         node_test.run_compute()  # before the first round, and before warm workers compete for the CPU
         if warm_pool is not None:
             warm_pool.start()
             observer.track_warm_workers(lambda: len(warm_pool.idle_pids(ready_only=True)))
-        return _run(agent, cfg, node_id, log_dir, handler, leave)
+        return _run(agent, cfg, node_id, log_dir, handler, extras)
     finally:
         if warm_pool is not None:
             warm_pool.close()
@@ -299,11 +307,19 @@ def add_readiness_checks(readiness, cfg: AgentConfig, round_checks) -> None:
     from elastic_rt.metrics.readiness import clock_check, probe_check, rdma_check
 
     readiness.add("probe", probe_check(round_checks, enabled=cfg.probe_bytes > 0))
-    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=cfg.sysfs_root).read_ports))
+    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=cfg.sysfs_root).read_ports, os.environ))
     readiness.add("clock", clock_check(lambda: round_checks.last_skew, read_timex))
 
 
-def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) -> int:
+def _leave_finished(extras: MembershipHandler | None) -> None:
+    """Leave a run that is over; its last agent removes its keys (all but the short-lived `closed` marker)."""
+    if extras is not None:
+        extras.leave()
+        extras.tidy()
+
+
+def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, extras: MembershipHandler | None) -> int:
+    leave = extras.leave if extras else None
     try:
         result = _recorded_run(agent, cfg.event_log_handler)
     except SignalException as exc:
@@ -312,12 +328,20 @@ def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) ->
             leave()
         return 128 + int(exc.sigval)
     except RendezvousClosedError as exc:
-        # The job finished before this node joined (a late or restarted node): nothing to do.
-        # Exit 0, so that a Kubernetes pod or a systemd unit does not crash-loop on it.
-        if leave:
-            leave()
-        log.warning("[%s] %s; exiting", node_id, str(exc) or f"rendezvous {cfg.rdzv_id} is closed")
-        return 0
+        # The job finished. A node that trained in it exits 0 (a Kubernetes pod or a systemd unit must not
+        # crash-loop on it), and so does a node of the same launch (same fingerprint and launch_id: a pod or a
+        # Slurm job restarted after its job finished); one of a new launch did not train: exit 5, unless the
+        # operator said accept_closed=1.
+        same = extras is not None and (extras.membership is not None or extras.settings.accept_closed
+                                       or extras.closed_by_this_launch())
+        _leave_finished(extras)
+        why = str(exc) or f"run {cfg.rdzv_id} is closed (the job finished)"
+        if same:
+            log.warning("[%s] %s; exiting", node_id, why)
+            return 0
+        raise RunClosedError(f"{why} before this node joined; it did not train. Use a new --rdzv-id to train "
+                             "again (or --rdzv-conf accept_closed=1 where a node may come after its job finished)"
+                             ) from exc
     except NodeExcludedError as exc:
         if leave:
             leave()
@@ -353,7 +377,7 @@ def _run(agent, cfg: AgentConfig, node_id: str, log_dir: str, handler, leave) ->
             log.warning("[%s] the job finished, but the run could not be marked closed in etcd (%s); a node "
                         "that joins run %s later waits for a round that never comes", node_id, exc,
                         cfg.rdzv_id)
-        leave()
+        _leave_finished(extras)
     log.info("[%s] job finished", node_id)
     return 0
 

@@ -214,7 +214,7 @@ def start_memory_tier(*, host_cache: str, node: str, secret_file: str | None, ad
 
     from elastic_rt.checkpoint.trust import read_secret_file
 
-    secret = read_secret_file(secret_file) if secret_file else None
+    secret = read_secret_file(secret_file, setting="--rdzv-conf secret_file", hint="e.g. openssl rand -hex 32") if secret_file else None
     directory = os.path.join(host_cache, "tier")
     os.makedirs(os.path.join(directory, OWN), mode=0o700, exist_ok=True)
     server = None

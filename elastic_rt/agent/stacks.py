@@ -142,10 +142,16 @@ class StackCollector:
         self._py_spy = py_spy if py_spy is not None else (shutil.which("py-spy") or "")
 
     def collect(self, workers: Iterable[WorkerRef], *, label: str, notes: dict[int, str] | None = None) -> str:
-        """Dump every worker's stacks into a new directory `<root>/<UTC time>-<label>`; returns it."""
+        """Dump every worker's stacks into a new directory `<root>/<UTC time>-<label>`; returns it. A dump that
+        cannot be written there (a full or read-only log dir) goes to the log instead; then the directory
+        returned says so ("<dir> (not written: ...; in the log)"). Never raises OSError."""
         workers = sorted(workers, key=lambda w: w.global_rank)
         out_dir = os.path.join(self.root, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{label}")
-        os.makedirs(out_dir, exist_ok=True)
+        unwritable = ""
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as exc:
+            unwritable = exc.strerror or str(exc)
         states = {w.pid: process_state(w.pid) for w in workers}
         asked: dict[int, int] = {}  # pid -> raw file size before the request
         why_not: dict[int, str] = {}
@@ -175,9 +181,16 @@ class StackCollector:
                 header.append(notes[w.local_rank])
             kernel = _read(f"/proc/{w.pid}/stack")
             text = "\n".join(header) + f"\nkernel stack:\n{kernel}\n\n{body}"
-            with open(os.path.join(out_dir, f"rank{w.global_rank}-local{w.local_rank}-pid{w.pid}.txt"), "w") as f:
-                f.write(text)
-        return out_dir
+            path = os.path.join(out_dir, f"rank{w.global_rank}-local{w.local_rank}-pid{w.pid}.txt")
+            if not unwritable:
+                try:
+                    with open(path, "w") as f:
+                        f.write(text)
+                    continue
+                except OSError as exc:
+                    unwritable = exc.strerror or str(exc)
+            log.warning("stacks of rank %d (%s could not be written: %s):\n%s", w.global_rank, path, unwritable, text)
+        return f"{out_dir} (not written: {unwritable}; in the log)" if unwritable else out_dir
 
     def _cannot_ask(self, w: WorkerRef, state: str) -> str:
         if self.sig is None:

@@ -66,7 +66,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
 
     def duration(p: argparse.ArgumentParser) -> None:
         p.add_argument("--duration", type=float, default=10.0,
-                       help="seconds before SIGCONT (default 10; Ctrl-C or SIGTERM resumes at once)")
+                       help="seconds before SIGCONT (default 10; Ctrl-C, SIGTERM or SIGHUP resumes at once; a detached "
+                            "resumer sends SIGCONT at the deadline even if this command is killed)")
 
     p = action("kill-worker", "SIGKILL one worker of the run (random unless --pid/--rank/--node)")
     worker_select(p)
@@ -108,7 +109,8 @@ def run(args: argparse.Namespace, *, find: Callable[[str], RunProcesses] = find_
     validate_run_id(args.run_id)
     emit = emit or printer()
     stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    # a closed terminal (SIGHUP) ends a pause as Ctrl-C does; SIGKILL leaves it to the detached resumer
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         if getattr(args, "duration", 0.0) < 0:
             raise ConfigError(f"--duration {args.duration:g}: must be >= 0")

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from elastic_rt.chaos.injectors import fault_line
+from elastic_rt.chaos.resumer import fault_line
 from elastic_rt.chaos.processes import Node, RefusedError, RunProcesses, find_run, resolve
 from elastic_rt.chaos.proxy import TcpProxy, format_hostport
 from elastic_rt.errors import ConfigError

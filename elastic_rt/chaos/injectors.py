@@ -7,29 +7,18 @@ one JSON line through `emit`.
 
 from __future__ import annotations
 
-import json
 import random
 import signal
-import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Callable, TextIO
 
 import psutil
 
 from elastic_rt.chaos.processes import Node, RefusedError, RunProcesses, etcd_serving, is_etcd
-
-
-def fault_line(action: str, *, run_id: str, node: str | None, pids: list[int], **extra) -> str:
-    """One JSON line: time (UTC, ISO 8601), action, run id, node, target pids and details."""
-    record = {
-        "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-        "action": action, "run_id": run_id, "node": node, "host": socket.gethostname(), "pids": pids,
-    }
-    record.update(extra)
-    return json.dumps(record, sort_keys=False)
+from elastic_rt.chaos.resumer import arm, fault_line, start_resumer, stop_resumer
 
 
 def printer(out: TextIO | None = None) -> Callable[[str], None]:
@@ -150,16 +139,24 @@ class Drill:
 
     def _pause(self, action: str, node_id: str | None, procs: list[psutil.Process], duration_s: float,
                **extra) -> list[int]:
+        """SIGSTOP, wait, SIGCONT. A detached resumer (resumer.py) started first sends SIGCONT at the deadline
+        even if this process is killed meanwhile; `stop` (SIGINT, SIGTERM, SIGHUP) resumes at once."""
         pids = sorted(p.pid for p in procs)
-        _signal(procs, signal.SIGSTOP)
+        resumer = start_resumer(procs, run_id=self.run.run_id, node=node_id, action=action)
         try:
-            self.emit(fault_line(action, run_id=self.run.run_id, node=node_id, pids=pids,
-                                 duration_s=duration_s, **extra))
-            self.stop.wait(duration_s)
+            _signal(procs, signal.SIGSTOP)
+            deadline = time.monotonic() + duration_s
+            arm(resumer, deadline)
+            try:
+                self.emit(fault_line(action, run_id=self.run.run_id, node=node_id, pids=pids,
+                                     duration_s=duration_s, resumer_pid=resumer.pid, **extra))
+                self.stop.wait(max(0.0, deadline - time.monotonic()))
+            finally:
+                _signal(procs, signal.SIGCONT)
+                self.emit(fault_line("resume", run_id=self.run.run_id, node=node_id, pids=pids,
+                                     after=action, early=self.stop.is_set()))
         finally:
-            _signal(procs, signal.SIGCONT)
-            self.emit(fault_line("resume", run_id=self.run.run_id, node=node_id, pids=pids,
-                                 after=action, early=self.stop.is_set()))
+            stop_resumer(resumer)
         return pids
 
 

@@ -76,9 +76,13 @@ class FenceState:
 
 def write_fence(path: str, state: FenceState) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(state.to_json())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(state.to_json())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def read_fence(path: str) -> FenceState:
@@ -155,7 +159,16 @@ class FencePublisher:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self.publish()
+        try:
+            self.publish()
+        except OSError as exc:  # a full or read-only log dir: the agent goes on, its workers do not commit
+            log.warning("checkpoint fence %s cannot be written (%s): this node's workers refuse to commit "
+                        "checkpoints until it can (free space in --log-dir)", self.path, exc.strerror or exc)
+            if not os.path.exists(self.path):
+                try:
+                    open(self.path, "wb").close()  # empty, so unreadable: workers refuse rather than go unfenced
+                except OSError:
+                    pass
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="elastic-rt-fence", daemon=True)
             self._thread.start()

@@ -33,11 +33,41 @@ from elastic_rt.checkpoint import collectives as coll
 from elastic_rt.checkpoint.manifest import FileEntry, Manifest
 from elastic_rt.checkpoint.storage import STEP_DIR_RE, CheckpointStore, step_dirname
 from elastic_rt.errors import CheckpointError
-from elastic_rt.worker_env import ENV_HOST_CACHE_DIR
+from elastic_rt.worker_env import ENV_HOST_CACHE_DIR, ENV_HOST_CACHE_RESERVE
 
 log = logging.getLogger(__name__)
 
 COPY_CHUNK_BYTES = 16 << 20
+# What a node leaves free in its shared memory for everything else that needs it there (NCCL's intra-node
+# buffers, DataLoader workers' batches, torch's shared tensors): a quarter of it, at least 256 MiB, unless
+# ELASTIC_RT_HOST_CACHE_RESERVE_BYTES says how much. A step is kept in host memory only when the node's whole
+# share of it fits above the reserve.
+RESERVE_FRACTION = 0.25
+RESERVE_MIN_BYTES = 256 << 20
+_DECISION = ".decision-"  # + step: the node's one decision for a step, "keep" or "skip <why>"
+
+
+def reserve_bytes(directory: str, environ: Mapping[str, str] = os.environ) -> int:
+    """The shared memory a node leaves free (RESERVE_FRACTION of the file system, at least RESERVE_MIN_BYTES, or
+    $ELASTIC_RT_HOST_CACHE_RESERVE_BYTES)."""
+    text = environ.get(ENV_HOST_CACHE_RESERVE, "").strip()
+    if text.isdigit():
+        return int(text)
+    return max(RESERVE_MIN_BYTES, int(shutil.disk_usage(directory).total * RESERVE_FRACTION))
+
+
+def mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def node_ranks(environ: Mapping[str, str] = os.environ) -> frozenset[int] | None:
+    """The global ranks of this node's workers (torch numbers a node's workers contiguously), from RANK,
+    LOCAL_RANK and LOCAL_WORLD_SIZE; None when they are not set."""
+    try:
+        rank, local, count = (int(environ[k]) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    except (KeyError, ValueError):
+        return None
+    return frozenset(range(rank - local, rank - local + count))
 _TMP_RE = re.compile(r"(\.tmp\d+|\.ok)$")
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in at once
 
@@ -69,8 +99,11 @@ def cached_name(entry: FileEntry) -> str:
 class HostCache:
     """One worker's view of its node's cache directory."""
 
-    def __init__(self, directory: str, *, rank: int) -> None:
+    def __init__(self, directory: str, *, rank: int, node_ranks: frozenset[int] | None = None,
+                 reserve_bytes: int = RESERVE_MIN_BYTES) -> None:
         self.directory, self.rank = directory, rank
+        self.node_ranks = node_ranks if node_ranks is not None else frozenset({rank})
+        self.reserve_bytes = reserve_bytes
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._full_logged = False
@@ -78,7 +111,9 @@ class HostCache:
     @classmethod
     def from_env(cls, *, rank: int, environ: Mapping[str, str] = os.environ) -> "HostCache | None":
         directory = environ.get(ENV_HOST_CACHE_DIR, "")
-        return cls(directory, rank=rank) if directory and os.path.isdir(directory) else None
+        if not directory or not os.path.isdir(directory):
+            return None
+        return cls(directory, rank=rank, node_ranks=node_ranks(environ), reserve_bytes=reserve_bytes(directory, environ))
 
     def path(self, step: int, entry: FileEntry) -> str:
         return os.path.join(self.directory, step_dirname(step), cached_name(entry))
@@ -113,11 +148,10 @@ class HostCache:
                 raise CheckpointError(f"step {step} is not committed ({entry.problem})")
             data_dir = entry.data_dir(manifest)
             mine = [f for f in manifest.files if f.rank == self.rank]
-            free = shutil.disk_usage(self.directory).free
-            if sum(f.size for f in mine) > free:
+            verdict = self._decide(step, sum(f.size for f in manifest.files if f.rank in self.node_ranks))
+            if verdict != "keep":
                 if not self._full_logged:
-                    log.warning("rank %d: %s has %d MiB free, step %d needs more: not kept in host memory",
-                                self.rank, self.directory, free >> 20, step)
+                    log.warning("rank %d: step %d not kept in host memory: %s", self.rank, step, verdict)
                     self._full_logged = True
                 return
             os.makedirs(os.path.join(self.directory, step_dirname(step)), exist_ok=True)
@@ -126,6 +160,34 @@ class HostCache:
             self._drop_other_steps(step)
         except (OSError, CheckpointError) as exc:  # the cache is an optimisation: storage has it all
             log.warning("rank %d: checkpoint step %d not kept in host memory (%s)", self.rank, step, exc)
+
+    def _decide(self, step: int, node_bytes: int) -> str:
+        """The node's one decision for `step`, made by the first of its ranks to ask: "keep" when the node's
+        whole share (`node_bytes`) fits in the free space above the reserve, else "skip <why>". Every rank of
+        the node reads the same one (an atomic link: the first one wins)."""
+        path = os.path.join(self.directory, f"{_DECISION}{step}")
+        try:
+            with open(path) as f:
+                return f.read()
+        except FileNotFoundError:
+            pass
+        free = shutil.disk_usage(self.directory).free
+        if node_bytes + self.reserve_bytes <= free:
+            verdict = "keep"
+        else:
+            verdict = (f"the node's {mib(node_bytes)} of it and the {mib(self.reserve_bytes)} reserve do not fit "
+                       f"in the {mib(free)} free in {self.directory}")
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(verdict)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another rank of the node decided first: its decision holds
+            with open(path) as f:
+                verdict = f.read()
+        finally:
+            os.unlink(tmp)
+        return verdict
 
     def _copy(self, store: CheckpointStore, step: int, data_dir: str, entry: FileEntry) -> None:
         final = self.path(step, entry)
@@ -151,6 +213,11 @@ class HostCache:
             m = STEP_DIR_RE.match(name)
             if m and int(m.group(1)) != keep:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            elif name.startswith(_DECISION) and name[len(_DECISION):].isdigit() and int(name[len(_DECISION):]) < keep:
+                try:
+                    os.unlink(os.path.join(self.directory, name))
+                except OSError:
+                    pass
 
     # ---- loading ------------------------------------------------------------------------------------
     def source(self, store: CheckpointStore, groups: coll.CheckpointGroups, *, verify: bool) -> "CachedSource":

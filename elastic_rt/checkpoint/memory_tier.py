@@ -210,7 +210,8 @@ class MemoryTier:
                  environ: Mapping[str, str] = os.environ) -> "MemoryTier | None":
         directory, address = environ.get(ENV_MEMORY_TIER_DIR, ""), environ.get(ENV_MEMORY_TIER_ADDR, "")
         if secret is None and environ.get(ENV_MEMORY_TIER_SECRET):
-            secret = read_secret_file(environ[ENV_MEMORY_TIER_SECRET])
+            secret = read_secret_file(environ[ENV_MEMORY_TIER_SECRET], setting="--rdzv-conf secret_file",
+                                      hint="e.g. openssl rand -hex 32")
         present = bool(directory and address and os.path.isdir(directory))
         if not all(coll.all_gather(present, groups.ctl)):
             if rank == 0:

@@ -35,16 +35,17 @@ _ALLOWED = {
 }
 
 
-def read_secret_file(path: str) -> bytes:
-    """The job secret: the file's bytes, surrounding whitespace removed; ConfigError with one line."""
+def read_secret_file(path: str, *, setting: str = "checkpoint secret_file",
+                     hint: str = "the same file as the rendezvous' secret_file is fine") -> bytes:
+    """A job secret: the file's bytes, surrounding whitespace removed; ConfigError with one line naming
+    `setting` (the checkpoint's and the rendezvous' secret_file both read it here)."""
     try:
         with open(path, "rb") as f:
             secret = f.read().strip()
     except OSError as exc:
-        raise ConfigError(f"checkpoint secret_file={path}: cannot read it ({exc.strerror or exc})") from exc
+        raise ConfigError(f"{setting}={path}: cannot read it ({exc.strerror or exc})") from exc
     if not secret:
-        raise ConfigError(f"checkpoint secret_file={path}: the file is empty; put the job's secret in it "
-                          "(the same file as the rendezvous' secret_file is fine)")
+        raise ConfigError(f"{setting}={path}: the file is empty; put the job's secret in it ({hint})")
     return secret
 
 

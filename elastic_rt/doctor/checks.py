@@ -1,67 +1,17 @@
-"""Pre-flight check rows and the etcd, clock, GPU and free-space checks; each takes its data sources as arguments."""
+"""The doctor's etcd, clock, GPU and free-space checks; each takes its data sources as arguments."""
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import os
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
+from elastic_rt.checks.model import CheckResult, Status, describe_error
 from elastic_rt.errors import ElasticRTError, HealthCheckError
 
-log = logging.getLogger(__name__)
-
 GIB = 1024**3
-
-
-class Status(str, Enum):
-    OK = "ok"
-    WARN = "warn"
-    FAIL = "fail"
-    SKIP = "skip"
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckResult:
-    """One row of the doctor's table; `data` holds the measured values for --json."""
-
-    name: str
-    status: Status
-    detail: str
-    data: Mapping[str, Any] = field(default_factory=dict)
-    elapsed_s: float | None = None  # how long the check ran, set by guarded()
-
-    @property
-    def failed(self) -> bool:
-        return self.status is Status.FAIL
-
-
-def one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def describe_error(exc: BaseException) -> str:
-    """Our errors say what to do already; anything else is named by its type."""
-    return one_line(str(exc) if isinstance(exc, ElasticRTError) else f"{type(exc).__name__}: {exc}")
-
-
-def guarded(
-    name: str, check: Callable[[], CheckResult], *, clock: Callable[[], float] = time.monotonic
-) -> CheckResult:
-    """Run one check, timed; any exception becomes a failed row with its message (never a traceback)."""
-    start = clock()
-    try:
-        result = check()
-    except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
-        if not isinstance(exc, ElasticRTError):
-            log.debug("doctor: check %s raised", name, exc_info=True)
-        result = CheckResult(name=name, status=Status.FAIL, detail=describe_error(exc))
-    return dataclasses.replace(result, elapsed_s=clock() - start)
 
 
 # ---- etcd -------------------------------------------------------------------

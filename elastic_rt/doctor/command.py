@@ -13,19 +13,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, TextIO
 
 from elastic_rt.errors import ConfigError, ElasticRTError
+from elastic_rt.checks.model import CheckResult, Status, one_line, run_check
 from elastic_rt.doctor.checks import (
     GIB,
-    CheckResult,
     GpuInfo,
-    Status,
     check_etcd,
     check_free_space,
     check_gpus,
     check_kernel_clock,
     check_ntp,
     failures,
-    guarded,
-    one_line,
     probe_gpus,
 )
 from elastic_rt.doctor.net import check_nccl_env, check_rdma, list_dir
@@ -94,7 +91,7 @@ def _seconds(flag: str, value: float) -> float:
 
 def options_from_args(args: argparse.Namespace) -> DoctorOptions:
     """Validate parsed `doctor` flags (raises ConfigError, exit 2)."""
-    from elastic_rt.config import parse_rdzv_conf
+    from elastic_rt.rdzv_conf import parse_rdzv_conf
     from elastic_rt.collectors.sntp import parse_server
 
     timeout_s = _seconds("--timeout", args.timeout)
@@ -167,21 +164,21 @@ def run_doctor(options: DoctorOptions, sources: DoctorSources) -> list[CheckResu
         return check_rdma(ports, sources.env, where=_ib_dir(options.sysfs_root))
 
     results = [
-        guarded("etcd", lambda: _etcd_row(options, sources.etcd_client_factory)),
-        guarded("clock", lambda: check_kernel_clock(
+        run_check("etcd", lambda: _etcd_row(options, sources.etcd_client_factory)),
+        run_check("clock", lambda: check_kernel_clock(
             read_timex, max_offset_s=options.max_clock_offset_s, ntp_given=bool(options.ntp_servers)
         )),  # fmt: skip
     ]
     for server in options.ntp_servers:
-        results.append(guarded(f"ntp {server}", lambda s=server: check_ntp(
+        results.append(run_check(f"ntp {server}", lambda s=server: check_ntp(
             s, ntp_query, max_offset_s=options.max_clock_offset_s, timeout_s=options.timeout_s
         )))  # fmt: skip
     interfaces = list_dir(os.path.join(options.sysfs_root, "class", "net"))
     results += [
-        guarded("rdma", rdma),
-        guarded("nccl env", lambda: check_nccl_env(sources.env, interfaces=interfaces, ports=ports)),
-        guarded("gpus", lambda: check_gpus(sources.gpu_probe, sources.env)),
-        guarded("checkpoint space", lambda: check_free_space(
+        run_check("rdma", rdma),
+        run_check("nccl env", lambda: check_nccl_env(sources.env, interfaces=interfaces, ports=ports)),
+        run_check("gpus", lambda: check_gpus(sources.gpu_probe, sources.env)),
+        run_check("checkpoint space", lambda: check_free_space(
             options.checkpoint_url, min_free_bytes=int(options.min_free_gb * GIB), disk_usage=sources.disk_usage
         )),  # fmt: skip
     ]
@@ -227,8 +224,8 @@ def hard_checks(
     env = os.environ if env is None else env
     clients = None if etcd_client is None else {_endpoint_label(etcd_client): etcd_client}
     return [
-        guarded("etcd", lambda: check_etcd(clients, samples=1)),
-        guarded("rdma", lambda: check_rdma(_read_ports(sysfs_root), env, where=_ib_dir(sysfs_root))),
+        run_check("etcd", lambda: check_etcd(clients, samples=1)),
+        run_check("rdma", lambda: check_rdma(_read_ports(sysfs_root), env, where=_ib_dir(sysfs_root))),
     ]
 
 

@@ -1,91 +1,44 @@
-"""RDMA port and NCCL environment checks, and NCCL's interface/HCA list syntax."""
+"""The doctor's RDMA-port row and its NCCL environment check."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from elastic_rt.doctor.checks import CheckResult, Status
-
-_ACTIVE = 4  # IB logical port state 4: ACTIVE
-
-
-@dataclass(frozen=True, kw_only=True)
-class NcclList:
-    """An NCCL interface/HCA list: '^' excludes, '=' matches names exactly, else names are prefixes."""
-
-    exclude: bool
-    exact: bool
-    items: tuple[tuple[str, str | None], ...]  # (name, port or None)
-
-    @classmethod
-    def parse(cls, text: str) -> "NcclList":
-        text = text.strip()
-        exclude = text.startswith("^")
-        text = text[1:] if exclude else text
-        exact = text.startswith("=")
-        text = text[1:] if exact else text
-        items = []
-        for raw in text.split(","):
-            name, _, port = raw.strip().partition(":")
-            if name:
-                items.append((name, port or None))
-        return cls(exclude=exclude, exact=exact, items=tuple(items))
-
-    def _matches(self, name: str, port: str | None) -> bool:
-        for item, item_port in self.items:
-            if (name == item if self.exact else name.startswith(item)) and (item_port is None or item_port == port):
-                return True
-        return False
-
-    def selects(self, name: str, port: str | None = None) -> bool:
-        return self._matches(name, port) != self.exclude
+from elastic_rt.checks.model import CheckResult, Status
+from elastic_rt.checks.rdma import NcclList, nccl_ports, port_active, rdma_verdict
 
 
 def _port_label(p: Any) -> str:
     return f"{p.device}/{p.port}"
 
 
-def nccl_ports(ports: Sequence[Any], env: Mapping[str, str]) -> list[Any]:
-    """The ports NCCL would use: all of them, or those NCCL_IB_HCA selects."""
-    hca = env.get("NCCL_IB_HCA", "").strip()
-    if not hca:
-        return list(ports)
-    chosen = NcclList.parse(hca)
-    return [p for p in ports if chosen.selects(p.device, p.port)]
-
-
 def check_rdma(ports: Sequence[Any], env: Mapping[str, str], *, where: str = "sysfs") -> CheckResult:
-    """A port that exists (and NCCL_IB_HCA selects) but is not ACTIVE fails; with NCCL_IB_DISABLE=1 it only warns."""
-    if not ports:
+    """The RDMA-port rule (elastic_rt.checks.rdma) as the doctor's row: a port NCCL would use that is not ACTIVE
+    fails; with NCCL_IB_DISABLE=1 it only warns."""
+    verdict = rdma_verdict(ports, env)
+    if verdict.status is Status.SKIP:
         return CheckResult(name="rdma", status=Status.SKIP, detail=f"no RDMA ports under {where}")
-    used = nccl_ports(ports, env)
-    ignored = len(ports) - len(used)
+    ignored = verdict.not_selected
     note = f" ({ignored} not selected by NCCL_IB_HCA)" if ignored else ""
-    if not used:
+    if not verdict.used:
         return CheckResult(
             name="rdma", status=Status.WARN,
             detail=f"NCCL_IB_HCA={env.get('NCCL_IB_HCA')} selects none of the {len(ports)} ports here",
         )  # fmt: skip
-    bad, unknown, good = [], [], []
-    for p in used:
-        if p.state is None:
-            unknown.append(f"{_port_label(p)} state unreadable")
-        elif p.state[0] != _ACTIVE:
-            phys = f", phys {p.phys_state[1]}" if p.phys_state else ""
-            bad.append(f"{_port_label(p)} is {p.state[1] or p.state[0]}{phys}")
-        else:
-            rate = f" {p.rate_bytes_per_s * 8 / 1e9:g} Gb/s" if p.rate_bytes_per_s else ""
-            good.append(f"{_port_label(p)}{rate} {p.link_layer or ''}".rstrip())
+    bad = [f"{_port_label(p)} is {p.state[1] or p.state[0]}" + (f", phys {p.phys_state[1]}" if p.phys_state else "")
+           for p in verdict.down]
+    unknown = [f"{_port_label(p)} state unreadable" for p in verdict.unreadable]
+    good = [f"{_port_label(p)}{f' {p.rate_bytes_per_s * 8 / 1e9:g} Gb/s' if p.rate_bytes_per_s else ''} "
+            f"{p.link_layer or ''}".rstrip() for p in verdict.active]
     data = {"active": len(good), "not_active": len(bad), "unknown": len(unknown), "not_selected": ignored}
     if bad:
-        fix = "bring the link up, or leave the port out with NCCL_IB_HCA"
-        if env.get("NCCL_IB_DISABLE", "").strip() == "1":
+        if verdict.ib_disabled:
             return CheckResult(
                 name="rdma", status=Status.WARN, data=data,
                 detail=f"{'; '.join(bad)} (unused: NCCL_IB_DISABLE=1){note}",
             )  # fmt: skip
+        fix = "bring the link up, or leave the port out with NCCL_IB_HCA"
         return CheckResult(name="rdma", status=Status.FAIL, data=data, detail=f"{'; '.join(bad)}{note}; {fix}")
     if unknown:
         return CheckResult(name="rdma", status=Status.WARN, data=data, detail="; ".join(unknown + good) + note)
@@ -118,7 +71,7 @@ def check_nccl_env(
     """Report the variables; warn (never fail) on combinations that silently slow or hang training."""
     found = nccl_environment(env)
     warnings: list[str] = []
-    active = [p for p in ports if p.state is not None and p.state[0] == _ACTIVE]
+    active = [p for p in ports if port_active(p)]
     if env.get("NCCL_IB_DISABLE", "").strip() == "1" and active:
         ports_text = "1 RDMA port is" if len(active) == 1 else f"{len(active)} RDMA ports are"
         warnings.append(f"NCCL_IB_DISABLE=1 while {ports_text} ACTIVE: NCCL will use TCP sockets")

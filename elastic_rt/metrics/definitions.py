@@ -7,9 +7,8 @@ from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from elastic_rt.agent.failures import COLLECTIVE_PATTERNS
 from elastic_rt.collectors.clock import ClockMetrics
-from elastic_rt.decisions import FailureCause, Response, RestartReason
+from elastic_rt.decisions import COLLECTIVE_ERROR_KINDS, FailureCause, Response, RestartReason
 from elastic_rt.reporting.heartbeat import Heartbeat
 from elastic_rt.collectors.rdma import RdmaCollector
 from elastic_rt.collectors.timex import TimexStatus, read_timex
@@ -256,7 +255,7 @@ class HealthCollector:
 
     def describe(self):
         yield from self._families()  # registering must not run the checks
-# ---- goodput, step timing and stragglers (issue 13; recorded by elastic_rt.goodput) ----------------
+# ---- goodput, step timing and stragglers (recorded by elastic_rt.goodput) --------------------------
 # (imports kept with this block so that it merges as one piece)
 import bisect  # noqa: E402
 import threading  # noqa: E402
@@ -376,10 +375,7 @@ class GoodputMetrics:
             self.straggler.labels(*self._base, str(rank)).set(1.0 if rank in flagged else 0.0)
 
 
-# ---- Why workers failed (issue 17): causes, hangs, collective backend errors ------------------------
-COLLECTIVE_ERROR_KINDS = tuple(dict.fromkeys((backend, kind) for _, backend, kind in COLLECTIVE_PATTERNS))
-
-
+# ---- Why workers failed: causes, hangs, collective backend errors ------------------------
 class FailureMetrics:
     """Worker failures by cause, hangs by the rank that stopped first, collective backend errors."""
 

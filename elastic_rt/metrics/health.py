@@ -3,16 +3,13 @@ agent's liveness (its monitor loop ticks). Checks only report; nothing here deci
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence, Tuple, Union
+from typing import Callable, Iterable, Sequence
 
+from elastic_rt.checks.model import Check, CheckResult, run_check
 from elastic_rt.decisions import RestartReason
-
-log = logging.getLogger(__name__)
 
 LIVENESS = "liveness"
 READINESS = "readiness"
@@ -29,33 +26,9 @@ _NAME = re.compile(r"[a-z][a-z0-9_]*")
 REASON_MAX_CHARS = 300
 
 
-@dataclass(frozen=True)
-class CheckResult:
-    """A check's verdict and why, in one line."""
-
-    ok: bool
-    reason: str
-
-
-Check = Callable[[], Union[CheckResult, Tuple[bool, str]]]
-
-
-def one_line(text: object, limit: int = REASON_MAX_CHARS) -> str:
-    """Whitespace and newlines collapsed, cut to `limit` characters."""
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
 def _run_one(name: str, check: Check) -> CheckResult:
-    try:
-        result = check()
-    except Exception as exc:  # noqa: BLE001 - a broken check fails itself, never the endpoint
-        log.debug("health check %s raised", name, exc_info=True)
-        return CheckResult(False, one_line(f"check raised {type(exc).__name__}: {exc}"))
-    if isinstance(result, CheckResult):
-        return CheckResult(bool(result.ok), one_line(result.reason))
-    ok, reason = result
-    return CheckResult(bool(ok), one_line(reason))
+    """A broken check fails itself, never the endpoint; every reason is one bounded line."""
+    return run_check(name, check, limit=REASON_MAX_CHARS, raised_prefix="check raised ")
 
 
 class HealthChecks:
@@ -103,12 +76,12 @@ def render(endpoint: str, results: Sequence[tuple[str, CheckResult]], *, verbose
     failed = [(n, r) for n, r in results if not r.ok]
     status = 503 if failed else 200
     if verbose:
-        lines = [f"[{'+' if r.ok else '-'}]{n} {'ok' if r.ok else 'failed'}: {r.reason}" for n, r in results]
+        lines = [f"[{'+' if r.ok else '-'}]{n} {'ok' if r.ok else 'failed'}: {r.detail}" for n, r in results]
         lines.append(f"{endpoint} check {'failed' if failed else 'passed'}")
         return status, "\n".join(lines) + "\n"
     if not failed:
         return status, "ok\n"
-    return status, "; ".join(f"{n} failed: {r.reason}" for n, r in failed) + "\n"
+    return status, "; ".join(f"{n} failed: {r.detail}" for n, r in failed) + "\n"
 
 
 def liveness_threshold_s(monitor_interval_s: float) -> float:
@@ -156,13 +129,13 @@ class MonitorLiveness:
     def check(self) -> CheckResult:
         (phase, since), last, now = self._phase, self._last_tick, self._clock()
         if phase != "running":
-            return CheckResult(True, f"{phase} for {now - since:.0f} s")
+            return CheckResult.of(True, f"{phase} for {now - since:.0f} s")
         ticked = last is not None and last >= since
         age = now - (last if ticked else since)
         if age > self.threshold_s:
             what = "last ticked" if ticked else "has not ticked since the workers started,"
-            return CheckResult(False, f"monitor loop {what} {age:.1f} s ago (limit {self.threshold_s:g} s): "
+            return CheckResult.of(False, f"monitor loop {what} {age:.1f} s ago (limit {self.threshold_s:g} s): "
                                       "the agent is wedged")
         if not ticked:
-            return CheckResult(True, f"workers started {age:.1f} s ago")
-        return CheckResult(True, f"monitor loop ticked {age:.1f} s ago")
+            return CheckResult.of(True, f"workers started {age:.1f} s ago")
+        return CheckResult.of(True, f"monitor loop ticked {age:.1f} s ago")

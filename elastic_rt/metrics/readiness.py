@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Mapping, Protocol
 
 from elastic_rt.collectors.clock import SkewEstimate, skew_warning
 from elastic_rt.collectors.rdma import PortReading
 from elastic_rt.collectors.timex import TimexStatus
-from elastic_rt.metrics.health import CheckResult
+from elastic_rt.checks.model import CheckResult, Status
+from elastic_rt.checks.rdma import rdma_verdict
 
 # torch's heartbeat-based liveness (backends other than etcd-v3) tolerates this much skew;
 # the clock check fails at half of it, the same rule as the agent's skew warning.
 CLOCK_SKEW_TOLERANCE_S = 15.0
-RDMA_ACTIVE = 4  # sysfs state ids: 1 down, 2 init, 3 armed, 4 active, 5 active-defer
 
 
 class ProbeSource(Protocol):
@@ -32,31 +32,39 @@ def probe_check(source: ProbeSource, *, enabled: bool = True) -> Callable[[], Ch
 
     def check() -> CheckResult:
         if not enabled:
-            return CheckResult(True, "off (--probe-bytes 0)")
+            return CheckResult.of(True, "off (--probe-bytes 0)")
         failure = source.probe_failure()
         if failure:
-            return CheckResult(False, f"round {source.round}: {failure}")
+            return CheckResult.of(False, f"round {source.round}: {failure}")
         last = source.last_probe
         if last is None:
-            return CheckResult(True, "no probe yet (it runs after each rendezvous of 2 or more nodes)")
-        return CheckResult(True, f"{last.backend} all-reduce of {last.nbytes} bytes over {last.world_size} nodes "
+            return CheckResult.of(True, "no probe yet (it runs after each rendezvous of 2 or more nodes)")
+        return CheckResult.of(True, f"{last.backend} all-reduce of {last.nbytes} bytes over {last.world_size} nodes "
                                  f"in {last.latency_s * 1e3:.2f} ms")
 
     return check
 
 
-def rdma_check(read_ports: Callable[[], Iterable[PortReading]]) -> Callable[[], CheckResult]:
-    """Fails while any InfiniBand/RoCE port is not ACTIVE (the ElasticRTRDMAPortDown alert's rule)."""
+def rdma_check(read_ports: Callable[[], Iterable[PortReading]], env: Mapping[str, str]) -> Callable[[], CheckResult]:
+    """Fails while a port NCCL would use (NCCL_IB_HCA) is not ACTIVE: the RDMA-port rule of elastic_rt.checks.rdma,
+    the doctor's and the ElasticRTRDMAPortDown alert's. Down ports under NCCL_IB_DISABLE=1, and unreadable
+    states, are named but do not fail."""
 
     def check() -> CheckResult:
         ports = list(read_ports())
-        if not ports:
-            return CheckResult(True, "no RDMA devices on this node")
-        down = [p for p in ports if p.state is None or p.state[0] < RDMA_ACTIVE]
-        if down:
-            return CheckResult(False, ", ".join(_describe_port(p) for p in down)
-                               + f" ({len(down)} of {len(ports)} ports not active)")
-        return CheckResult(True, f"{len(ports)} port(s) active")
+        verdict = rdma_verdict(ports, env)
+        if verdict.status is Status.SKIP:
+            return CheckResult.of(True, "no RDMA devices on this node")
+        note = f"; {verdict.not_selected} not selected by NCCL_IB_HCA" if verdict.not_selected else ""
+        if not verdict.used:
+            return CheckResult(status=Status.WARN,
+                               detail=f"NCCL_IB_HCA={env.get('NCCL_IB_HCA')} selects none of the {len(ports)} ports")
+        named = verdict.down + verdict.unreadable
+        if named:
+            unused = ", unused: NCCL_IB_DISABLE=1" if verdict.down and verdict.ib_disabled else ""
+            return CheckResult(status=verdict.status, detail=", ".join(_describe_port(p) for p in named)
+                               + f" ({len(named)} of {len(verdict.used)} ports not active{unused}{note})")
+        return CheckResult.of(True, f"{len(verdict.used)} port(s) active" + (f" ({note[2:]})" if note else ""))
 
     return check
 
@@ -82,7 +90,7 @@ def clock_check(skew: Callable[[], SkewEstimate | None], timex: Callable[[], Tim
         if est is not None:
             warning = skew_warning(est.offset_s, tolerance_s)
             if warning:
-                return CheckResult(False, warning)
+                return CheckResult.of(False, warning)
             parts.append(f"skew vs rank 0 {est.offset_s * 1e3:+.1f} ms" if est.samples else "rank 0 (the reference)")
         else:
             parts.append("no skew measured (rank 0 is the reference; the others measure after each rendezvous)")
@@ -94,7 +102,7 @@ def clock_check(skew: Callable[[], SkewEstimate | None], timex: Callable[[], Tim
             else:
                 parts.append("kernel clock synchronized" if st.synchronized
                              else f"kernel clock not synchronized (max error {st.max_error_s:g} s)")
-        return CheckResult(True, "; ".join(parts))
+        return CheckResult.of(True, "; ".join(parts))
 
     return check
 
@@ -129,6 +137,6 @@ def etcd_check(status: Callable[[], tuple[bool, str]]) -> Callable[[], CheckResu
 
     def check() -> CheckResult:
         ok, reason = status()
-        return CheckResult(bool(ok), reason)
+        return CheckResult.of(bool(ok), reason)
 
     return check

@@ -9,7 +9,12 @@ The rules, in the order they are tried (handler.py's docstring says why):
     B3  no `round` key                                      -> CREATE_ROUND (0, create-only)
     B4  the current round's final is not elastic-rt's       -> RendezvousDataError (one line, no waiting)
     B5  the current round has no final                      -> JOIN it
-    B6  it has one, and this node was a member of it        -> ADVANCE_ROUND (CAS R -> R+1)
+    B6  it has one that elastic-rt did not write (not its form, or not signed by the job's secret: a forgery;
+        nobody can join R any more, its final is taken), or this node was a member of it
+                                                            -> ADVANCE_ROUND (CAS R -> R+1; a warning for the first)
+    B6b it lists this node with this agent's incarnation (it joined R in an earlier call that etcd interrupted)
+                                                            -> FORMED (the handler checks the master next: a
+        master that is not the address rank 0 registered makes it a member of a refused round: B6 next)
     B7  it has one, this node was not a member, and it has not checked the members' alive keys since the view
         last changed (or for abandon_check_s)                -> CHECK_ABANDONED: one read of their alive/ keys;
         when none is alive (gone, or put again by a restarted agent) the whole job was stopped and started
@@ -18,7 +23,7 @@ The rules, in the order they are tried (handler.py's docstring says why):
   Joined round J
     J1  the run is closed                                   -> CLOSED (the join key deleted)
     J2  J's final lists this node                           -> FORMED (waiting/N deleted if the view has it)
-    J3  J's final does not                                  -> UNJOIN
+    J3  J's final does not, or elastic-rt did not write it (B6) -> UNJOIN (then B6)
     J4  `round` moved past J                                -> UNJOIN
     J5  the join key is not on the current lease            -> JOIN (again)
     J6  the closer is the smallest live id this node knows: the view's smallest alive/ node, a smaller node
@@ -43,9 +48,9 @@ fallback_s = max(2 s, last_call_timeout_s); abandon_check_s = 5 s. The next fall
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Collection, Mapping
+from typing import Callable, Collection, Mapping
 
 from elastic_rt.errors import RendezvousDataError
 from elastic_rt.rendezvous.etcd_client import KeyValue
@@ -109,6 +114,9 @@ class NodeState:
     written: KeyValue | None = None  # J's final as this node's own create-only write returned it
 
     abandon_check_s: float = 5.0  # B7: how long a check of a running round's members stands without a change
+    incarnation: str = ""  # this agent process's (B6b)
+    # why a final is not the job's own (the job secret's signature), None when it is: B6, J3
+    refuses: Callable[[KeyValue], str | None] = field(default=lambda kv: None, repr=False, compare=False)
 
     @property
     def fallback_s(self) -> float:
@@ -154,6 +162,7 @@ class Action:
     revision: int = 0  # ADVANCE_ROUND, CHECK_ABANDONED: the expected mod_revision of `round`
     final: KeyValue | None = None  # CHECK_ABANDONED: the running round's final (its members, their incarnations)
     say: bool = False  # AWAIT_NEXT_ROUND: log that this node waits (once per round)
+    why: str = ""  # ADVANCE_ROUND: the round's final is refused, and why (logged)
     put_waiting: bool = False  # AWAIT_NEXT_ROUND: waiting/N is missing or on an old lease
     track_alive: bool = False  # TRACK_JOINS: the tracker also follows alive/ (the view does not)
     members: tuple[str, ...] = ()  # WRITE_FINAL
@@ -180,9 +189,14 @@ def _between_rounds(view: RoundView, node: NodeState, now: float) -> Action:
     final = view.finals.get(rnd)
     if final is None:
         return Action(Step.JOIN, replace(node, joined=rnd), round=rnd, lease=view.lease)  # B5
-    decode_final(final)  # B4
-    if node.previous_round == rnd:
-        return Action(Step.ADVANCE_ROUND, node, round=rnd, revision=view.round_revision)  # B6
+    why = malformed(final) or node.refuses(final)  # B4 raises for a final that is not JSON
+    if why is not None or node.previous_round == rnd:
+        return Action(Step.ADVANCE_ROUND, node, round=rnd, revision=view.round_revision,
+                      why=f"{final.key} {why}" if why else "")  # B6
+    m = membership(rnd, node.node_id, final)
+    if m is not None and node.incarnation and m.incarnations[m.rank] == node.incarnation:
+        return Action(Step.FORMED, node.between_rounds(), membership=m,
+                      drop_waiting=node.node_id in view.waiting)  # B6b
     checked = node.checked_alive
     if checked is None or checked[:2] != (rnd, view.version) or now - checked[2] >= node.abandon_check_s:
         return Action(Step.CHECK_ABANDONED, replace(node, checked_alive=(rnd, view.version, now)), round=rnd,
@@ -200,6 +214,8 @@ def _joined(view: RoundView, node: NodeState, now: float) -> Action:
     if view.closed:
         return Action(Step.CLOSED, node, round=key)  # J1
     final = view.finals.get(rnd) or node.written
+    if final is not None and (malformed(final) or node.refuses(final)) is not None:
+        return _leave_round(view, node, now, key)  # J3: not a final this job wrote
     if final is not None:
         m = membership(rnd, me, final)
         if m is not None:
@@ -300,6 +316,21 @@ def abandoned(final: KeyValue, alive: Mapping[str, KeyValue | None]) -> bool:
     return bool(nodes) and not any(
         kv is not None and (inc is None or incarnation(kv) in (None, inc))
         for inc, kv in ((inc, alive.get(n)) for inc, n in zip(incs, nodes)))
+
+
+def malformed(final: KeyValue) -> str | None:
+    """Why a final (JSON) is not one elastic-rt writes, or None: its round, its members (node ids) and one
+    incarnation per member, as every final carries them. RendezvousDataError when it is not JSON at all."""
+    data = decode_final(final)
+    nodes, incs = data.get("nodes"), data.get("incarnations")
+    rnd = final.key.rsplit("/", 2)[-2]
+    if data.get("round") != (int(rnd) if rnd.isdigit() else None):
+        return "names another round"
+    if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
+        return "lists no members"
+    if not isinstance(incs, list) or len(incs) != len(nodes):
+        return "has no incarnation for each member"
+    return None
 
 
 def decode_final(kv: KeyValue) -> dict:

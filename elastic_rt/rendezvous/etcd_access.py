@@ -82,7 +82,8 @@ def needs_tls_check(code, details: str, *, secure: bool) -> bool:
     return "Socket closed" in details
 
 
-def _context(config: "EtcdConfig", *, verify: bool) -> ssl.SSLContext:
+def tls_context(config: "EtcdConfig", *, verify: bool) -> ssl.SSLContext:
+    """A TLS client context with the client's files (verify=False: accept any server), ALPN h2."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if verify:
         if config.ca_cert:
@@ -110,7 +111,7 @@ def check_tls(host: str, port: int, label: str, config: "EtcdConfig", timeout_s:
     """
     secure = config.secure
     try:
-        ctx = _context(config, verify=secure)
+        ctx = tls_context(config, verify=secure)
     except (OSError, ssl.SSLError):
         return None  # unreadable files are reported when the channel is made
     try:

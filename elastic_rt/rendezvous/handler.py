@@ -10,8 +10,13 @@ Protocol (keys from RunKeys):
   alive/N          node N's liveness key, attached to its lease, for the whole run; its value
                    holds N's address, liveness port and incarnation (one per agent process)
   waiting/N        a node that found round R already closed and waits for R+1
-  closed           the job is over; late joiners exit instead of waiting
-  stores/R/        the c10d store of round R's agents (bulk traffic, not watched)
+  closed           the job is over; late joiners exit instead of waiting. On a lease of closed_ttl_s: the last
+                   agent to leave removes every other key of the run, and the marker outlives them that long
+  fingerprint      the job that uses the run (script, arguments, nnodes, launch id: claim.py); a node of another
+                   job is refused while any agent of the run is alive
+  lease            the id of the run's lease (run_lease.py), on the lease itself; the stores' keys are put on it
+  stores/R/        the c10d store of round R's agents (bulk traffic, not watched); rank 0's store address at
+                   stores/R/elastic-rt/master when it did not close the round itself
 
 Every node keeps a local view of these keys (MembershipView) except the joins and the
 stores: one range read, then one watch stream from that read's revision. Until the node is
@@ -38,6 +43,12 @@ one on `final`, a waiting put and delete for late nodes.
 
 decide.py holds these rules as one pure function of the view and the node's state (its docstring
 has them as a table); rounds.py performs what it decides.
+
+Trust (docs/rendezvous.md): a round's master (rank 0's store address, in its final or in the round's store) is
+accepted only when it is the address its rank 0 registered in alive/; with `--rdzv-conf secret_file` each final,
+`closed` and rank 0's store address are signed with the job's secret (signing.py) and a value it does not sign
+is refused: a refused round is left for the next one (its members open round R+1), an unsigned `closed` is
+ignored. A second live agent with a node id already registered is refused (lease.py).
 
 Failure model (docs/failure-model.md says it for operators):
 - etcd is needed to change membership, not to train. While etcd does not answer, the
@@ -74,7 +85,7 @@ import logging
 import random
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Mapping
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
@@ -83,10 +94,13 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
+from torch.distributed.elastic.utils.distributed import get_free_port
+
 from elastic_rt.decisions import RestartReason
-from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError
+from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError, RunInUseError
 from elastic_rt.interfaces import MembershipHandler
-from elastic_rt.rendezvous.etcd_client import EtcdClient
+from elastic_rt.rendezvous.claim import claim_run, remove_run_keys
+from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
 from elastic_rt.rendezvous.health import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.lease import NodeLease
@@ -94,10 +108,13 @@ from elastic_rt.rendezvous.liveness import PeerWatch, parse_peer, ring_neighbour
 from elastic_rt.rendezvous.monitor import MembershipMonitor
 from elastic_rt.rendezvous.decide import Membership
 from elastic_rt.rendezvous.rounds import RendezvousSettings, Rounds
+from elastic_rt.rendezvous.run_lease import RunLease
+from elastic_rt.rendezvous.signing import KeySigner, master_refusal, registered_addr
 from elastic_rt.rendezvous.store import EtcdStore
 from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)
+MASTER_KEY = "elastic-rt/master"  # rank 0's store address in the round's store, when it did not close the round
 
 
 def alive_info(settings: RendezvousSettings) -> dict:
@@ -113,13 +130,15 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
     """torch.distributed.elastic RendezvousHandler backed by etcd v3 leases and watches, with the
     MembershipHandler extras the agent uses."""
 
-    def __init__(self, client: EtcdClient, settings: RendezvousSettings, *,
+    def __init__(self, client: EtcdClient, settings: RendezvousSettings, *, secret: bytes | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random) -> None:
         self._client = client
         self.settings = settings
         self.keys = RunKeys(settings.run_id)
         self._clock = clock
         self._rng = rng
+        self._signer = KeySigner(secret)
+        self._run_lease = RunLease(client, self.keys, ttl_s=max(600.0, 2 * settings.store_timeout_s), clock=clock)
         self.health = EtcdHealth(node_id=settings.node_id, clock=clock)
         self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock, alive_puts=False)
         self._lease = NodeLease(
@@ -137,7 +156,8 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
             renewals_lost=lambda: self._lease.renewals_lost,
         )
         self._rounds = Rounds(client, self.keys, settings, self._view, lease_id=lambda: self._lease.lease_id,
-                              on_formed=self._formed, incarnation=self._lease.incarnation, clock=clock, rng=rng)
+                              on_formed=self._formed, incarnation=self._lease.incarnation, signer=self._signer,
+                              clock=clock, rng=rng)
         self.membership: Membership | None = None
 
     # ---- RendezvousHandler API -------------------------------------------
@@ -148,16 +168,69 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         return self.settings.run_id
 
     def is_closed(self) -> bool:
+        """The run has a `closed` marker that the job's secret signs (any, without a secret)."""
         if self._started:
             with self._view.lock:
-                return self._view.closed
+                return self._rounds.closed_trusted()
         kv, _ = self._io(self._client.get, self.keys.closed)
-        return kv is not None
+        return kv is not None and self._signer.refuses(kv) is None
 
     def set_closed(self, *, timeout_s: float = 30.0) -> None:
-        """Mark the job over; retried while etcd does not answer, for up to timeout_s."""
-        value = json.dumps({"by": self.settings.node_id}).encode()
-        self._retrying(lambda _deadline: self._client.put(self.keys.closed, value), self._clock() + timeout_s)
+        """Mark the job over: the `closed` marker (signed with the job's secret, with the job's fingerprint), on a
+        lease of closed_ttl_s, unless a trusted one is there; retried while etcd does not answer, up to timeout_s."""
+        key = self.keys.closed
+        value = self._signer.seal(key, {"by": self.settings.node_id, "fingerprint": self.settings.fingerprint})
+
+        def put(_deadline: float) -> None:
+            kv, _ = self._client.get(key)
+            if kv is not None and self._signer.refuses(kv) is None:
+                return  # another node of the job marked it
+            lease = self._client.grant_lease(self.settings.closed_ttl_s)
+            ok, _ = self._client.compare_and_put(key, value, expected_mod_revision=kv.mod_revision if kv else None,
+                                                 lease=lease)
+            if not ok:
+                self._client.revoke_lease(lease)
+                raise EtcdUnavailableError(f"etcd key {key} changed while this node marked the run closed; again")
+
+        self._retrying(put, self._clock() + timeout_s)
+
+    def closed_by_this_launch(self) -> bool:
+        """The run's trusted `closed` marker was written by a node of this very launch: the same job fingerprint,
+        with a launch_id (a pod or a Slurm job restarted after its job finished, not a new launch of the
+        command). False without a launch_id: nothing tells a restart from a re-run then."""
+        from elastic_rt.rendezvous.claim import JobFingerprint
+
+        mine = JobFingerprint.decode(self.settings.fingerprint) if self.settings.fingerprint else None
+        if mine is None or not mine.launch_id:
+            return False
+        try:
+            kv, _ = self._client.get(self.keys.closed)
+        except EtcdUnavailableError:
+            return False
+        if kv is None or self._signer.refuses(kv) is not None:
+            return False
+        try:
+            recorded = json.loads(kv.value.decode()).get("fingerprint", "")
+        except (UnicodeDecodeError, ValueError, AttributeError):
+            return False
+        return isinstance(recorded, str) and JobFingerprint.decode(recorded) == mine
+
+    def tidy(self) -> int:
+        """After leave(), when the run is closed: if this was its last agent (no alive/ key left), delete every key
+        of the run but the `closed` marker, which its lease removes closed_ttl_s later. Returns the keys deleted."""
+        try:
+            kv, _ = self._client.get(self.keys.closed)
+            if kv is None or self._signer.refuses(kv) is not None:
+                return 0
+            removed = remove_run_keys(self._client, self.keys)
+        except EtcdUnavailableError as exc:
+            log.info("node %s: the finished run's keys were not removed (%s); `elastic-rt gc` removes them",
+                     self.settings.node_id, exc)
+            return 0
+        if removed:
+            log.info("node %s: the last agent of finished run %s: removed its %d keys; its closed marker stays "
+                     "%g s", self.settings.node_id, self.settings.run_id, removed, self.settings.closed_ttl_s)
+        return removed
 
     def shutdown(self) -> bool:
         """torch calls this when its agent exits: close the run and leave."""
@@ -191,20 +264,29 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         t0 = self._clock()
+        deadline = t0 + self.settings.join_timeout_s
 
         def attempt(deadline: float) -> Membership:
             self._start()
             return self._rounds.next_round(self.membership, deadline)
 
-        self.membership = self._retrying(attempt, t0 + self.settings.join_timeout_s)
-        m = self.membership
-        store = EtcdStore(self._client, self.keys.round_store(m.round),
-                          timedelta(seconds=self.settings.store_timeout_s))
-        if m.master is not None:  # rank 0 closed the round and put its address and port in the final
-            bootstrap = RendezvousStoreInfo(master_addr=m.master[0], master_port=m.master[1])
-        else:
-            bootstrap = self._io(RendezvousStoreInfo.build, m.rank, store, self.settings.local_addr)
-        self._watch_neighbours(m.nodes)
+        while True:
+            self.membership = m = self._retrying(attempt, deadline)
+            names = ring_neighbours(m.nodes, self.settings.node_id)
+            found = self._retrying(lambda _d: self._registrations([*names, m.nodes[0]]), deadline)
+            lease = self._retrying(lambda _d: self._run_lease.adopt(found[self.keys.run_lease], keeper=m.rank == 0),
+                                   deadline)
+            store = EtcdStore(self._client, self.keys.round_store(m.round),
+                              timedelta(seconds=self.settings.store_timeout_s), lease=lease)
+            master, why = self._master(m, store, found.get(self.keys.alive(m.nodes[0])))
+            if why is None:
+                break
+            # a member of a refused round: next_round's B6 opens the next one
+            log.warning("node %s: refusing round %d: its master %s:%s %s (a forged final?); opening round %d",
+                        self.settings.node_id, m.round, master[0] if master else "?", master[1] if master else "?",
+                        why, m.round + 1)
+        bootstrap = RendezvousStoreInfo(master_addr=master[0], master_port=master[1])
+        self._watch_neighbours(names, found)
         if m.rank == 0 and m.round >= 2:  # rounds before the previous one are history
             try:
                 k, before = self.keys, m.round - 1
@@ -249,6 +331,36 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
                 return ok
             self._view.wait(version, deadline - self._clock())
 
+    def _registrations(self, nodes: list[str]) -> dict[str, KeyValue | None]:
+        """The alive/ keys of `nodes` and the run lease's key, by key: one request."""
+        wanted = [self.keys.alive(n) for n in dict.fromkeys(nodes)] + [self.keys.run_lease]
+        values, _, _ = self._client.read_many(wanted, [])
+        return dict(zip(wanted, values))
+
+    def _master(self, m: Membership, store: EtcdStore,
+                rank0: KeyValue | None) -> tuple[tuple[str, int] | None, str | None]:
+        """(rank 0's store address, None) for this round, or (what was found, why it is refused). From the final
+        when rank 0 closed the round; else rank 0 puts it in the round's store (signed with the job's secret)
+        and the others read it there. It must be the address rank 0 registered in its alive/ key."""
+        key = store.prefix + MASTER_KEY
+        if m.master is not None:
+            master = m.master
+        elif m.rank == 0:
+            master = (self.settings.local_addr, get_free_port())
+            self._io(store.set, MASTER_KEY, self._signer.seal(key, {"addr": master[0], "port": master[1]}))
+        else:
+            value = store.get(MASTER_KEY)  # waits for rank 0 (up to the store timeout), as torch's bootstrap does
+            why = self._signer.refusal(key, value)
+            if why is not None:
+                return None, f"(etcd key {key}) {why}"
+            try:
+                data = json.loads(value.decode())
+                master = (str(data["addr"]), int(data["port"]))
+            except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+                return None, f"(etcd key {key}) is not elastic-rt's"
+        registered = self.settings.local_addr if m.rank == 0 else registered_addr(rank0)
+        return master, master_refusal(master, m.nodes[0], registered)
+
     def fence_view(self) -> dict | None:
         """What checkpoint fencing needs (elastic_rt/checkpoint/fence.py): the round in the view, the
         launch (the `round` key's create revision: one per run prefix created), the lease's last
@@ -267,7 +379,8 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
 
     def _follow_failover(self) -> None:
         """After a beat: if the keepalive failed over to another endpoint, move the watch there too
-        (a hung member keeps a watch stream open and silent)."""
+        (a hung member keeps a watch stream open and silent); as rank 0, keep the run's lease alive."""
+        self._run_lease.beat()
         endpoint = self._view.stream_endpoint
         if endpoint is not None and endpoint != self._client.current_endpoint:
             log.info("node %s: moving the membership watch to %s", self.settings.node_id,
@@ -282,6 +395,8 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         round is gone (see the module docstring for when that is decided); SCALE_UP:
         nodes wait to join and there is room. None also while etcd is unreachable.
         """
+        if self._lease.conflict is not None:
+            return RestartReason.ROUND_ADVANCED  # another agent took this node id: the next rendezvous says so
         if self.membership is None or not self._started or not self.etcd_reachable():
             return None
         return self._monitor.change()
@@ -326,10 +441,19 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
                 time.sleep(wait)
 
     def _start(self) -> None:
-        """Lease and alive key, then the view (each once; a failed step is retried by the caller)."""
+        """Lease and alive key (refused for a node id another live agent holds), the job's claim on the run
+        (refused for another job's live run), then the view (each once; a failed step is retried by the caller)."""
+        if self._lease.conflict is not None:
+            raise self._lease.conflict
         if not self._lease_started:
             self._lease.start()
             self._lease_started = True
+        if self.settings.fingerprint and not self._started:
+            try:
+                claim_run(self._client, self.keys, self.settings.fingerprint, self.settings.node_id)
+            except RunInUseError:
+                self.leave()  # nothing of this node stays in the other job's run
+                raise
         self._view.start()
         self._started = True
 
@@ -344,17 +468,12 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
                  self.settings.node_id, peer.node)
         self._client.revoke_lease(peer.lease)
 
-    def _watch_neighbours(self, nodes: tuple[str, ...]) -> None:
-        """Hold connections to the ring neighbours' liveness listeners: a dead agent is evicted
-        the moment its connections close, and the other nodes see it through etcd."""
-        names = ring_neighbours(nodes, self.settings.node_id)
-        try:  # their addresses: two keys (the view may not hold their values), one request
-            found, _, _ = self._client.read_many([self.keys.alive(n) for n in names], [])
-        except EtcdUnavailableError as exc:
-            log.info("node %s: ring neighbours not watched this round (%s); their leases tell",
-                     self.settings.node_id, exc)
-            return
-        peers = [p for n, kv in zip(names, found) if kv is not None and (p := parse_peer(n, kv.value, kv.lease)) is not None]
+    def _watch_neighbours(self, names: list[str], found: Mapping[str, KeyValue | None]) -> None:
+        """Hold connections to the ring neighbours' liveness listeners (`names`; their alive/ keys as read with
+        the round: the view may not hold their values): a dead agent is evicted the moment its connections
+        close, and the other nodes see it through etcd."""
+        peers = [p for n in names if (kv := found.get(self.keys.alive(n))) is not None
+                 and (p := parse_peer(n, kv.value, kv.lease)) is not None]
         if self._peer_watch is None:
             if not peers:
                 return

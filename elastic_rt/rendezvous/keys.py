@@ -51,6 +51,14 @@ class RunKeys:
         return self.base + "closed"
 
     @property
+    def fingerprint(self) -> str:  # the job that uses the run (claim.py)
+        return self.base + "fingerprint"
+
+    @property
+    def run_lease(self) -> str:  # the id of the run's lease, which the workers' stores are put on (run_lease.py)
+        return self.base + "lease"
+
+    @property
     def alive_prefix(self) -> str:
         return self.base + "alive/"
 

@@ -9,13 +9,15 @@ import time
 import uuid
 from typing import Callable
 
-from elastic_rt.errors import EtcdUnavailableError
-from elastic_rt.rendezvous.etcd_client import EtcdClient
+from elastic_rt.errors import DuplicateNodeError, EtcdUnavailableError
+from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
 from elastic_rt.rendezvous.health import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
-from elastic_rt.rendezvous.liveness import LivenessListener
+from elastic_rt.rendezvous.liveness import LivenessListener, parse_peer, probe
+from elastic_rt.rendezvous.monitor import incarnation
 
 log = logging.getLogger(__name__)
+
 
 
 class NodeLease:
@@ -44,6 +46,7 @@ class NodeLease:
         self._backoff = backoff or Backoff(base_s=0.1, cap_s=2.0)
         self._on_beat = on_beat
         self._on_granted = on_granted  # after every grant: a new lease id (joins put on the old one are gone)
+        self._local_addr = local_addr
         self._listener = LivenessListener(local_addr)
         self.incarnation = uuid.uuid4().hex[:12]
         self._info = json.dumps({**info, "liveness_port": self._listener.port, "incarnation": self.incarnation}).encode()
@@ -55,6 +58,7 @@ class NodeLease:
         self.last_renewed = 0.0  # monotonic send time of the last beat etcd answered with the lease alive
         self.renewals_lost = 0  # times the lease was found gone (an outage, a pause, a partition, an eviction)
         self.lost_at: float | None = None  # when it was last found gone
+        self.conflict: DuplicateNodeError | None = None  # another agent holds this node id: beats stopped
 
     @property
     def lease_id(self) -> int:
@@ -65,20 +69,69 @@ class NodeLease:
         """Seconds since etcd last confirmed this lease (longer than the TTL: peers may have re-formed)."""
         return self._clock() - self.last_renewed
 
-    def start(self) -> int:
-        """Grant the lease and put the alive key (request deadlines: the client's), then keep it alive."""
+    def start(self, *, wait_s: float | None = None) -> int:
+        """Grant the lease and put the alive key (request deadlines: the client's), then keep it alive.
+
+        The node id's alive/ key held by another agent: when that agent registered this agent's own address and
+        its liveness port refuses connections, its process is gone (a restart) and the key is taken over at once
+        (peers see the new incarnation); otherwise its lease is waited for up to `wait_s` (default twice the TTL
+        and a second: a dead agent's lease runs out meanwhile), then DuplicateNodeError: a second live agent."""
+        deadline = self._clock() + (2 * self._ttl_s + 1.0 if wait_s is None else wait_s)
+        said = False
         with self._lock:
-            self._grant(timeout_s=None)
+            while True:
+                try:
+                    self._grant(timeout_s=None)
+                    break
+                except DuplicateNodeError as exc:
+                    held = exc.held
+                    if self._holder_gone(held) and self._take_over(held):
+                        break
+                    self._client.revoke_lease(self._lease_id)  # ours, with nothing on it
+                    self._lease_id = 0
+                    left = deadline - self._clock()
+                    if left <= 0:
+                        raise
+                if not said:
+                    said = True
+                    log.warning("node %s: another agent holds this node id (%s); waiting up to %.0f s for its lease "
+                                "to run out", self._node_id, _describe(held), left)
+                self._client.wait_for_any([held.key], [], after_revision=held.mod_revision, timeout_s=left)
         self._thread = threading.Thread(target=self._run, name="elastic-rt-lease", daemon=True)
         self._thread.start()
         return self._lease_id
+
+    def _holder_gone(self, held: KeyValue) -> bool:
+        """The agent behind `held` registered this agent's own address and its liveness port refuses: it is dead.
+        (A refusal from another host may be a firewall's REJECT: no evidence; its lease decides.)"""
+        peer = parse_peer(self._node_id, held.value, held.lease)
+        return peer is not None and peer.addr == self._local_addr and probe(peer, 1.0)[0] == "refused"
+
+    def _take_over(self, held: KeyValue) -> bool:
+        ok, _ = self._client.compare_and_put(held.key, self._info, expected_mod_revision=held.mod_revision,
+                                             lease=self._lease_id)
+        if ok:
+            log.info("node %s: the agent that held this node id (%s) is gone; taking its place", self._node_id,
+                     _describe(held))
+            self._registered = True
+            self.last_renewed = self._clock()
+            self._on_granted()
+        return ok
 
     def _grant(self, timeout_s: float | None) -> None:
         """A new lease and the alive key on it (None: the client's request deadline)."""
         sent = self._clock()
         self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=timeout_s)
         self._registered = False
-        self._client.put(self._keys.alive(self._node_id), self._info, lease=self._lease_id, timeout_s=timeout_s)
+        key = self._keys.alive(self._node_id)
+        ok, held = self._client.compare_and_put(key, self._info, expected_mod_revision=None, lease=self._lease_id,
+                                                timeout_s=timeout_s)
+        if not ok and held is not None:  # this process's own key, from a grant whose answer was lost, is replaced
+            if incarnation(held) != self.incarnation:
+                raise DuplicateNodeError(
+                    f"node id {self._node_id} is in use by another live agent of run {self._keys.run_id} "
+                    f"({_describe(held)}); give each agent its own --node-id", held)
+            self._client.put(key, self._info, lease=self._lease_id, timeout_s=timeout_s)
         self._registered = True
         self.last_renewed = sent
         self._on_granted()
@@ -101,7 +154,10 @@ class NodeLease:
 
     def check_now(self) -> None:
         """Another request found the lease gone: register again now, not at the next beat.
-        Raises EtcdUnavailableError when etcd does not answer (the lease thread keeps trying)."""
+        Raises EtcdUnavailableError when etcd does not answer (the lease thread keeps trying),
+        DuplicateNodeError when another agent took the node id meanwhile."""
+        if self.conflict is not None:
+            raise self.conflict
         self._beat()
 
     def _run(self) -> None:
@@ -113,6 +169,11 @@ class NodeLease:
                 self._health.failure(str(exc))
                 wait = self._backoff.next()
                 continue
+            except DuplicateNodeError as exc:  # while this lease was lost, another agent took the node id
+                log.error("node %s: %s; this agent stops", self._node_id, exc)
+                self.conflict = exc
+                self._on_granted()  # wake the rendezvous loop: it raises the conflict
+                return
             except ValueError:  # gRPC: "closed channel": the client was closed while stop() waited for this beat
                 if self._stop.is_set():
                     return
@@ -134,3 +195,14 @@ class NodeLease:
             except EtcdUnavailableError as exc:
                 log.warning("node %s: could not revoke lease (%s); it expires in %g s", self._node_id, exc, self._ttl_s)
         self._lease_id = 0
+
+
+def _describe(kv: KeyValue) -> str:
+    """'incarnation abc at 10.0.0.7' for an alive/ key's value."""
+    try:
+        data = json.loads(kv.value.decode())
+    except (UnicodeDecodeError, ValueError):
+        return "a value elastic-rt did not write"
+    if not isinstance(data, dict):
+        return "a value elastic-rt did not write"
+    return f"incarnation {data.get('incarnation', '?')} at {data.get('addr', '?')}"

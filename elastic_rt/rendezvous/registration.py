@@ -13,7 +13,9 @@ import re
 import socket
 from typing import TYPE_CHECKING, Mapping
 
+from elastic_rt.checkpoint import trust
 from elastic_rt.errors import ConfigError
+from elastic_rt.rendezvous import conf as rdzv_conf
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
 from elastic_rt.rendezvous.keys import RunKeys
 
@@ -75,7 +77,9 @@ def endpoint_scheme(text: str) -> str | None:
 
 
 def _password(conf: Mapping[str, str], env: Mapping[str, str]) -> str | None:
-    """password_file=PATH, else password= (visible in `ps`), else $ELASTIC_RT_ETCD_PASSWORD."""
+    """password_file=PATH, else password= (visible in `ps`), else $ELASTIC_RT_ETCD_PASSWORD. The variable is
+    removed from this process's environment (os.environ) once read: the workers never inherit it."""
+    from_env = env.pop(ENV_ETCD_PASSWORD, None) if env is os.environ else env.get(ENV_ETCD_PASSWORD)
     path = conf.get("password_file")
     if path:
         try:
@@ -86,34 +90,46 @@ def _password(conf: Mapping[str, str], env: Mapping[str, str]) -> str | None:
     if conf.get("password"):
         log.warning("--rdzv-conf password= shows in `ps`; prefer password_file=PATH or $%s", ENV_ETCD_PASSWORD)
         return conf["password"]
-    return env.get(ENV_ETCD_PASSWORD) or None
+    return from_env or None
 
 
 def etcd_config_from_conf(endpoint: str, conf: Mapping[str, str], *, timeout_s: float,
                           env: Mapping[str, str] | None = None) -> EtcdConfig:
-    """EtcdConfig from --rdzv-endpoint and --rdzv-conf keys (TLS files, user, password sources)."""
+    """EtcdConfig from --rdzv-endpoint and --rdzv-conf keys (TLS files, user, password sources). A user over a
+    plaintext connection is refused unless allow_plaintext_auth=1: the password would cross the network in clear."""
     scheme = endpoint_scheme(endpoint)
-    ca_cert = conf.get("ca_cert") or conf.get("cacert")
-    cert = conf.get("cert") or conf.get("ssl_cert")
-    key = conf.get("key") or conf.get("ssl_cert_key")
+    conf = rdzv_conf.canonical(conf)
+    ca_cert, cert, key = conf.get("ca_cert"), conf.get("cert"), conf.get("key")
     if scheme == "http" and (ca_cert or cert or key):
         raise ConfigError("--rdzv-endpoint uses http:// but --rdzv-conf gives ca_cert/cert/key: "
                           "use https:// endpoints for TLS, or drop the TLS files")
-    return EtcdConfig(
+    config = EtcdConfig(
         endpoints=parse_endpoints(endpoint),
         request_timeout_s=timeout_s,
         tls=scheme == "https",
         ca_cert=ca_cert,
         cert=cert,
         key=key,
-        user=conf.get("user") or conf.get("username"),
+        user=conf.get("user"),
         password=_password(conf, os.environ if env is None else env),
     )
+    if config.user and not config.secure and not rdzv_conf.flag(conf, "allow_plaintext_auth"):
+        raise ConfigError(f"--rdzv-conf user={config.user} over plaintext etcd ({config.describe()}): the password "
+                          "would cross the network in clear; use https:// endpoints with ca_cert= (docs/etcd-security.md), "
+                          "or say allow_plaintext_auth=1")
+    return config
+
+
+def conf_from_params(params: RendezvousParameters) -> dict[str, str]:
+    """The --rdzv-conf keys given (aliases as their key); ConfigError for a key the backend does not read."""
+    conf = rdzv_conf.canonical({k: str(v) for k, v in params.config.items() if v is not None})
+    rdzv_conf.check_keys(params.backend, conf)
+    return conf
 
 
 def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
-    conf = {k: str(v) for k, v in params.config.items() if v is not None}
-    return etcd_config_from_conf(params.endpoint, conf, timeout_s=_float(params, "read_timeout", 5.0))
+    return etcd_config_from_conf(params.endpoint, conf_from_params(params),
+                                 timeout_s=_float(params, "read_timeout", 5.0))
 
 
 def default_node_id() -> str:
@@ -143,6 +159,7 @@ def advertised_metrics_addr(local_addr: str, host: str | None, port: object) -> 
 def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
     from elastic_rt.rendezvous.handler import RendezvousSettings
 
+    conf = conf_from_params(params)
     node_id = str(params.get("node_id") or default_node_id())
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", node_id):
         raise ConfigError(f"invalid node id {node_id!r}: use letters, digits, '.', '_' or '-'")
@@ -157,39 +174,37 @@ def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
         join_timeout_s=_float(params, "join_timeout", 600.0),
         last_call_timeout_s=_float(params, "last_call_timeout", 10.0),
         store_timeout_s=_float(params, "store_timeout", 300.0),
+        closed_ttl_s=_float(params, "closed_ttl", 3600.0),
+        fingerprint=str(params.get("fingerprint") or ""),
+        accept_closed=rdzv_conf.flag(conf, "accept_closed"),
         metrics_addr=advertised_metrics_addr(local_addr, params.get(METRICS_HOST_KEY), params.get(METRICS_PORT_KEY)),
     )
 
 
 def read_secret_file(path: str) -> bytes:
-    """The job secret that signs etcd-v3-torch's state: the file's bytes, surrounding whitespace removed."""
-    try:
-        with open(path, "rb") as f:
-            secret = f.read().strip()
-    except OSError as exc:
-        raise ConfigError(f"--rdzv-conf secret_file={path}: cannot read it ({exc.strerror or exc})") from exc
-    if not secret:
-        raise ConfigError(f"--rdzv-conf secret_file={path}: the file is empty; put the job's secret in it "
-                          "(e.g. openssl rand -hex 32)")
-    return secret
+    """The job secret that signs etcd-v3's finals and `closed`, and etcd-v3-torch's state: the file's bytes,
+    surrounding whitespace removed."""
+    return trust.read_secret_file(path, setting="--rdzv-conf secret_file", hint="e.g. openssl rand -hex 32")
 
 
 def create_etcd_v3_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
-    settings = settings_from_params(params)  # validates timeouts and the node id first
-    if params.get("secret_file"):
-        log.info("--rdzv-conf secret_file signs rendezvous state with --rdzv-backend etcd-v3-torch only "
-                 "(etcd-v3 keeps its state as JSON and never unpickles it); here it authenticates the memory "
-                 "tier's replica channel")
+    """elastic-rt's handler; with `--rdzv-conf secret_file=PATH` each round's final, `closed` and rank 0's store
+    address are signed with the job's secret and a value it does not sign is refused (docs/rendezvous.md); the
+    same secret authenticates the memory tier's replica channel (docs/checkpoint.md)."""
     from elastic_rt.rendezvous.handler import EtcdRendezvousHandler
 
-    return EtcdRendezvousHandler(EtcdClient(etcd_config_from_params(params)), settings)
+    settings = settings_from_params(params)  # validates the keys, timeouts and the node id first
+    path = params.get("secret_file")
+    secret = read_secret_file(path) if path else None
+    return EtcdRendezvousHandler(EtcdClient(etcd_config_from_params(params)), settings, secret=secret)
 
 
 def create_etcd_v3_torch_handler(params: RendezvousParameters):
     """torch's DynamicRendezvousHandler on the etcd v3 backend (its heartbeat and last-call timing).
 
     With `--rdzv-conf secret_file=PATH` the state torch pickles is signed (HMAC-SHA256) and
-    unsigned or wrongly signed state is refused before torch unpickles it (docs/rendezvous.md).
+    unsigned or wrongly signed state is refused before torch unpickles it (docs/rendezvous.md). Without it
+    whoever can write the state's etcd key runs code in every agent: refused unless insecure_state=1.
     """
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
@@ -197,7 +212,13 @@ def create_etcd_v3_torch_handler(params: RendezvousParameters):
     from elastic_rt.rendezvous.store import EtcdStore
 
     keys = RunKeys(params.run_id)
-    path = params.get("secret_file")
+    conf = conf_from_params(params)
+    path = conf.get("secret_file")
+    if not path and not rdzv_conf.flag(conf, "insecure_state"):
+        raise ConfigError(
+            f"--rdzv-backend etcd-v3-torch keeps torch's pickled state in etcd: whoever can write "
+            f"{keys.state} runs code in every agent; give --rdzv-conf secret_file=PATH (openssl rand -hex 32 > "
+            "job.secret; the same file on every node), or say insecure_state=1")
     secret = read_secret_file(path) if path else None
     client = EtcdClient(etcd_config_from_params(params))
     backend = EtcdV3RendezvousBackend(client, params.run_id, name=params.backend, secret=secret)

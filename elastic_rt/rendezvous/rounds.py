@@ -15,6 +15,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from elastic_rt.rendezvous.decide import Action, Membership, NodeState, RoundView, Step, abandoned, decide, decode_final
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.signing import KeySigner
 from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,9 @@ class RendezvousSettings:
     join_timeout_s: float = 600.0
     last_call_timeout_s: float = 10.0
     store_timeout_s: float = 300.0
+    closed_ttl_s: float = 3600.0  # how long a finished run's `closed` marker outlives its other keys
+    fingerprint: str = ""  # the job's (JobFingerprint.encode()); "" : not checked (torchrun's entry point)
+    accept_closed: bool = False  # a run found finished is not an error
     metrics_addr: str | None = None  # host:port of the agent's /metrics, advertised in alive/ (None: not served)
 
     @property
@@ -47,8 +51,11 @@ class Rounds:
 
     def __init__(self, client: EtcdClient, keys: RunKeys, settings: RendezvousSettings, view: MembershipView, *,
                  lease_id: Callable[[], int], on_formed: Callable[[Membership], None], incarnation: str = "",
-                 clock: Callable[[], float] = time.monotonic, rng: Callable[[], float]) -> None:
+                 signer: KeySigner | None = None, clock: Callable[[], float] = time.monotonic,
+                 rng: Callable[[], float]) -> None:
         self._client = client
+        self._signer = signer or KeySigner()
+        self._incarnation = incarnation
         self.keys = keys
         self.settings = settings
         self._view = view
@@ -57,6 +64,7 @@ class Rounds:
         self._clock = clock
         self._rng = rng
         self._tracker: MembershipView | None = None  # the closer's: the joined round's joins/ (and alive/)
+        self._ignored_closed = 0  # the mod_revision of the last unsigned `closed` warned about
         self._join_value = json.dumps({"addr": settings.local_addr, "incarnation": incarnation}).encode()
         self._steps: dict[Step, Callable[[Action], NodeState]] = {
             Step.CLOSED: self._closed, Step.TIMEOUT: self._timeout, Step.FORMED: self._formed,
@@ -73,7 +81,8 @@ class Rounds:
         s = self.settings
         node = NodeState(node_id=s.node_id, min_nodes=s.min_nodes, max_nodes=s.max_nodes,
                          last_call_timeout_s=s.last_call_timeout_s, deadline=deadline,
-                         previous_round=previous.round if previous is not None else None)
+                         previous_round=previous.round if previous is not None else None,
+                         incarnation=self._incarnation, refuses=self._signer.refuses)
         try:
             while True:
                 with self._view.lock:
@@ -89,13 +98,28 @@ class Rounds:
         view, tracker = self._view, self._tracker
         return RoundView(
             version=(view.version, tracker.version if tracker is not None else 0), lease=self._lease_id(),
-            closed=view.closed, round=view.current_round(),
+            closed=self.closed_trusted(), round=view.current_round(),
             round_revision=view.round.mod_revision if view.round is not None else 0, finals=view.finals,
             waiting=view.waiting, departed=view.departed, smallest_alive=view.smallest_alive,
             follows_alive=view.alive_puts, reloads=view.reloads,
             alive=view.alive if view.alive_puts else (tracker.alive if tracker is not None else None),
             joins=tracker.joins.get(joined, {}) if tracker is not None else None,
         )
+
+    def closed_trusted(self) -> bool:
+        """The view holds a `closed` marker that the job's secret signs (caller holds the view's lock). One that it
+        does not sign is ignored, with a warning once per write."""
+        kv = self._view.closed_kv
+        if kv is None:
+            return False
+        why = self._signer.refuses(kv)
+        if why is None:
+            return True
+        if self._ignored_closed != kv.mod_revision:
+            self._ignored_closed = kv.mod_revision
+            log.warning("node %s: etcd key %s %s; ignoring it (the run goes on): a forgery, or a node without the "
+                        "job's --rdzv-conf secret_file", self.settings.node_id, kv.key, why)
+        return False
 
     def _do(self, action: Action) -> NodeState:
         """Perform one action; returns the node's state after it."""
@@ -106,7 +130,7 @@ class Rounds:
         return self._steps[action.step](action)
 
     def _closed(self, action: Action) -> NodeState:
-        raise RendezvousClosedError(f"run {self.settings.run_id} is closed (the job finished); use a new --rdzv-id")
+        raise RendezvousClosedError(f"run {self.settings.run_id} is closed (the job finished)")
 
     def _timeout(self, action: Action) -> NodeState:
         s = self.settings
@@ -126,7 +150,10 @@ class Rounds:
         return action.state
 
     def _advance_round(self, action: Action) -> NodeState:
-        """Our own round is over: open the next one (one of the racing nodes wins)."""
+        """Our own round is over, or its final is refused: open the next one (one of the racing nodes wins)."""
+        if action.why:
+            log.warning("node %s: refusing round %d: %s; opening round %d", self.settings.node_id, action.round,
+                        action.why, action.round + 1)
         self._client.compare_and_put(self.keys.round, str(action.round + 1).encode(),
                                      expected_mod_revision=action.revision)
         self._view.wait_for(lambda: self._view.current_round() != action.round, 1.0)
@@ -184,8 +211,8 @@ class Rounds:
         final = {"round": action.round, "nodes": list(action.members), "incarnations": list(action.incarnations)}
         if action.members[0] == s.node_id:  # rank 0 closes: its store address travels with the final
             final["master"] = [s.local_addr, get_free_port()]
-        _, written = self._client.compare_and_put(self.keys.final(action.round), json.dumps(final).encode(),
-                                                  expected_mod_revision=None)
+        key = self.keys.final(action.round)
+        _, written = self._client.compare_and_put(key, self._signer.seal(key, final), expected_mod_revision=None)
         return replace(action.state, written=written)
 
     def _wait(self, action: Action) -> NodeState:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from datetime import timedelta
@@ -9,12 +10,13 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from elastic_rt.errors import EtcdUnavailableError
+from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 
 _DEFAULT_TIMEOUT = timedelta(seconds=300)
 _TXN_OPS = 64  # etcd refuses transactions of more than 128 operations by default
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def _to_bytes(value: str | bytes | bytearray | memoryview | list) -> bytes:
@@ -41,16 +43,32 @@ class EtcdStore(dist.Store):
     keeping its Python object alive: keep a reference to the store you pass them.
     A clone made through them (`PrefixStore.clone()`) is kept alive by its family:
     a store and all its clones live while any one of them is referenced.
+
+    With `lease`, every key and queue item is put on that etcd lease (the run's: they vanish with it); a write
+    that finds the lease gone is made again without one, and the family writes without it from then on.
     """
 
     def __init__(self, client: EtcdClient, prefix: str, timeout: timedelta = _DEFAULT_TIMEOUT,
-                 *, _family: list[EtcdStore] | None = None) -> None:
+                 *, lease: int = 0, _family: list[EtcdStore] | None = None) -> None:
         super().__init__()
         self._client = client
         self._prefix = prefix if prefix.endswith("/") else prefix + "/"
         self._queues = self._prefix[:-1] + ".queues/"
         self._family = [] if _family is None else _family
+        self._lease = [lease]  # shared with the clones (one list): a lease found gone is dropped by all
         self.set_timeout(timeout)
+
+    def _leased(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """fn(*args, lease=..., **kwargs); without the lease once etcd says it is gone."""
+        lease = self._lease[0]
+        try:
+            return fn(*args, lease=lease, **kwargs)
+        except LeaseGoneError:
+            if not lease:
+                raise
+            log.info("store %s: its lease %x is gone; writing without it", self._prefix, lease)
+            self._lease[0] = 0
+            return fn(*args, lease=0, **kwargs)
 
     @property
     def prefix(self) -> str:
@@ -87,9 +105,8 @@ class EtcdStore(dist.Store):
         while True:
             kv, _ = self._client.get(self._k(key))
             new = update(None if kv is None else kv.value)
-            ok, _ = self._client.compare_and_put(
-                self._k(key), new, expected_mod_revision=None if kv is None else kv.mod_revision
-            )
+            ok, _ = self._leased(self._client.compare_and_put, self._k(key), new,
+                                 expected_mod_revision=None if kv is None else kv.mod_revision)
             if ok:
                 return new
 
@@ -97,6 +114,7 @@ class EtcdStore(dist.Store):
     def clone(self) -> EtcdStore:
         """A new store on the same keys and the same (thread-safe) client, with the current timeout."""
         twin = EtcdStore(self._client, self._prefix, self.timeout, _family=self._family)
+        twin._lease = self._lease
         self._family.append(twin)  # C++ callers hold the clone without its Python object: keep it
         return twin
 
@@ -104,14 +122,14 @@ class EtcdStore(dist.Store):
         return True
 
     def set(self, key: str, value) -> None:
-        self._guard(self._client.put, self._k(key), _to_bytes(value))
+        self._guard(self._leased, self._client.put, self._k(key), _to_bytes(value))
 
     def multi_set(self, keys: list[str], values: list) -> None:
         if len(keys) != len(values):
             raise dist.DistStoreError(f"multi_set: {len(keys)} keys but {len(values)} values")
         items = list({self._k(k): _to_bytes(v) for k, v in zip(keys, values)}.items())  # last value wins
         for i in range(0, len(items), _TXN_OPS):
-            self._guard(self._client.put_many, items[i:i + _TXN_OPS])
+            self._guard(self._leased, self._client.put_many, items[i:i + _TXN_OPS])
 
     def add(self, key: str, amount: int) -> int:
         def bump(old: bytes | None) -> bytes:
@@ -137,9 +155,8 @@ class EtcdStore(dist.Store):
                 return expected  # TCPStore: a missing key with a non-empty expected value is left alone
             if kv is not None and kv.value != expected:
                 return kv.value
-            ok, _ = self._client.compare_and_put(
-                self._k(key), desired, expected_mod_revision=None if kv is None else kv.mod_revision
-            )
+            ok, _ = self._leased(self._client.compare_and_put, self._k(key), desired,
+                                 expected_mod_revision=None if kv is None else kv.mod_revision)
             if ok:
                 return desired
             # lost a race: decide again on what is there now
@@ -195,7 +212,7 @@ class EtcdStore(dist.Store):
 
     # ---- the Store API: queues --------------------------------------------
     def queue_push(self, key: str, value) -> None:
-        self._guard(self._client.put, self._q(key) + uuid.uuid4().hex, _to_bytes(value))
+        self._guard(self._leased, self._client.put, self._q(key) + uuid.uuid4().hex, _to_bytes(value))
 
     def queue_len(self, key: str) -> int:
         return self._guard(self._client.count_prefix, self._q(key))

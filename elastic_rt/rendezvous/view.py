@@ -65,6 +65,7 @@ class MembershipView:
         self.lock = lock or threading.Condition()
         self.round: KeyValue | None = None
         self.closed = False
+        self.closed_kv: KeyValue | None = None  # the `closed` marker as written (its signature is checked by readers)
         self.alive: dict[str, KeyValue] = {}
         # the closer of a round is the smallest live id: this is the smallest alive/ id the view knows (while it
         # watches the smallest live node only: that node if its id is smaller than this node's, else None)
@@ -260,7 +261,7 @@ class MembershipView:
                 return
             if smallest_only:
                 self._smallest = ranges[self._alive_index][0].key if ranges[self._alive_index] else None
-            self.round, self.closed = None, False
+            self.round, self.closed, self.closed_kv = None, False, None
             self.waiting, self.joins, self.finals = {}, {}, {}
             self._replace_alive([kv for kvs in ranges for kv in kvs], now, rev)
             self._revs = [rev] * len(self._ranges)
@@ -302,7 +303,7 @@ class MembershipView:
             self.round = kv
             self._prune()
         elif kind == "closed":
-            self.closed = True
+            self.closed, self.closed_kv = True, kv
         elif kind == "alive":
             self._set_alive(node, kv)
         elif kind == "waiting":
@@ -324,7 +325,7 @@ class MembershipView:
         if kind == "round":
             self.round = None
         elif kind == "closed":
-            self.closed = False
+            self.closed, self.closed_kv = False, None
         elif kind == "alive":
             known = self.alive.pop(node, None) is not None
             if known:

@@ -73,6 +73,12 @@ def decode_record(data: bytes) -> tuple[int, int, int, int, int, int] | None:
     return pid, seq, step, mono_ns, compute_ns, timed
 
 
+def allocate(fd: int) -> None:
+    """Give the record real blocks (not a sparse file): a write through the mapping into a page the file system
+    cannot back kills the writer with SIGBUS; here a full disk is an OSError (ENOSPC) instead, before any write."""
+    os.posix_fallocate(fd, 0, RECORD_SIZE)
+
+
 class HeartbeatWriter:
     """Worker side: writes the record into a shared mapping of the heartbeat file.
 
@@ -91,8 +97,7 @@ class HeartbeatWriter:
         self._compute: tuple[int, int] = (0, 0)  # (compute_ns, timed steps) from goodput/compute.py
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            if os.fstat(fd).st_size < RECORD_SIZE:
-                os.ftruncate(fd, RECORD_SIZE)
+            allocate(fd)
             self._map = mmap.mmap(fd, RECORD_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -163,7 +168,7 @@ def _open_writer(env: WorkerEnvironment) -> HeartbeatWriter | _NullWriter:
     try:
         return HeartbeatWriter(env.heartbeat_file)
     except OSError as exc:
-        # The worker must keep training even if the agent's heartbeat dir is gone.
+        # The worker must keep training even if the agent's heartbeat dir is gone or its disk is full.
         log.warning("heartbeat file %s cannot be opened (%s); step heartbeats are off", env.heartbeat_file, exc)
         return _NullWriter()
 
@@ -248,13 +253,28 @@ def _reset_writer_for_tests() -> None:
         _counted_optimizer = None
 
 
-def prepare_heartbeat_file(path: str) -> None:
-    """Agent side, before starting a worker: remove a stale record, create the directory."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+def prepare_heartbeat_file(path: str) -> str | None:
+    """Agent side, before starting a worker: remove a stale record and allocate a zeroed one (read as "no record
+    yet"). Returns why that failed (a full or read-only log dir: the worker then runs without heartbeats, and
+    without hang detection), or None. Never raises."""
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            allocate(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        try:
+            os.unlink(path)  # not a sparse file left for the worker to map
+        except OSError:
+            pass
+        return exc.strerror or str(exc)
+    return None
 
 
 def read_heartbeat(path: str, *, clock: Callable[[], float] = time.monotonic) -> Heartbeat | None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Iterable
 
 from elastic_rt.reporting.checkpoint import CheckpointReport, CheckpointReportReader
 from elastic_rt.reporting.heartbeat import Heartbeat, HeartbeatReader, prepare_heartbeat_file
+
+log = logging.getLogger(__name__)
 
 
 class WorkerReports:
@@ -22,15 +25,24 @@ class WorkerReports:
         self._lock = threading.Lock()
         self._reader = HeartbeatReader({})
         self._checkpoints = CheckpointReportReader(directory)
+        self._failed: dict[int, str] = {}  # local rank -> why its heartbeat file could not be allocated
 
     def heartbeat_path(self, local_rank: int) -> str:
         return os.path.join(self.directory, f"worker-{local_rank}")
 
     def start(self, local_ranks: Iterable[int]) -> None:
-        """New workers: forget the old records (a restarted worker starts from nothing)."""
+        """New workers: forget the old records (a restarted worker starts from nothing) and allocate new ones. A
+        record that cannot be allocated (a full log dir) is said once, in one line: that worker runs without
+        heartbeats (and without hang detection) until the disk has room at a later start."""
         paths = {rank: self.heartbeat_path(rank) for rank in local_ranks}
-        for path in paths.values():
-            prepare_heartbeat_file(path)
+        failed = {rank: why for rank, path in paths.items() if (why := prepare_heartbeat_file(path)) is not None}
+        if failed and failed != self._failed:
+            log.warning("heartbeat files of local rank(s) %s cannot be allocated in %s (%s); those workers run "
+                        "without step heartbeats and hang detection (free space in --log-dir)", sorted(failed),
+                        self.directory, "; ".join(sorted(set(failed.values()))))
+        elif self._failed and not failed:
+            log.info("heartbeat files allocated in %s again: step heartbeats are on", self.directory)
+        self._failed = failed
         with self._lock:
             self._reader = HeartbeatReader(paths)
 

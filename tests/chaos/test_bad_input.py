@@ -74,14 +74,18 @@ def test_agent_refuses_to_join_with_an_rdma_port_down(etcd_endpoint, run_id):
     assert "mlx5_1" in line and "not joining" in line
 
 
-def test_late_node_of_a_finished_job_exits_zero_not_a_crash_loop(etcd_endpoint, run_id):
+def test_late_node_of_a_finished_job_exits_5_with_one_line(etcd_endpoint, run_id):
+    # Without a launch_id a late node cannot be told from a new launch of the same command: it trains
+    # nothing and exits with the documented "run already finished" code (5; Slurm and systemd do not
+    # restart on it), one line, no traceback (tests/integration/test_closed_run_exit.py has the launch_id cases).
     args = ["launch", "--nnodes", "1", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id,
             "--metrics-port", "0", EXAMPLE, "--steps", "2"]
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr[-2000:]
     late = run_cli(*args)
-    assert late.returncode == 0
-    assert "is closed (the job finished)" in late.stderr and "Traceback" not in late.stderr
+    assert late.returncode == 5, late.stderr[-2000:]
+    assert "is closed (the job finished)" in late.stderr and "it did not train" in late.stderr
+    assert "Traceback" not in late.stderr
 
 
 def test_ckpt_cli_through_the_console_entry(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ from elastic_rt.chaos.processes import RefusedError, RunProcesses, parse_agent_c
 from elastic_rt.cli import main as cli_main
 from elastic_rt.errors import EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
-from tests.chaos.harness import ROOT, Node
+from tests.chaos.harness import ROOT, Node, launch_args
 
 PLAIN_SCRIPT = """
 import argparse, os, time
@@ -71,6 +72,7 @@ def job(tmp_path, run_id):
     node.cleanup()
 
 
+@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
 @pytest.mark.slow
 def test_pause_then_kill_worker_of_a_live_job_and_it_recovers(job, run_id, sleeper, capsys):
     job.wait_for(r"plain step=3\b", 180)
@@ -165,6 +167,47 @@ def test_pause_etcd_stops_only_the_member_serving_the_run(run_id, sleeper):
         finally:
             agent.kill()
             agent.wait()
+
+
+def _stopped(pid: int) -> bool:
+    return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+
+
+def _chaos(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "elastic_rt.cli", "chaos", *args], stdout=subprocess.PIPE,
+                            text=True, cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+@pytest.mark.slow
+def test_a_sigkilled_or_hung_up_pause_etcd_still_resumes_etcd(run_id):
+    """The command is SIGKILLed while etcd is stopped: its detached resumer sends SIGCONT at the deadline (and says
+    so on the command's stdout). A SIGHUP (the operator's terminal closed) resumes at once, as Ctrl-C does."""
+    with EtcdCluster(1) as cluster:
+        m = cluster.members[0]
+        agent = Node(launch_args(f"{m.host}:{m.client_port}", run_id, "a", nnodes="2"), name="a")  # waits for b
+        try:
+            _wait(lambda: agent.matches(r"liveness listener"), 120, "the agent registered in etcd")
+            pause = _chaos("pause-etcd", "--run-id", run_id, "--duration", "4")
+            first = json.loads(pause.stdout.readline())
+            assert first["action"] == "pause-etcd" and first["pids"] == [m.proc.pid], first
+            assert _stopped(m.proc.pid)
+            pause.kill()
+            assert pause.wait(30) == -9
+            last = json.loads(pause.stdout.readline())  # the resumer holds the command's stdout until it is done
+            assert last["action"] == "resume" and last["by"] == "resumer" and last["pids"] == [m.proc.pid], last
+            _wait(lambda: not _stopped(m.proc.pid), 30, "etcd resumed by the resumer")
+            assert pause.stdout.read() == ""  # the resumer exited: nothing more
+
+            pause = _chaos("pause-etcd", "--run-id", run_id, "--duration", "600")
+            first = json.loads(pause.stdout.readline())
+            assert _stopped(m.proc.pid)
+            pause.send_signal(signal.SIGHUP)
+            rest, _ = pause.communicate(timeout=60)
+            last = json.loads(rest)
+            assert pause.returncode == 130 and last["action"] == "resume" and last["early"] is True, rest
+            assert not _stopped(m.proc.pid) and not psutil.pid_exists(first["resumer_pid"])
+        finally:
+            agent.cleanup()
 
 
 def test_cut_etcd_drill_cuts_and_heals_a_client_of_the_run(run_id, etcd_server):

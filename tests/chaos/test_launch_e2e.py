@@ -40,7 +40,7 @@ def _rank0(a: Node, b: Node, timeout_s: float = 120) -> tuple[Node, Node]:
     raise TimeoutError("no node printed a step:\n" + a.output[-2000:] + "\n----\n" + b.output[-2000:])
 
 
-def test_worker_killed_group_restarts_and_finishes(etcd_endpoint, run_id, nodes):
+def test_worker_killed_group_restarts_and_finishes(etcd_endpoint, etcd_client, run_id, nodes):
     a = _start(nodes, etcd_endpoint, run_id, "a", nnodes="2", steps=30)
     b = _start(nodes, etcd_endpoint, run_id, "b", nnodes="2", steps=30)
     leader, other = _rank0(a, b)
@@ -56,6 +56,9 @@ def test_worker_killed_group_restarts_and_finishes(etcd_endpoint, run_id, nodes)
     done = a.matches(r"done steps=(\d+) world_size=(\d+)") + b.matches(r"done steps=(\d+) world_size=(\d+)")
     assert [(m.group(1), m.group(2)) for m in done][-1:] == [("30", "4")]
     assert other.matches(r"worker failed: rank \d+ \(local \d+, pid %d\) cause=killed: SIGKILL" % victim)
+    # the last agent to leave removed the run's keys: only the closed marker is left, on a lease of its own
+    left, _ = etcd_client.list_prefix(f"/elastic-rt/{run_id}/", keys_only=True)
+    assert [kv.key for kv in left] == [f"/elastic-rt/{run_id}/closed"] and left[0].lease != 0, left
 
 
 def test_node_with_rank0_killed_survivor_finishes_alone(etcd_endpoint, run_id, nodes):
@@ -72,6 +75,7 @@ def test_node_with_rank0_killed_survivor_finishes_alone(etcd_endpoint, run_id, n
     assert survivor.matches(r"restarting the worker group: (peer lost|worker failure|round advanced)")
 
 
+@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
 def test_third_node_scales_job_up(etcd_endpoint, run_id, nodes):
     # long enough that the third node (an agent start with torch imports, slow on a loaded machine) joins
     # while the first group still trains: a group that already finished has nothing to scale up

@@ -33,7 +33,7 @@ def _torch_args(endpoint, run_id, node_id, conf: str) -> list[str]:
 
 @pytest.mark.parametrize("signed", [False, True], ids=["plain", "secret_file"])
 def test_two_nodes_on_torch_handler_finish(etcd_client, etcd_endpoint, run_id, nodes, secret_file, signed):
-    conf = "last_call_timeout=3" + (f",secret_file={secret_file}" if signed else "")
+    conf = "last_call_timeout=3" + (f",secret_file={secret_file}" if signed else ",insecure_state=1")
     for node_id in ("a", "b"):
         nodes.append(Node(_torch_args(etcd_endpoint, run_id, node_id, conf), name=node_id))
     for n in nodes:

@@ -18,7 +18,7 @@ from elastic_rt.checkpoint import CheckpointManager
 from elastic_rt.checkpoint.cli import main as ckpt_cli
 from elastic_rt.errors import CheckpointError
 from tests.support.checkpoint import FilePauseHook, PausingCheckpointManager
-from tests.support.world import World, run_world
+from benchmarks.gloo_world import World, run_world
 
 
 def wait_for(path: str, timeout_s: float = 120.0) -> None:

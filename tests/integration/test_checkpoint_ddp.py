@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from elastic_rt.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from elastic_rt.checkpoint.storage import CheckpointStore
 from elastic_rt.data import ElasticDistributedSampler
-from tests.support.world import run_world
+from benchmarks.gloo_world import run_world
 
 DATASET = list(range(96))
 BATCH = 4  # per rank

@@ -14,7 +14,7 @@ from elastic_rt.checkpoint.backends import PosixStorage
 from elastic_rt.checkpoint.storage import CheckpointStore
 from elastic_rt.errors import CheckpointError
 from tests.support.checkpoint import PHASE_COMMIT, FilePauseHook, PausingCheckpointManager
-from tests.support.world import World, run_world
+from benchmarks.gloo_world import World, run_world
 
 TTL_S = 2.0
 

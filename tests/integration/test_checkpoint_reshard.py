@@ -10,7 +10,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from elastic_rt.checkpoint import CheckpointManager
-from tests.support.world import run_world
+from benchmarks.gloo_world import run_world
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

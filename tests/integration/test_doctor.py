@@ -13,7 +13,8 @@ import pytest
 
 from elastic_rt.chaos.etcd_server import free_port
 from elastic_rt.doctor.command import DoctorOptions, DoctorSources, etcd_config, first_failure, hard_checks, run_doctor
-from elastic_rt.doctor.checks import GpuInfo, Status
+from elastic_rt.checks.model import Status
+from elastic_rt.doctor.checks import GpuInfo
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
 
 ROOT = Path(__file__).resolve().parents[2]

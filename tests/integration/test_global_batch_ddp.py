@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 from elastic_rt.data import ElasticDistributedSampler, GlobalBatchSampler, epoch_order
-from tests.support.world import run_world
+from benchmarks.gloo_world import run_world
 
 N, B, MICRO, WORLD, SEED = 16, 7, 2, 3, 5
 

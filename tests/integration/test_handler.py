@@ -131,7 +131,7 @@ def test_neighbour_watch_reports_a_dead_agent_while_the_group_runs(etcd_endpoint
     survivor.leave()
 
 
-# ---- failure model (issue 9): outages, partitions, liveness evidence ---------------------------
+# ---- failure model: outages, partitions, liveness evidence ---------------------------------------
 
 @pytest.fixture
 def own_etcd():
@@ -285,20 +285,24 @@ def test_a_revoked_lease_is_registered_again_at_once_not_waited_for_as_an_outage
 
 
 def test_an_agent_that_restarted_while_its_old_lease_lives_is_lost_at_once(etcd_endpoint, run_id, caplog):
-    """b's agent process is replaced (same node id, a new incarnation) while the old one's lease and liveness
-    port still answer: only the new alive/ value tells a, against the incarnation the final recorded."""
+    """b's agent process is replaced (same node id, a new incarnation) while the old one's lease still lives (60 s)
+    and its liveness port, on the new agent's own address, refuses: the new agent takes the alive/ key over at
+    once, and only its new value tells a, against the incarnation the final recorded."""
     import logging
 
-    caplog.set_level(logging.WARNING, logger="elastic_rt")
+    caplog.set_level(logging.INFO, logger="elastic_rt")
     a, b = (_handler(etcd_endpoint, run_id, n, 2, 3, lease_ttl=60) for n in "ab")
     _together([a, b])
     assert a.membership_change() is None
+    a._peer_watch.stop()  # a would evict b's lease when its liveness connection closes: the take-over is tested
+    b._lease.stop(revoke=False)  # the old agent process dies: no more beats, its listener closed, its lease lives
     b_again = _handler(etcd_endpoint, run_id, "b", 2, 3, lease_ttl=60, join_timeout=30)
     waiter = threading.Thread(target=lambda: pytest.raises(RendezvousClosedError, b_again.next_rendezvous))
     waiter.start()
     try:
         assert _poll(lambda: a.membership_change() == "peer_lost")
         assert "node b lost: its agent restarted (new incarnation)" in caplog.text
+        assert "node b: the agent that held this node id" in caplog.text and "is gone; taking its place" in caplog.text
         assert a.membership_change() == "peer_lost"  # it stays lost until the group re-forms
     finally:
         a.set_closed()

@@ -7,14 +7,16 @@ import glob
 import logging
 import os
 import shutil
+import subprocess
 
 import pytest
 import torch
 
 from elastic_rt.checkpoint import CheckpointManager
-from tests.support.world import run_world
+from benchmarks.gloo_world import run_world
+from tests.support.tmpfs import mounted_tmpfs
 from elastic_rt.errors import CheckpointError
-from elastic_rt.worker_env import ENV_HOST_CACHE_DIR
+from elastic_rt.worker_env import ENV_HOST_CACHE_DIR, ENV_HOST_CACHE_RESERVE
 
 STEP = 5
 
@@ -28,8 +30,10 @@ def _state(rank: int, fill: float | None = None) -> dict:
     return {"model": tensors, "extra": {"step": STEP}}
 
 
-def save(rank: int, world_size: int, url: str, cache: str) -> None:
+def save(rank: int, world_size: int, url: str, cache: str, reserve: str = "0") -> None:
     os.environ[ENV_HOST_CACHE_DIR] = cache  # as the agent sets it for its workers
+    os.environ[ENV_HOST_CACHE_RESERVE] = reserve  # a directory on disk here, not shared memory: nothing to keep free
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))  # one node
     with CheckpointManager(url, collective_timeout_s=60.0) as mgr:
         mgr.save(STEP, _state(rank))
     # close() waited for the copy into host memory
@@ -121,3 +125,58 @@ def test_corrupt_memory_and_storage_is_an_error_not_a_silent_load(run):
         _flip_byte(shard)
     results = run_world(load, 2, f"file://{run}/ckpt", str(run / "shm"))
     assert all("does not match its manifest" in r.get("error", "") for r in results), results
+
+
+@pytest.fixture
+def small_shm(tmp_path):
+    """A 1 MiB tmpfs standing in for /dev/shm (root only)."""
+    with mounted_tmpfs(tmp_path / "shm", "1m") as mnt:
+        yield mnt
+
+
+def test_one_decision_per_node_keeps_the_reserve_free(small_shm, tmp_path):
+    """Each rank's 256 KiB would fit in the 1 MiB alone, the node's 512 KiB beside a 600 KiB reserve would not:
+    neither rank copies (each copied before, leaving less free than the reserve), and both say why."""
+    cache = small_shm / "elastic-rt-run-node"
+    cache.mkdir()
+    run_world(save, 2, f"file://{tmp_path}/ckpt", str(cache), str(600 << 10))
+    assert _shards(cache) == []
+    assert shutil.disk_usage(cache).free >= 600 << 10
+    decision = (cache / f".decision-{STEP}").read_text()
+    assert decision.startswith("the node's 0.5 MiB of it and the 0.6 MiB reserve do not fit in the "), decision
+
+
+def test_the_copy_is_dropped_before_a_restart_when_shared_memory_is_low(small_shm, tmp_path, caplog):
+    from elastic_rt.agent.host_memory import HOST_CACHE_OWNER, HostCacheRoom
+
+    cache = small_shm / "elastic-rt-run-node"
+    cache.mkdir()
+    (cache / HOST_CACHE_OWNER).write_text("1 0")
+    run_world(save, 2, f"file://{tmp_path}/ckpt", str(cache), str(100 << 10))
+    assert len(_shards(cache)) == 2  # kept: 512 KiB and the 100 KiB reserve fit
+    room = HostCacheRoom(str(cache), reserve_bytes=800 << 10, node_id="n0")  # now others need more of it
+    with caplog.at_level(logging.WARNING, logger="elastic_rt"):
+        room.on_round(round=1)
+    assert _shards(cache) == [] and (cache / HOST_CACHE_OWNER).exists()
+    assert "below the 0.8 MiB reserve" in caplog.text and "dropped before the workers start" in caplog.text
+    HostCacheRoom(str(cache), reserve_bytes=100 << 10, node_id="n0").on_round(round=2)  # enough room: kept as is
+    assert (cache / HOST_CACHE_OWNER).exists()
+
+
+def test_root_removes_stale_copies_of_any_user_and_never_follows_a_link(tmp_path):
+    from elastic_rt.agent.host_memory import HOST_CACHE_OWNER, remove_stale_host_caches
+
+    if os.geteuid() != 0:
+        pytest.skip("removing another user's directory needs root")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / "elastic-rt-run-other"
+    stale.mkdir()
+    (stale / HOST_CACHE_OWNER).write_text(f"{dead.pid} 0.000")
+    os.chown(stale, 65534, 65534)  # nobody's: an agent of another user, SIGKILLed
+    target = tmp_path / "precious"
+    target.mkdir()
+    (target / HOST_CACHE_OWNER).write_text(f"{dead.pid} 0.000")
+    (tmp_path / "elastic-rt-link").symlink_to(target)
+    assert remove_stale_host_caches(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and target.exists() and (tmp_path / "elastic-rt-link").is_symlink()

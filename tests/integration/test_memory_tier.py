@@ -17,7 +17,7 @@ from elastic_rt.checkpoint import CheckpointManager
 from elastic_rt.checkpoint.backends import open_storage
 from elastic_rt.checkpoint.memory_tier import ENV_MEMORY_TIER_ADDR, ENV_MEMORY_TIER_DIR
 from tests.support.checkpoint import LogLines
-from tests.support.world import run_world
+from benchmarks.gloo_world import run_world
 
 SECRET = b"memory-tier-test-secret"
 LAST = 6  # steps 1..6: snapshots at 2 and 6, storage at 4

@@ -1,7 +1,7 @@
 """The collective probe child lowers its priority before it imports torch, most of its CPU time.
 
-Issue 10: the probe starts with the workers of every round. Before this fix, it imported torch
-at full priority, competing with the workers' start-up and delaying the round's first step.
+The probe starts with the workers of every round: at full priority its torch import would compete with the
+workers' start-up and delay the round's first step.
 """
 
 from __future__ import annotations

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import pytest
 
+from benchmarks.dashboard_queries import dashboard_variables
 from elastic_rt.status.agents import read_agent
 from elastic_rt.status.command import StatusOptions, show
 from tests.chaos.harness import ROOT
 from tests.support.monitoring import (
     AGENT_JOB,
     MonitoredJob,
-    dashboard_variables,
     empty_panels,
     monitored_job,
     rule_differences,

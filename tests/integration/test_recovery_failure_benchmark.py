@@ -20,7 +20,7 @@ BENCH = os.path.join(REPO, "benchmarks", "recovery.py")
 def failure_scenarios():
     sys.path.insert(0, os.path.dirname(BENCH))
     try:
-        import recovery  # the entry point: it imports failure_scenarios once its own names exist
+        import recovery  # the entry point, which imports failure_scenarios
 
         yield recovery.failure_scenarios
     finally:

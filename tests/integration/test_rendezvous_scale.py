@@ -1,4 +1,4 @@
-"""Issue 11 in CI: 64 etcd-v3 handlers (threads of one process) against a real etcd, counted by etcd itself.
+"""Rendezvous cost in CI: 64 etcd-v3 handlers (threads of one process) against a real etcd, counted by etcd itself.
 
 etcd's own /metrics (grpc_server_msg_received_total: one per unary call, one per message on a
 stream) say what each node costs: per round, a constant number of requests, whatever N is;

@@ -17,6 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BENCH = os.path.join(REPO, "benchmarks", "rendezvous_scale.py")
 
 
+@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
 @pytest.mark.timeout(600)  # about 30 s; generous for a loaded machine
 def test_quick_run_writes_results_that_parse(tmp_path):
     env = dict(os.environ)
@@ -32,8 +33,12 @@ def test_quick_run_writes_results_that_parse(tmp_path):
     with open(tmp_path / json_name) as f:
         result = json.load(f)
     assert result["provenance"]["allow_dirty"] is True and result["provenance"]["commit"]
-    assert result["settings"]["rdzv_conf"]["lease_ttl"] == "10"
+    assert result["settings"]["rdzv_conf"] == {}  # the handler's defaults (lease_ttl=3)
     assert "with a GIL switch interval of 50 ms" in text
+    etcd = result["etcd"]  # which etcd the run used, as its members report it
+    assert etcd["members"] == 3 and len(etcd["member_versions"]) == 3 and etcd["version"][:2] == "3."
+    assert os.path.isfile(etcd["binary"]) and f"etcd {etcd['version']} (3 members" in text
+    assert len(result["host"]["loadavg_at_start"]) == 3
     rows = {(r["kind"], r["n"]): r for r in result["rows"]}
     assert set(rows) == {(k, n) for k in ("etcd-v3", "c10d") for n in (8, 16)}
     for (kind, n), r in rows.items():
@@ -46,6 +51,10 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         assert r["reform_s"] > 0 and r["req_per_node_round"] > 0 and r["bytes_per_node_round"] > 0, r
         assert set(r["idle"]["requests"]) <= {"LeaseKeepAlive"}, r["idle"]  # watched, not polled
         assert r["ticks_per_node_s"] > 0
+        assert r["client_cpu_ms_per_node_round"] > 0, r
+        # idle: a few keep-alives per node in the window, below the processes' CPU clock tick at 8 nodes
+        assert r["idle_client_cpu_ms_per_node_s"] >= 0, r
+        assert r["reform_cpu_s"]["clients"] > 0 and r["reform_cpu_s"]["etcd"] > 0, r
         assert r["settle_req_per_node_s"] >= 0 and r["idle_wall_s"] >= 2.0, r
         assert rows[("c10d", n)]["reform_s"] is None  # --quick skips torch's 45 s re-form
 
@@ -73,3 +82,18 @@ def test_switch_interval_option():
     assert bench.parse_args(["--switch-interval-ms", "5"]).switch_interval_ms == 5.0
     with pytest.raises(SystemExit):
         bench.parse_args(["--switch-interval-ms", "0"])
+
+
+def test_etcd_options(tmp_path, capsys):
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import rendezvous_scale as bench
+    finally:
+        sys.path.remove(os.path.dirname(BENCH))
+    args = bench.parse_args([])
+    assert args.etcd_binary is None and args.etcd_members == 3 and args.rdzv_conf == {}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--etcd-binary", str(tmp_path / "no-etcd")])
+    assert "is not an executable file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--etcd-members", "0"])

@@ -140,7 +140,8 @@ def test_over_tls_and_with_a_user_as_launch_takes_them(tls_etcd, auth_etcd, pki,
     """--rdzv-endpoint https://... with the TLS files, and a user whose role grants the run's prefix only."""
     pw = tmp_path / "pw"
     pw.write_text(ALICE_PW + "\n")
-    tls, user = _tls_conf(pki), {"user": "alice", "password_file": str(pw)}
+    # auth_etcd is plaintext: a user over it is allowed in so many words
+    tls, user = _tls_conf(pki), {"user": "alice", "password_file": str(pw), "allow_plaintext_auth": "1"}
     for cluster, conf, run in ((tls_etcd, tls, "tls-status"), (auth_etcd, user, RUN_OK)):
         client = EtcdClient(etcd_config_from_conf(cluster.members[0].url, conf, timeout_s=5))
         try:
@@ -157,6 +158,6 @@ def test_over_tls_and_with_a_user_as_launch_takes_them(tls_etcd, auth_etcd, pki,
     bob = tmp_path / "bob"
     bob.write_text("bob-pw")
     assert main(["status", "--rdzv-endpoint", auth_etcd.members[0].url, "--rdzv-id", RUN_OK,
-                 "--rdzv-conf", f"user=bob,password_file={bob}"]) == 2
+                 "--rdzv-conf", f"user=bob,password_file={bob},allow_plaintext_auth=1"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("elastic-rt status: error: ") and "permission" in line.lower(), line

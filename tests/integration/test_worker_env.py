@@ -121,3 +121,18 @@ def test_signals_to_handle_flag_reaches_workers(tmp_path):
           "--metrics-port", "0", "--signals-to-handle", "SIGTERM,SIGUSR1", str(script), str(tmp_path)],
          tmp_path, env)
     assert _dumps(tmp_path, 1)[0]["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1"
+
+
+def test_the_etcd_password_never_reaches_the_workers(tmp_path, etcd_endpoint, run_id):
+    """$ELASTIC_RT_ETCD_PASSWORD is the agent's: it leaves the agent's environment as it is read, before any worker
+    (warm ones included) is started, so the script, its DataLoader workers and trackers never see it."""
+    script = tmp_path / "dump_env.py"
+    script.write_text(DUMP)
+    env = dict(os.environ, ELASTIC_RT_ETCD_PASSWORD="s3cret-pw",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    _run([sys.executable, "-m", "elastic_rt.cli", "launch", "--nnodes", "1", "--nproc-per-node", "2",
+          "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id, "--local-addr", "127.0.0.1", "--metrics-port", "0",
+          str(script), str(tmp_path)], tmp_path, env)
+    for rank, worker_env in _dumps(tmp_path, 2).items():
+        assert "ELASTIC_RT_ETCD_PASSWORD" not in worker_env, rank
+        assert "s3cret-pw" not in json.dumps(worker_env), rank

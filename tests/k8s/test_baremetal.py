@@ -33,7 +33,7 @@ from k8s_support import LAUNCH, REPO
 from tests.support.tools import needs_tool, require_tool
 
 from elastic_rt.agent.crash_loop import CrashLoopError
-from elastic_rt.errors import ConfigError, NodeExcludedError
+from elastic_rt.errors import ConfigError, NodeExcludedError, RunClosedError
 
 SCRIPTS = sorted(LAUNCH.glob("*.sh"))
 
@@ -199,7 +199,8 @@ def test_a_job_user_reaches_its_own_run_only(etcd3):
     finally:
         c.close()
     for url, conf_ in ((urls, {k: v for k, v in creds.items() if k not in ("cert", "key")}),
-                       (urls.replace("https://", "http://"), {"user": "bm-user-a", "password_file": creds["password_file"]})):
+                       (urls.replace("https://", "http://"), {"user": "bm-user-a", "password_file": creds["password_file"],
+                                                         "allow_plaintext_auth": "1"})):
         c = etcd_client(url, conf_)
         try:
             with pytest.raises(EtcdAccessError, match="requires a client certificate|speaks TLS"):
@@ -371,7 +372,8 @@ def test_agent_unit_command_line_parses():
     assert svc["KillMode"] == "mixed" and svc["KillSignal"] == "SIGTERM"
     assert int(svc["TimeoutStopSec"]) >= cfg.grace_period_s + 10, "systemd must not SIGKILL inside the grace period"
     assert str(ConfigError.exit_code) in svc["RestartPreventExitStatus"].split()
-    assert {str(CrashLoopError.exit_code), str(NodeExcludedError.exit_code)} <= set(svc["RestartPreventExitStatus"].split())
+    assert {str(CrashLoopError.exit_code), str(NodeExcludedError.exit_code), str(RunClosedError.exit_code)} <= set(
+        svc["RestartPreventExitStatus"].split())
     assert svc["Restart"] == "on-failure"
     assert "StartLimitBurst" in unit["Unit"]
     assert svc["LimitMEMLOCK"] == "infinity"
@@ -390,6 +392,7 @@ def test_systemd_analyze_verify(tmp_path, unit):
     exe = shutil.which("true")
     # The binaries are not installed here: point ExecStart at one that exists, check the rest.
     text = text.replace("/opt/elastic-rt/venv/bin/elastic-rt", exe).replace("/usr/local/bin/etcd", exe)
+    text = text.replace("/opt/elastic-rt/venv/bin/python", exe)
     name = unit.replace("@.service", "@job42.service")
     (tmp_path / name).write_text(text)
     proc = run(["systemd-analyze", "verify", "--man=no", str(tmp_path / name)], check=False)

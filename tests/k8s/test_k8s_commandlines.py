@@ -37,11 +37,11 @@ from k8s_support import (
 from elastic_rt.agent.config import DEFAULT_METRICS_PORT
 from elastic_rt.agent.crash_loop import CrashLoopError
 from elastic_rt.errors import ConfigError
+from elastic_rt.rendezvous.conf import valid_keys
 from tests.chaos.harness import Node
 
 # --rdzv-conf keys the launcher and the etcd-v3 handler understand.
-RDZV_CONF_KEYS = {"lease_ttl", "join_timeout", "last_call_timeout", "read_timeout", "store_timeout",
-                  "ca_cert", "cert", "key", "user", "password", "password_file", "node_id"}
+RDZV_CONF_KEYS = set(valid_keys("etcd-v3"))
 IMAGE_LAUNCH_DIR = "/opt/elastic-rt/launch/"
 PROBE_PATHS = {"startupProbe": "/livez", "livenessProbe": "/livez", "readinessProbe": "/readyz"}
 

@@ -36,7 +36,7 @@ REQUIRED_ALERTS = {
     "ElasticRTClockSkew": "elastic_rt_clock_skew_seconds",
     "ElasticRTRDMAPortDown": "elastic_rt_rdma_state_id",
     "ElasticRTCheckpointStale": "elastic_rt_checkpoint_last_commit_timestamp_seconds",
-    # issue 16: a failing readiness check alerts; a wedged agent (liveness) too, for bare metal
+    # a failing readiness check alerts; a wedged agent (liveness) too, for bare metal
     "ElasticRTNodeNotReady": "elastic_rt_health_check",
     "ElasticRTAgentWedged": "elastic_rt_health_check",
 }
@@ -121,7 +121,7 @@ def exported_names(tmp: Path) -> set[str]:
     obs = MetricsObserver(run_id="job", node="a", reports=WorkerReports(str(tmp)), sysfs_root=None)
     obs.on_workers_started({0: os.getpid()})
     obs.on_tick()
-    from elastic_rt.metrics.definitions import GoodputMetrics  # goodput and stragglers (issue 13)
+    from elastic_rt.metrics.definitions import GoodputMetrics  # goodput and stragglers
 
     g = GoodputMetrics(registry=reg, run_id="job", node="a")
     g.on_totals({"productive": 1.0}, uncommitted_s=0.5, ratio=0.9)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from elastic_rt.cli import build_parser
-from elastic_rt.config import launch_config_from_args, parse_nnodes, parse_rdzv_conf
+from elastic_rt.config import launch_config_from_args, parse_nnodes
+from elastic_rt.decisions import DetectionAction
 from elastic_rt.errors import ConfigError
+from elastic_rt.rdzv_conf import parse_rdzv_conf
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.registration import parse_endpoints
 
@@ -97,3 +99,18 @@ def test_signals_to_handle_validated():
     for bad in ("SIGNOPE", "", "SIGTERM,15"):
         with pytest.raises(ConfigError, match="--signals-to-handle"):
             _env_cfg({}, "--standalone", "--signals-to-handle", bad)
+
+
+@pytest.mark.parametrize("flag, field", [("--probe-failure-action", "probe_failure_action"),
+                                         ("--straggler-action", "straggler_action")])
+def test_detection_action_flags_take_the_enum_words(flag, field, capsys):
+    """The flags' choices are DetectionAction's values, and the config carries the enum itself."""
+    base = ["--rdzv-endpoint", "etcd:2379", "--rdzv-id", "job1", "train.py"]
+    assert getattr(_cfg(*base), field) is DetectionAction.REPORT
+    for action in DetectionAction:
+        assert getattr(_cfg(flag, str(action), *base), field) is action
+    with pytest.raises(SystemExit) as exc:
+        _cfg(flag, "ignore", *base)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "invalid choice: 'ignore'" in err
+    assert all(repr(str(a)) in err or str(a) in err.split("choose from")[1] for a in DetectionAction)

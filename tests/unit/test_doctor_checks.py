@@ -16,19 +16,18 @@ from elastic_rt.cli import build_parser
 from elastic_rt.errors import ConfigError, EtcdUnavailableError, HealthCheckError
 from elastic_rt.doctor import command as doctor
 from elastic_rt.doctor.command import DoctorOptions, DoctorSources, first_failure, hard_checks, run_doctor
+from elastic_rt.checks.model import CheckResult, Status, run_check
+from elastic_rt.checks.rdma import NcclList
 from elastic_rt.doctor.checks import (
     GIB,
-    CheckResult,
     GpuInfo,
-    Status,
     check_etcd,
     check_free_space,
     check_gpus,
     check_kernel_clock,
     check_ntp,
-    guarded,
 )
-from elastic_rt.doctor.net import NcclList, check_nccl_env, check_rdma
+from elastic_rt.doctor.net import check_nccl_env, check_rdma
 from elastic_rt.collectors import sntp
 from elastic_rt.collectors.rdma import RdmaCollector
 from elastic_rt.collectors.timex import TimexStatus
@@ -318,9 +317,9 @@ def test_a_check_that_raises_becomes_a_failed_row():
     assert list(by_name) == ["etcd", "clock", "rdma", "nccl env", "gpus", "checkpoint space"]
 
 
-def test_guarded_times_each_check():
+def test_run_check_times_each_check():
     ticks = iter([10.0, 10.25])
-    row = guarded("x", lambda: CheckResult(name="x", status=Status.OK, detail="d"), clock=lambda: next(ticks))
+    row = run_check("x", lambda: CheckResult(name="x", status=Status.OK, detail="d"), clock=lambda: next(ticks))
     assert row.elapsed_s == 0.25 and row.status is Status.OK
 
 

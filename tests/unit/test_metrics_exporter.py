@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from elastic_rt.errors import ConfigError, ElasticRTError
 from elastic_rt.metrics.exporter import MetricsExporter
-from elastic_rt.metrics.health import LIVENESS, READINESS, CheckResult, HealthChecks
+from elastic_rt.checks.model import CheckResult
+from elastic_rt.metrics.health import LIVENESS, READINESS, HealthChecks
 
 
 def free_port() -> int:
@@ -155,22 +156,52 @@ def test_head_requests_get_the_status_without_a_body(registry, health, state):
         assert info.value.code == 503 and info.value.read() == b""
 
 
-def test_concurrent_connections_are_capped(registry, health):
-    """Connections that send nothing hold their slots; past the cap a client gets 503 at once, and no
-    thread is started for it. Freed slots serve again."""
+def test_probes_answer_with_32_idle_connections_held_open(registry, health):
+    """Idle connections (a port scanner, a client that connects and sends nothing) hold no thread and no slot:
+    /livez and /readyz answer 200 with twice the cap of them open, and so do scrapes."""
     idle: list[socket.socket] = []
-    with started(registry, max_connections=3, request_timeout_s=30.0, **health) as exporter:
+    with started(registry, request_timeout_s=30.0, **health) as exporter:
         threads_before = threading.active_count()
-        for _ in range(3):
-            idle.append(socket.create_connection(("127.0.0.1", exporter.port), timeout=10))
-        poll(lambda: threading.active_count() >= threads_before + 3, 10, "a thread per held connection")
-        for _ in range(20):  # a storm past the cap
-            status, _, body = get(exporter.url + "/livez")
+        try:
+            for _ in range(32):
+                idle.append(socket.create_connection(("127.0.0.1", exporter.port), timeout=10))
+            idle[-1].sendall(b"GET /metr")  # one dribbles half a request line
+            for path in ("/livez", "/readyz", "/healthz", "/metrics"):
+                assert get(exporter.url + path)[0] == 200, path
+            assert threading.active_count() <= threads_before + 1  # at most a finishing answer's thread
+        finally:
+            while idle:
+                idle.pop().close()
+
+
+def test_scrapes_past_the_cap_get_503_and_probes_still_answer(registry, health):
+    """Past the cap of requests being answered, a scrape is answered 503 at once; probes have slots of their own,
+    never behind scrapes. Freed slots serve again."""
+    release = threading.Event()
+    entered: list[int] = []
+
+    class Stuck:  # a collector that hangs, as a wedged sysfs read would
+        def collect(self):
+            entered.append(1)
+            release.wait(30)
+            return []
+
+    registry.register(Stuck())
+    with started(registry, max_connections=2, **health) as exporter:
+        stuck = [threading.Thread(target=get, args=(exporter.url + "/metrics",)) for _ in range(2)]
+        for t in stuck:
+            t.start()
+        try:
+            poll(lambda: len(entered) == 2, 10, "both slots taken by the stuck scrapes")
+            status, _, body = get(exporter.url + "/metrics")
             assert status == 503 and body.startswith("busy: too many concurrent connections")
-        assert threading.active_count() <= threads_before + 3
-        while idle:
-            idle.pop().close()
-        poll(lambda: get(exporter.url + "/livez")[0] == 200, 10, "served again once slots are free")
+            for path in ("/livez", "/readyz"):
+                assert get(exporter.url + path)[0] == 200, path
+        finally:
+            release.set()
+            for t in stuck:
+                t.join(30)
+        poll(lambda: get(exporter.url + "/metrics")[0] == 200, 10, "served again once slots are free")
 
 
 def test_a_silent_client_loses_its_slot_after_the_request_timeout(registry):
@@ -187,7 +218,7 @@ def test_start_logs_the_bound_address_and_what_it_means(registry, caplog):
     with started(registry) as exporter:
         line = [r.getMessage() for r in caplog.records if "serving /metrics" in r.getMessage()][0]
         assert f"127.0.0.1:{exporter.port}" in line and "this address only" in line and "--metrics-host" in line
-        assert "at most 16 connections" in line
+        assert "at most 16 requests at once" in line
 
 
 def test_ipv6_all_interfaces_also_serves_ipv4(registry):

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from elastic_rt.doctor import bench
 from elastic_rt.doctor.command import DoctorOptions, DoctorSources, bench_rows, options_from_args
-from elastic_rt.doctor.checks import Status
+from elastic_rt.checks.model import Status
 from elastic_rt.doctor.preflight import (
     Finding,
     NodeReport,

@@ -81,7 +81,7 @@ def test_restarts_of_both_nodes_are_one_incident(two_nodes):
 def test_render_prints_restarts_goodput_and_stragglers(two_nodes):
     text = render(load([str(two_nodes / "a"), str(two_nodes / "b")]))
     assert "Restarts: 1" in text
-    # the classified cause (issue 17) beside the restart reason, its file name spelt as it is
+    # the classified cause beside the restart reason, its file name spelt as it is
     assert "a: worker failure (rank 1 cause=exception: ValueError: boom at my_train.py:33 in step); " \
            "b: round advanced" in text
     assert "worker failed: rank 1 cause=exception" in text

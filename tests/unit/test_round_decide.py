@@ -28,7 +28,16 @@ def joins(*nodes: str, incarnation: str = "inc") -> dict[str, KeyValue]:
 
 
 def final(rnd: int, nodes: list[str], rev: int = 50, **extra) -> KeyValue:
+    extra.setdefault("incarnations", [None] * len(nodes))
     return kv(f"/elastic-rt/run/rounds/{rnd}/final", json.dumps({"round": rnd, "nodes": nodes, **extra}).encode(), rev)
+
+
+def forged(rnd: int, data: dict) -> KeyValue:
+    return kv(f"/elastic-rt/run/rounds/{rnd}/final", json.dumps(data).encode(), 50)
+
+
+def unsigned(kv_: KeyValue) -> str:
+    return "is not signed, but this node has --rdzv-conf secret_file"
 
 
 def view(**over) -> RoundView:
@@ -69,6 +78,21 @@ ROWS = [
         {"joined": 3, "joined_with": 0}),
     Row("B6 a member of the finished round advances it", view(finals={3: final(3, ["n1", ME])}),
         node(previous_round=3), Step.ADVANCE_ROUND, {"round": 3, "revision": 30}),
+    Row("B6 a final elastic-rt did not write (no incarnations) is refused: open the next round",
+        view(finals={3: forged(3, {"round": 3, "nodes": ["n1", ME], "master": ["10.6.6.6", 1]})}),
+        node(previous_round=2), Step.ADVANCE_ROUND,
+        {"round": 3, "revision": 30, "why": "/elastic-rt/run/rounds/3/final has no incarnation for each member"}),
+    Row("B6 ... nor one of another round", view(finals={3: forged(3, {"round": 2, "nodes": [ME],
+                                                                         "incarnations": [None]})}),
+        node(), Step.ADVANCE_ROUND, {"why": "/elastic-rt/run/rounds/3/final names another round"}),
+    Row("B6 ... nor one the job's secret does not sign", view(finals={3: final(3, ["n1", ME])}),
+        node(previous_round=2, refuses=unsigned), Step.ADVANCE_ROUND,
+        {"why": "/elastic-rt/run/rounds/3/final is not signed, but this node has --rdzv-conf secret_file"}),
+    Row("B6b the final lists this agent (its join came before etcd interrupted it): formed",
+        view(finals={3: final(3, ["n1", ME], incarnations=["i1", "i2"])}), node(previous_round=2, incarnation="i2"),
+        Step.FORMED, {"membership": Membership(3, ("n1", ME), 1, None, ("i1", "i2"), 50)}),
+    Row("B6b ... not another incarnation of its node", view(finals={3: final(3, ["n1", ME], incarnations=["i1", "x"])}),
+        node(previous_round=2, incarnation="i2"), Step.CHECK_ABANDONED),
     Row("B7 a round runs without this node: check whether any of its members is alive",
         view(finals={3: final(3, ["n1", "n3"])}), node(previous_round=2), Step.CHECK_ABANDONED,
         {"round": 3, "revision": 30, "final": final(3, ["n1", "n3"])}, {"checked_alive": (3, (4, 0), NOW)}),
@@ -105,6 +129,8 @@ ROWS = [
         Step.FORMED),
     Row("J3 the final leaves this node out: unjoin", view(finals={3: final(3, ["n1", "n3"])}), joined(),
         Step.UNJOIN, {"round": 3}, {"joined": None, "read": None, "written": None}),
+    Row("J3 ... or the job's secret does not sign it", view(finals={3: final(3, [ME])}), joined(refuses=unsigned),
+        Step.UNJOIN, {"round": 3}),
     Row("J4 the round moved on: unjoin", view(round=4), joined(), Step.UNJOIN, {"round": 3}, {"joined": None}),
     Row("J5 the lease was granted anew: join again on it", view(lease=8), joined(), Step.JOIN,
         {"round": 3, "lease": 8}),

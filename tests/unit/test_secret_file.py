@@ -55,10 +55,9 @@ def test_envelope_round_trip_and_tamper(tmp_path):
         signed.open(flipped)
 
 
-def test_secret_file_on_the_json_handler_is_ignored_with_a_warning(caplog):
+def test_json_handler_reads_the_secret_before_it_contacts_etcd(tmp_path):
+    """etcd-v3 signs its finals and `closed` with the secret: a bad file stops it at start, as for etcd-v3-torch."""
     params = RendezvousParameters(backend="etcd-v3", endpoint="127.0.0.1:1", run_id="job",
-                                  min_nodes=1, max_nodes=1, secret_file="/nonexistent")
-    with caplog.at_level("WARNING", logger="elastic_rt.rendezvous.registration"):
-        handler = registration.create_etcd_v3_handler(params)
-    getattr(handler, "close", lambda: None)()
-    assert any("etcd-v3-torch only" in r.getMessage() for r in caplog.records)
+                                  min_nodes=1, max_nodes=1, secret_file=str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match="secret_file"):
+        registration.create_etcd_v3_handler(params)

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from elastic_rt.errors import ConfigError
 from elastic_rt.metrics.definitions import AgentMetrics, FailureMetrics, GoodputMetrics
-from elastic_rt.metrics.health import CheckResult, render
+from elastic_rt.checks.model import CheckResult
+from elastic_rt.metrics.health import render
 from elastic_rt.rendezvous.handler import alive_info
 from elastic_rt.rendezvous.registration import advertised_metrics_addr
 from elastic_rt.rendezvous.rounds import RendezvousSettings
@@ -60,8 +61,8 @@ def agent(node: str, *, clock: list[float], restarts=(), failures=(), standby: b
     g.on_totals({"productive": 60.0, "restart": 20.0}, uncommitted_s=20.0, ratio=0.8)
     g.on_step_times({0: step_time_s}, job_median_s=0.1)
     g.on_stragglers({0} if straggler else set(), {0})
-    monitor = render("livez", [("monitor", CheckResult(True, "monitor loop ticked 0.1 s ago"))], verbose=True)[1]
-    ready = render("readyz", [("etcd", CheckResult(True, "reachable")), ("rdma", CheckResult(False, "mlx5_1/1 DOWN"))],
+    monitor = render("livez", [("monitor", CheckResult.of(True, "monitor loop ticked 0.1 s ago"))], verbose=True)[1]
+    ready = render("readyz", [("etcd", CheckResult.of(True, "reachable")), ("rdma", CheckResult.of(False, "mlx5_1/1 DOWN"))],
                    verbose=True)[1]
     return AgentReading(address=f"10.0.0.1:{9400 + ord(node[0])}", samples=parse_metrics(generate_latest(reg).decode()),
                         liveness=parse_checks(monitor), readiness=parse_checks(ready))
@@ -181,8 +182,8 @@ def test_restart_and_failure_timestamps_and_histograms_from_zero():
 
 
 def test_parse_checks_reads_the_verbose_answers():
-    code, body = render("readyz", [("etcd", CheckResult(True, "reachable")),
-                                   ("probe", CheckResult(False, "all-reduce timed out: 30 s"))], verbose=True)
+    code, body = render("readyz", [("etcd", CheckResult.of(True, "reachable")),
+                                   ("probe", CheckResult.of(False, "all-reduce timed out: 30 s"))], verbose=True)
     assert code == 503
     checks = parse_checks(body)
     assert [(c.name, c.ok, c.reason) for c in checks] == [("etcd", True, "reachable"),

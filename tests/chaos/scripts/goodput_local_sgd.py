@@ -35,7 +35,10 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--sync-every", type=int, default=5)
-    p.add_argument("--step-sleep", type=float, default=0.1, help="seconds per step on this node")
+    # from the environment when set: every node of a job runs the same command line (its fingerprint), so a
+    # test slows one node through its environment
+    p.add_argument("--step-sleep", type=float, default=float(os.environ.get("GOODPUT_STEP_SLEEP", "0.1")),
+                   help="seconds per step on this node (default: $GOODPUT_STEP_SLEEP, else 0.1)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     args = p.parse_args()
     dist.init_process_group("gloo")

@@ -1,4 +1,4 @@
-"""A world of N spawned CPU processes in a gloo group (FileStore rendezvous), for tests and benchmarks."""
+"""A world of N spawned CPU processes in a gloo group (FileStore rendezvous), for benchmarks and tests."""
 
 from __future__ import annotations
 

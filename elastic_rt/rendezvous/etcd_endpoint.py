@@ -1,0 +1,210 @@
+"""One etcd member as EtcdClient sees it (its connection, auth token and lease keep-alive stream), and the
+membership watch stream. Requests and replies are etcd's protobuf messages (`etcd-sdk-python`'s generated
+classes); they travel over connection.py, not gRPC Python."""
+
+from __future__ import annotations
+
+import collections
+import ssl
+import threading
+import time
+
+import grpc
+from pyetcd import etcdrpc
+
+from elastic_rt.errors import EtcdUnavailableError
+from elastic_rt.rendezvous.connection import Connection, Stream
+from elastic_rt.rendezvous.wire import CallError
+
+_REPLIES = {
+    "KV/Range": etcdrpc.RangeResponse, "KV/Put": etcdrpc.PutResponse, "KV/DeleteRange": etcdrpc.DeleteRangeResponse,
+    "KV/Txn": etcdrpc.TxnResponse, "Lease/LeaseGrant": etcdrpc.LeaseGrantResponse,
+    "Lease/LeaseRevoke": etcdrpc.LeaseRevokeResponse, "Auth/Authenticate": etcdrpc.AuthenticateResponse,
+    "Maintenance/Status": etcdrpc.StatusResponse,
+}
+_PATHS = {method: f"/etcdserverpb.{method}" for method in (*_REPLIES, "Lease/LeaseKeepAlive", "Watch/Watch")}
+
+
+def label(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Endpoint:
+    """A member: one connection, made on first use and again after it broke; `metadata` is the auth token
+    (None: not authenticated yet; (): no auth)."""
+
+    def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> None:
+        self.host, self.port = host, port
+        self.label = label(host, port)
+        self._ssl = ssl_context
+        self._conn: Connection | None = None
+        self._conn_lock = threading.Lock()
+        self._closed = False
+        self.metadata: tuple | None = None
+        self.auth_lock = threading.Lock()
+        self.keepalive_lock = threading.Lock()
+        self.keepalive: _KeepAliveStream | None = None  # opened by the first keep-alive, kept while it works
+
+    def connection(self, timeout_s: float) -> Connection:
+        conn = self._conn
+        if conn is not None and conn.usable:
+            return conn
+        with self._conn_lock:
+            if self._closed:
+                raise ValueError(f"etcd client for {self.label} is closed")
+            conn = self._conn
+            if conn is None or not conn.usable:
+                if conn is not None:
+                    conn.close()
+                self._conn = None
+                conn = self._conn = Connection(self.host, self.port, authority=self.label, ssl_context=self._ssl,
+                                               timeout_s=timeout_s, name=self.label)
+        return conn
+
+    def call(self, method: str, request, timeout_s: float, metadata: tuple | None = None):
+        """One unary call; raises CallError (a grpc.RpcError)."""
+        body = self.connection(timeout_s).unary(_PATHS[method], request.SerializeToString(), timeout_s,
+                                                self.metadata or () if metadata is None else metadata)
+        return _REPLIES[method].FromString(body)
+
+    def stream(self, method: str, timeout_s: float, metadata: tuple = ()) -> Stream:
+        return self.connection(timeout_s).open(_PATHS[method], metadata)
+
+    def keep_alive(self, lease_id: int, timeout_s: float) -> float:
+        """One keep-alive on this member's long-lived LeaseKeepAlive stream (opened on first use and again after
+        it broke or the auth token changed); returns the remaining TTL. A reply that does not come within
+        timeout_s fails this call, and the stream stays: the request may still reach etcd and renew the lease,
+        and its late reply is skipped by the next keep-alive here. A stream that broke is dropped."""
+        with self.keepalive_lock:
+            stream = self.keepalive
+            if stream is None or stream.metadata is not self.metadata:
+                if stream is not None:
+                    stream.close()
+                stream = self.keepalive = _KeepAliveStream(self, timeout_s)
+            try:
+                return stream.beat(lease_id, timeout_s)
+            except BaseException as exc:
+                late = isinstance(exc, CallError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if not late:  # the stream broke (or this call did): the next keep-alive opens a new one
+                    stream.close()
+                    self.keepalive = None
+                raise
+
+    def close(self) -> None:
+        with self.keepalive_lock:
+            if self.keepalive is not None:
+                self.keepalive.close()
+                self.keepalive = None
+        with self._conn_lock:
+            self._closed = True
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+class _KeepAliveStream:
+    """One LeaseKeepAlive stream held open, as etcd's own clients do: a keep-alive is a message on it. One
+    keep-alive at a time (the caller holds the endpoint's lock). etcd answers every request on the stream
+    once, in order, so the reply to the n-th request is the n-th reply: replies to requests that timed out
+    earlier are skipped. A beat's deadline runs from when its request reached the kernel (Stream.next)."""
+
+    def __init__(self, ep: Endpoint, timeout_s: float) -> None:
+        self.metadata = ep.metadata
+        self._stream = ep.stream("Lease/LeaseKeepAlive", timeout_s, ep.metadata or ())
+        self._sent = self._received = 0
+
+    def beat(self, lease_id: int, timeout_s: float) -> float:
+        self._stream.send(etcdrpc.LeaseKeepAliveRequest(ID=lease_id).SerializeToString())
+        self._sent += 1
+        deadline = self._stream.sent_at + timeout_s
+        while True:
+            reply = self._stream.next(max(0.0, deadline - time.monotonic()))
+            if reply is None:
+                raise CallError(grpc.StatusCode.UNAVAILABLE, "etcd ended the keep-alive stream")
+            self._received += 1
+            if self._received == self._sent:  # the reply to this request (earlier ones' came late)
+                resp = etcdrpc.LeaseKeepAliveResponse.FromString(reply)
+                return float(resp.TTL) if resp.ID == lease_id else 0.0
+
+    def close(self) -> None:
+        self._stream.cancel()
+
+
+class WatchCompacted(Exception):
+    """A watch's start revision was compacted away: re-read, then watch from the new revision."""
+
+
+class WatchStream:
+    """A Watch stream with one watcher per key range; iterate it for (range index, events, created).
+
+    The stream asks etcd to cancel it when its member loses the raft leader ("hasleader"), so a member cut
+    from its cluster cannot leave it silently stale. Iteration ends with EtcdUnavailableError (stream
+    broken or cancelled), WatchCompacted, or normally after close(). `decode(event)` turns each event into
+    the caller's form.
+    """
+
+    def __init__(self, ep: Endpoint, ranges: list[tuple[str, bytes]], start_revisions: list[int], *,
+                 deletes_only: frozenset[int], timeout_s: float, decode) -> None:
+        self.endpoint = ep.label
+        self._decode = decode
+        self._lock = threading.Lock()  # creates are answered in the order they were sent
+        self._index: dict[int, int] = {}  # etcd's watch id -> range index
+        self._pending: collections.deque[int] = collections.deque()  # range indexes of creates not yet answered
+        self._closed = False
+        try:
+            self._stream = ep.stream("Watch/Watch", timeout_s, tuple(ep.metadata or ()) + (("hasleader", "true"),))
+        except CallError as exc:
+            raise EtcdUnavailableError(f"etcd at {ep.label}: cannot open the watch: {exc.details()}") from exc
+        for i, ((start, end), rev) in enumerate(zip(ranges, start_revisions)):
+            self.add(i, (start, end), rev, deletes_only=i in deletes_only)
+
+    def add(self, index: int, key_range: tuple[str, bytes], start_revision: int, *, deletes_only: bool = False) -> None:
+        """One more watcher on this stream; its events come as range `index`."""
+        filters = [etcdrpc.WatchCreateRequest.NOPUT] if deletes_only else []
+        create = etcdrpc.WatchCreateRequest(key=key_range[0].encode(), range_end=key_range[1],
+                                            start_revision=start_revision, filters=filters)
+        with self._lock:
+            self._pending.append(index)
+            self._send(etcdrpc.WatchRequest(create_request=create))
+
+    def forget(self, index: int) -> None:
+        """Ignore the events of range `index`'s watchers from now on, and ask etcd to cancel them."""
+        for watch_id in [w for w, i in self._index.items() if i == index]:
+            del self._index[watch_id]
+            self._send(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
+
+    def _send(self, request) -> None:
+        try:
+            self._stream.send(request.SerializeToString())
+        except CallError:
+            pass  # the stream broke: its iteration says so
+
+    def __iter__(self):
+        try:
+            while (body := self._stream.next(None)) is not None:
+                resp = etcdrpc.WatchResponse.FromString(body)
+                if resp.created:
+                    self._index[resp.watch_id] = self._pending.popleft()
+                if resp.compact_revision:
+                    raise WatchCompacted(f"revision compacted up to {resp.compact_revision}")
+                if resp.canceled and resp.watch_id not in self._index:
+                    continue  # a watcher forget() cancelled
+                if resp.canceled:
+                    raise EtcdUnavailableError(f"etcd at {self.endpoint} cancelled the watch: "
+                                               f"{resp.cancel_reason or 'no reason given'}")
+                index = self._index.get(resp.watch_id)
+                if index is None:
+                    continue
+                yield index, [self._decode(ev) for ev in resp.events], resp.created
+        except CallError as exc:
+            if self._closed:
+                return
+            raise EtcdUnavailableError(f"etcd watch at {self.endpoint} broke: {exc.code().name} {exc.details()}") from exc
+        finally:
+            self._stream.cancel()
+        if not self._closed:
+            raise EtcdUnavailableError(f"etcd at {self.endpoint} ended the watch stream")
+
+    def close(self) -> None:
+        self._closed = True
+        self._stream.cancel()
