@@ -14,7 +14,6 @@ from elastic_rt import torchrun_compat as torchrun
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.decisions import DetectionAction
 from elastic_rt.errors import ConfigError
-from elastic_rt.rdzv_conf import parse_rdzv_conf
 from elastic_rt.rendezvous import conf as rdzv_conf
 from elastic_rt.rendezvous.keys import validate_run_id
 from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE, ENV_OMP_NUM_THREADS, ENV_SIGNALS_TO_HANDLE
@@ -192,7 +191,7 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
     """Validate parsed `launch` arguments into an AgentConfig (raises ConfigError); `environ`
     (default os.environ) is the environment the workers would inherit."""
     environ = os.environ if environ is None else environ
-    conf = parse_rdzv_conf(args.rdzv_conf)
+    conf = rdzv_conf.parse_rdzv_conf(args.rdzv_conf)
     rdzv = choose_rendezvous(args)
     run_id = rdzv.run_id
     validate_run_id(run_id)

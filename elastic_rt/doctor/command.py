@@ -91,7 +91,7 @@ def _seconds(flag: str, value: float) -> float:
 
 def options_from_args(args: argparse.Namespace) -> DoctorOptions:
     """Validate parsed `doctor` flags (raises ConfigError, exit 2)."""
-    from elastic_rt.rdzv_conf import parse_rdzv_conf
+    from elastic_rt.rendezvous.conf import parse_rdzv_conf
     from elastic_rt.collectors.sntp import parse_server
 
     timeout_s = _seconds("--timeout", args.timeout)

@@ -1,4 +1,5 @@
-"""The `--rdzv-conf` keys of the etcd backends: which exist, for which backend, what each means; unknown keys refused."""
+"""The `--rdzv-conf` flag: its syntax (key=value pairs, read the same way by `launch`, `doctor`, `status` and `gc`)
+and the etcd backends' keys: which exist, for which backend, what each means; unknown keys refused."""
 
 from __future__ import annotations
 
@@ -71,6 +72,20 @@ KEYS: tuple[ConfKey, ...] = (
             meaning="torch's handler: heartbeats missed before a node is dead (default 3)"),
     ConfKey(key="timeout", meaning="set by torchrun (`--rdzv-timeout`); not used by the etcd backends"),
 )
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """'k1=v1,k2=v2' -> {'k1': 'v1', 'k2': 'v2'}."""
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--rdzv-conf item {item!r}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
 
 _INTERNAL = frozenset({"fingerprint", "metrics_host", "metrics_port"})  # set by `elastic-rt launch` itself
 

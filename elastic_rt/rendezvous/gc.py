@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import Any, TextIO
 
-from elastic_rt.rdzv_conf import parse_rdzv_conf
+from elastic_rt.rendezvous.conf import parse_rdzv_conf
 from elastic_rt.errors import ConfigError, RunInUseError, RunNotFoundError
 from elastic_rt.rendezvous.claim import remove_run_keys
 from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, prefix_end

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
-from elastic_rt.rdzv_conf import parse_rdzv_conf
+from elastic_rt.rendezvous.conf import parse_rdzv_conf
 from elastic_rt.errors import ConfigError, EtcdUnavailableError, RunNotFoundError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.keys import validate_run_id

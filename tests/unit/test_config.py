@@ -8,7 +8,7 @@ from elastic_rt.cli import build_parser
 from elastic_rt.config import launch_config_from_args, parse_nnodes
 from elastic_rt.decisions import DetectionAction
 from elastic_rt.errors import ConfigError
-from elastic_rt.rdzv_conf import parse_rdzv_conf
+from elastic_rt.rendezvous.conf import parse_rdzv_conf
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.registration import parse_endpoints
 
