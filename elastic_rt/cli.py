@@ -8,15 +8,11 @@ import os
 import sys
 from typing import Mapping
 
-from elastic_rt import __version__, torchrun_compat
-from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT, DEFAULT_WARM_IMPORTS
-from elastic_rt.agent.stacks import DEFAULT_STACK_SIGNAL
-from elastic_rt.config import KNOWN_BACKENDS
-from elastic_rt.decisions import DetectionAction
+from elastic_rt import __version__, sections, torchrun_compat
+from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT
+from elastic_rt.config import KNOWN_BACKENDS, SECTIONS
 from elastic_rt.errors import ElasticRTError
 from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE
-
-DETECTION_ACTIONS = tuple(a.value for a in DetectionAction)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,76 +61,16 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"address the metrics and health server binds (default {DEFAULT_METRICS_HOST}: every "
                         "IPv4 interface, which Prometheus and kubelet probes in Kubernetes need since they reach "
                         "the pod IP; 127.0.0.1 keeps it on the node; :: for IPv6 and IPv4)")
-    p.add_argument("--hang-timeout", default="auto",
-                   help="restart the group when a worker makes no optimizer step (or report_step) for this many "
-                        "seconds; auto (default): max(300 s, 20 x median step, 2 x longest pause), once a first "
-                        "step was seen; 0 = off (docs/failures.md)")
-    p.add_argument("--stack-signal", default=DEFAULT_STACK_SIGNAL,
-                   help=f"signal on which workers dump their Python stacks for the agent (default {DEFAULT_STACK_SIGNAL}; "
-                        "off = no stack dumps)")
-    p.add_argument("--flight-recorder", default="auto", choices=("auto", "on", "off"),
-                   help="torch's collective flight recorder in workers, dumped on hangs and timeouts: "
-                        "auto (default: on with CUDA), on, off")
-    p.add_argument("--ntp-server", action="append", default=[], help="NTP server to measure offset against "
-                   "(repeatable)")
     p.add_argument("--checkpoint-url", default=None,
                    help="fsspec URL handed to workers as ELASTIC_RT_CHECKPOINT_URL (shared storage for "
                         "several nodes; e.g. file:///mnt/shared/job42, s3://bucket/job42)")
-    p.add_argument("--probe-bytes", type=int, default=4 << 20,
-                   help="size of the all-reduce probe run across the nodes after every rendezvous "
-                        "(default 4 MiB; 0 = off)")
-    p.add_argument("--probe-timeout", type=float, default=30.0, help="seconds before the probe counts as failed")
-    p.add_argument("--probe-backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl")
-    p.add_argument("--probe-interval", type=float, default=0.0,
-                   help="also probe every this many seconds while the round lasts (default 0 = after rendezvous only)")
-    p.add_argument("--probe-failure-action", default=DetectionAction.REPORT.value, choices=DETECTION_ACTIONS,
-                   help="report: fail the /readyz check `probe` and count it; leave: also stop this node's "
-                        "workers and leave the job so the others re-form without it (default report)")
-    p.add_argument("--straggler-threshold", type=float, default=1.5,
-                   help="flag a worker whose median step time is this many times the job's median (default 1.5; "
-                        "0 = off)")
-    p.add_argument("--straggler-windows", type=int, default=3,
-                   help="windows in a row over the threshold before a worker is flagged (default 3)")
-    p.add_argument("--straggler-window", type=float, default=10.0,
-                   help="seconds per step-timing window; also how often nodes exchange step times (default 10)")
-    p.add_argument("--straggler-action", default=DetectionAction.REPORT.value, choices=DETECTION_ACTIONS,
-                   help="report: log, count and export elastic_rt_straggler; leave: also stop this node's workers "
-                        "and leave the job so the others re-form without it (default report)")
-    p.add_argument("--preflight", default="auto", choices=("auto", "off", "report", "exclude"),
-                   help="before the first round: a matmul per local device, then a ring link test across the round; "
-                        "report: name nodes beyond --preflight-threshold x the job median; exclude: they also leave "
-                        "before training (exit 4); auto (default): report with CUDA, else off (docs/goodput.md)")
-    p.add_argument("--preflight-threshold", type=float, default=1.5,
-                   help="times the job median matmul or link time that names a node (default 1.5)")
-    p.add_argument("--preflight-timeout", type=float, default=60.0,
-                   help="seconds the pre-flight test may take in all; past them the job trains without it (default 60)")
-    p.add_argument("--preflight-rounds", default="first", choices=("first", "all"),
-                   help="test at the first round only (default), or at every re-formation too")
-    p.add_argument("--crash-loop-repeats", type=int, default=3,
-                   help="end the job (exit 3: do not requeue) when a worker failure repeats this many times in a row: "
-                        "the same failure at the same step, or with no checkpoint committed in between "
-                        "(default 3; 0 = off; docs/failures.md)")
-    p.add_argument("--crash-loop-no-step", type=int, default=5,
-                   help="end the job (exit 3) after this many failures in a row with no step made in between "
-                        "(default 5; 0 = off)")
     p.add_argument("--signals-to-handle", "--signals_to_handle", default=DEFAULT_SIGNALS_TO_HANDLE,
                    help="signals the agent handles (stopping the workers) and hands to them as "
                         f"TORCHELASTIC_SIGNALS_TO_HANDLE, as torchrun does (default {DEFAULT_SIGNALS_TO_HANDLE})")
     p.add_argument("--sysfs-root", default="/sys",
                    help="where sysfs is mounted (RDMA ports are read under it; default /sys)")
-    p.add_argument("--warm-workers", default="on", choices=("on", "off"),
-                   help="keep a pre-started worker per local rank (torch imported, waiting for its rank) so "
-                        "that a restart skips the interpreter start and imports (default on)")
-    p.add_argument("--warm-imports", default=",".join(DEFAULT_WARM_IMPORTS),
-                   help="modules a warm worker imports ahead (comma-separated; library modules only: they run "
-                        "before the worker knows its rank)")
-    p.add_argument("--host-cache", default="on", choices=("on", "off"),
-                   help="keep the last checkpoint's files of this node's workers in shared memory "
-                        "(/dev/shm/elastic-rt-RUN-NODE/, removed at exit) so that a restart here loads "
-                        "from memory; storage stays the truth (default on)")
-    p.add_argument("--memory-tier-replica-gib", type=float, default=None,
-                   help="the most GiB of peers' snapshot replicas this node holds in shared memory "
-                        "(CheckpointManager memory_every; docs/checkpoint.md 'Tiers'; default: a quarter of /dev/shm)")
+    for section in SECTIONS:  # each feature's flags, declared by its config section
+        sections.add_arguments(p, section)
     torchrun_compat.add_torchrun_arguments(p)
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")

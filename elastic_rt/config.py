@@ -10,15 +10,26 @@ import uuid
 from dataclasses import dataclass
 from typing import Mapping
 
+from elastic_rt import sections
 from elastic_rt import torchrun_compat as torchrun
 from elastic_rt.agent.config import AgentConfig
-from elastic_rt.decisions import DetectionAction
+from elastic_rt.agent.crash_loop import CrashLoopSettings
+from elastic_rt.agent.diagnostics import DiagnosticsSettings
+from elastic_rt.agent.host_memory import HostMemorySettings
+from elastic_rt.agent.warm import WarmSettings
+from elastic_rt.collectors.schedule import CollectorSettings
+from elastic_rt.doctor.preflight import PreflightSettings
 from elastic_rt.errors import ConfigError
+from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import conf as rdzv_conf
 from elastic_rt.rendezvous.keys import validate_run_id
 from elastic_rt.worker_env import DEFAULT_SIGNALS_TO_HANDLE, ENV_OMP_NUM_THREADS, ENV_SIGNALS_TO_HANDLE
 
 KNOWN_BACKENDS = ("etcd-v3", "etcd-v3-torch", "c10d", "static")
+# Each feature's config section, in the order their flags show in `launch --help` and README's table. A flag is
+# added in its section's module; a new section is added here.
+SECTIONS: tuple[type, ...] = (DiagnosticsSettings, CollectorSettings, StragglerSettings, PreflightSettings,
+                              CrashLoopSettings, WarmSettings, HostMemorySettings)
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -78,42 +89,7 @@ def worker_env_defaults(*, nproc_per_node: int, signals_to_handle: str,
 
 
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> float:
-    if value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(f"{name} {value:g}: must be {'>= 0' if zero_ok else '> 0'}")
-    return value
-
-
-def parse_hang_timeout(text: str) -> float | None:
-    """'auto' -> None (the automatic rule); '0' -> 0.0 (off); '90' -> 90.0."""
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"--hang-timeout {text!r}: expected auto, 0 (off) or a number of seconds") from None
-    return _positive("--hang-timeout", value, zero_ok=True)
-
-
-# Signals the stack dump may not use: faulthandler's own, uncatchable ones, and the agent's and torch's.
-_RESERVED_SIGNALS = {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS,
-                     signal.SIGILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD}
-
-
-def parse_stack_signal(text: str) -> int | None:
-    """'SIGRTMIN+6', 'SIGUSR2', '40' -> a signal number; 'off' -> None."""
-    from elastic_rt.agent.stacks import parse_signal
-
-    try:
-        num = parse_signal(text)
-    except (AttributeError, ValueError):
-        raise ConfigError(f"--stack-signal {text!r}: expected a signal name (SIGRTMIN+6, SIGUSR2), "
-                          "a number or off") from None
-    if num is None:
-        return None
-    if num in _RESERVED_SIGNALS or not 0 < num <= int(signal.SIGRTMAX):
-        raise ConfigError(f"--stack-signal {text!r}: that signal is reserved or invalid; "
-                          "use a real-time signal such as SIGRTMIN+6")
-    return num
+    return sections.positive(name, zero_ok=zero_ok)(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,23 +181,7 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         raise ConfigError(f"--metrics-port {args.metrics_port}: must be 0 (off) or a TCP port")
     if args.tee not in ("0", "1", "2", "3") and not re.fullmatch(r"(\d+:[0-3],?)+", args.tee):
         raise ConfigError(f"--tee {args.tee!r}: expected 0-3 (none, stdout, stderr, both) or local_rank:N,...")
-    if args.probe_bytes < 0:
-        raise ConfigError(f"--probe-bytes {args.probe_bytes}: must be >= 0 (0 = no probe)")
-    if args.probe_backend not in ("auto", "gloo", "nccl"):
-        raise ConfigError(f"--probe-backend {args.probe_backend!r}: choose auto, gloo or nccl")
-    if args.straggler_threshold != 0 and args.straggler_threshold <= 1:
-        raise ConfigError(f"--straggler-threshold {args.straggler_threshold:g}: must be > 1 (times the median), or 0 = off")
-    if args.straggler_windows < 1:
-        raise ConfigError(f"--straggler-windows {args.straggler_windows}: must be >= 1")
-    for flag, value in (("--crash-loop-repeats", args.crash_loop_repeats), ("--crash-loop-no-step", args.crash_loop_no_step)):
-        if value < 0:
-            raise ConfigError(f"{flag} {value}: must be >= 0 (0 = off)")
-    if not args.preflight_threshold > 1:
-        raise ConfigError(f"--preflight-threshold {args.preflight_threshold:g}: must be > 1 (times the median)")
-    warm_imports = tuple(m.strip() for m in (args.warm_imports or "").split(",") if m.strip())
-    bad = [m for m in warm_imports if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", m)]
-    if bad:
-        raise ConfigError(f"--warm-imports {bad[0]!r}: expected dotted module names, e.g. torch,numpy")
+    features = tuple(sections.from_args(section, args) for section in SECTIONS)
     if not args.script:
         raise ConfigError("no training script given: elastic-rt launch [options] SCRIPT [ARGS...]")
     nproc_per_node = parse_nproc(str(args.nproc_per_node))
@@ -251,34 +211,10 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         restart_grace_s=_positive("--restart-grace", args.restart_grace, zero_ok=True),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
-        hang_timeout_s=parse_hang_timeout(str(args.hang_timeout)),
-        stack_signal=parse_stack_signal(str(args.stack_signal)),
-        flight_recorder=args.flight_recorder,
-        ntp_servers=tuple(args.ntp_server or ()),
         checkpoint_url=args.checkpoint_url,
         sysfs_root=args.sysfs_root,
-        probe_bytes=args.probe_bytes,
-        probe_timeout_s=_positive("--probe-timeout", args.probe_timeout),
-        probe_backend=args.probe_backend,
-        probe_interval_s=_positive("--probe-interval", args.probe_interval, zero_ok=True),
-        probe_failure_action=DetectionAction(args.probe_failure_action),
         worker_env=worker_env,
         omp_threads_defaulted=omp_defaulted,
-        straggler_threshold=args.straggler_threshold,
-        straggler_windows=args.straggler_windows,
-        straggler_window_s=_positive("--straggler-window", args.straggler_window),
-        straggler_action=DetectionAction(args.straggler_action),
-        preflight=args.preflight,
-        preflight_threshold=args.preflight_threshold,
-        preflight_timeout_s=_positive("--preflight-timeout", args.preflight_timeout),
-        preflight_every_round=args.preflight_rounds == "all",
-        crash_loop_repeats=args.crash_loop_repeats,
-        crash_loop_no_step=args.crash_loop_no_step,
-        warm_workers=args.warm_workers == "on",
-        host_cache=args.host_cache == "on",
-        memory_tier_replica_bytes=(None if args.memory_tier_replica_gib is None else int(
-            _positive("--memory-tier-replica-gib", args.memory_tier_replica_gib) * (1 << 30))),
-        warm_imports=warm_imports,
         run_as_module=bool(args.module) and not args.run_path,
         no_python=bool(args.no_python) and not args.run_path,
         script=args.script,
@@ -292,6 +228,7 @@ def launch_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
         numa_binding=args.numa_binding,
         virtual_local_rank=bool(args.virtual_local_rank),
         notes=rdzv.notes + _torchrun_notes(args),
+        sections=features,
     )
 
 

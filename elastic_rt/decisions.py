@@ -94,6 +94,9 @@ class DetectionAction(_Word):
     LEAVE = "leave"  # and this node leaves the job (RestartReason with Response.LEAVE)
 
 
+DETECTION_ACTIONS = tuple(a.value for a in DetectionAction)  # the flags' choices
+
+
 class FailureCause(_Word):
     """Why one worker failed, in the order an operator reads them (elastic_rt_worker_failures_total{cause})."""
 

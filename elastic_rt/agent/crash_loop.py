@@ -20,9 +20,10 @@ from typing import Mapping
 
 from elastic_rt.agent.failures import ClassifiedFailure
 from elastic_rt.decisions import FailureCause
-from elastic_rt.errors import ElasticRTError
+from elastic_rt.errors import ConfigError, ElasticRTError
 from elastic_rt.reporting.checkpoint import CheckpointReportReader
 from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.sections import option
 
 EXIT_CRASH_LOOP = 3
 
@@ -33,6 +34,15 @@ class CrashLoopError(ElasticRTError):
     exit_code = EXIT_CRASH_LOOP
 
 
+def _count(flag: str):
+    def check(value: int) -> int:
+        if value < 0:
+            raise ConfigError(f"{flag} {value}: must be >= 0 (0 = off)")
+        return value
+
+    return check
+
+
 class Rule(str, Enum):
     REPEATS = "repeats"  # the same failure, at the same step or with no commit in between
     NO_STEP = "no_step"  # no step at all between failures
@@ -40,10 +50,17 @@ class Rule(str, Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class CrashLoopSettings:
-    """--crash-loop-repeats (0 = off), --crash-loop-no-step (0 = off)."""
+    """The crash-loop judge's config section: --crash-loop-repeats (0 = off), --crash-loop-no-step (0 = off)."""
 
-    repeats: int = 3
-    no_step: int = 5
+    repeats: int = option(
+        "--crash-loop-repeats", type=int, default=3, parse=_count("--crash-loop-repeats"),
+        help="end the job (exit 3: do not requeue) when a worker failure repeats this many times in a row: the "
+             "same failure at the same step, or with no checkpoint committed in between (default 3; 0 = off; "
+             "docs/failures.md)")
+    no_step: int = option(
+        "--crash-loop-no-step", type=int, default=5, parse=_count("--crash-loop-no-step"),
+        help="end the job (exit 3) after this many failures in a row with no step made in between (default 5; "
+             "0 = off)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,17 +7,74 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from elastic_rt.agent import flight_recorder as fr
 from elastic_rt.agent.failures import ClassifiedFailure, classify, describe, read_error_file, signal_name, stderr_tail
 from elastic_rt.agent.hang import SUSPECT_STATES, HangVerdict, first_stopped
 from elastic_rt.agent.oom import OomEvidence
-from elastic_rt.agent.stacks import UNANSWERABLE, StackCollector, WorkerRef, process_state, raw_path
+from elastic_rt.agent.stacks import (DEFAULT_STACK_SIGNAL, UNANSWERABLE, StackCollector, WorkerRef, parse_signal,
+                                     process_state, raw_path)
 from elastic_rt.decisions import FailureCause
+from elastic_rt.errors import ConfigError
+from elastic_rt.sections import positive, option
 from elastic_rt.worker_env import ENV_FLIGHT_RECORDER, ENV_STACK_SIGNAL
 
 log = logging.getLogger(__name__)
+
+
+def parse_hang_timeout(text: str) -> float | None:
+    """'auto' -> None (the automatic rule); '0' -> 0.0 (off); '90' -> 90.0."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--hang-timeout {text!r}: expected auto, 0 (off) or a number of seconds") from None
+    return positive("--hang-timeout", zero_ok=True)(value)
+
+
+# Signals the stack dump may not use: faulthandler's own, uncatchable ones, and the agent's and torch's.
+_RESERVED_SIGNALS = {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS,
+                     signal.SIGILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD}
+
+
+def parse_stack_signal(text: str) -> int | None:
+    """'SIGRTMIN+6', 'SIGUSR2', '40' -> a signal number; 'off' -> None."""
+    try:
+        num = parse_signal(str(text))
+    except (AttributeError, ValueError):
+        raise ConfigError(f"--stack-signal {text!r}: expected a signal name (SIGRTMIN+6, SIGUSR2), "
+                          "a number or off") from None
+    if num is None:
+        return None
+    if num in _RESERVED_SIGNALS or not 0 < num <= int(signal.SIGRTMAX):
+        raise ConfigError(f"--stack-signal {text!r}: that signal is reserved or invalid; "
+                          "use a real-time signal such as SIGRTMIN+6")
+    return num
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiagnosticsSettings:
+    """Failure diagnostics' config section: hang detection, stack dumps, torch's flight recorder."""
+
+    hang_timeout_s: float | None = option(
+        "--hang-timeout", default="auto", parse=parse_hang_timeout,
+        help="restart the group when a worker makes no optimizer step (or report_step) for this many seconds; auto "
+             "(default): max(300 s, 20 x median step, 2 x longest pause), once a first step was seen; 0 = off "
+             "(docs/failures.md)")  # None: auto
+    stack_signal: int | None = option(
+        "--stack-signal", default=DEFAULT_STACK_SIGNAL, parse=parse_stack_signal,
+        help=f"signal on which workers dump their Python stacks for the agent (default {DEFAULT_STACK_SIGNAL}; "
+             "off = no stack dumps)")  # None: off
+    flight_recorder: str = option(
+        "--flight-recorder", default="auto", choices=("auto", "on", "off"),
+        help="torch's collective flight recorder in workers, dumped on hangs and timeouts: auto (default: on with "
+             "CUDA), on, off")
+
+    def recorder_on(self, *, cuda: bool) -> bool:
+        return cuda if self.flight_recorder == "auto" else self.flight_recorder == "on"
 
 
 class FailureDiagnostics:

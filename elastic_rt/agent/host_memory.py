@@ -8,11 +8,13 @@ import os
 import re
 import shutil
 import stat
+from dataclasses import dataclass
 
 import psutil
 
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.checkpoint.host_cache import mib
+from elastic_rt.sections import on_off, option, positive
 from elastic_rt.worker_env import ENV_HOST_CACHE_DIR
 
 log = logging.getLogger(__name__)
@@ -21,11 +23,30 @@ HOST_CACHE_PREFIX = "elastic-rt-"
 HOST_CACHE_OWNER = ".owner"  # "<agent pid> <its start time>": a directory whose agent is gone is stale
 
 
+def _gib(value: float | None) -> int | None:
+    return None if value is None else int(positive("--memory-tier-replica-gib")(value) * (1 << 30))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostMemorySettings:
+    """Checkpoint copies in this node's shared memory: its own (--host-cache) and peers' replicas."""
+
+    host_cache: bool = option(
+        "--host-cache", default="on", choices=("on", "off"), parse=on_off,
+        help="keep the last checkpoint's files of this node's workers in shared memory "
+             "(/dev/shm/elastic-rt-RUN-NODE/, removed at exit) so that a restart here loads from memory; storage "
+             "stays the truth (default on)")
+    replica_bytes: int | None = option(
+        "--memory-tier-replica-gib", type=float, default=None, parse=_gib,
+        help="the most GiB of peers' snapshot replicas this node holds in shared memory (CheckpointManager "
+             "memory_every; docs/checkpoint.md 'Tiers'; default: a quarter of /dev/shm)")  # None: a quarter
+
+
 def make_host_cache(cfg: AgentConfig, node_id: str, shm_root: str = "/dev/shm") -> str | None:
     """This node's (empty) directory for checkpoint copies in shared memory, handed to the workers
     (elastic_rt/checkpoint/host_cache.py); None without shared memory or with --host-cache off.
     Directories left by agents that were SIGKILLed (any run) are removed first."""
-    if not cfg.host_cache or not os.path.isdir(shm_root):
+    if not cfg.section(HostMemorySettings).host_cache or not os.path.isdir(shm_root):
         return None
     remove_stale_host_caches(shm_root)
     path = os.path.join(shm_root, re.sub(r"[^\w.-]", "_", f"{HOST_CACHE_PREFIX}{cfg.rdzv_id}-{node_id}"))

@@ -28,22 +28,25 @@ from torch.distributed.elastic.utils import macros
 
 from elastic_rt.agent.agent import ElasticRTAgent
 from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, CrashLoopSettings
-from elastic_rt.agent.diagnostics import FailureDiagnostics
+from elastic_rt.agent.diagnostics import DiagnosticsSettings, FailureDiagnostics
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.limits import needed_open_files, raise_open_files_limit
 from elastic_rt.agent.numa import check_binding, cpu_list, numa_options
 from elastic_rt.agent.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
-from elastic_rt.agent.host_memory import HostCacheRoom, make_host_cache
+from elastic_rt.agent.host_memory import HostCacheRoom, HostMemorySettings, make_host_cache
 from elastic_rt.agent.replica_server import replica_budget_bytes, start_memory_tier
 from elastic_rt.checkpoint.host_cache import reserve_bytes
-from elastic_rt.agent.warm import WarmPool
-from elastic_rt.doctor.preflight import Preflight, PreflightMode, PreflightSettings
+from elastic_rt.agent.warm import WarmPool, WarmSettings
+from elastic_rt.collectors.schedule import CollectorSettings, NtpPoller, RoundChecks
+from elastic_rt.doctor.preflight import Preflight, PreflightSettings
 from elastic_rt.errors import (ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError,
                                NodeExcludedError, RunClosedError)
-from elastic_rt.interfaces import AgentObserver, MembershipHandler
+from elastic_rt.interfaces import MembershipHandler
+from elastic_rt.metrics.definitions import FailureMetrics, PreflightMetrics
 from elastic_rt.metrics.health import liveness_threshold_s
+from elastic_rt.metrics.observer import MetricsObserver
 from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
 from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
@@ -90,7 +93,7 @@ def apply_worker_env(cfg: AgentConfig) -> None:
     if cfg.omp_threads_defaulted:
         log.warning(OMP_DEFAULT_WARNING)
     os.environ.update(cfg.worker_env)
-    if cfg.straggler_threshold <= 0:  # detection off: workers need not time their compute
+    if not cfg.section(StragglerSettings).enabled:  # detection off: workers need not time their compute
         os.environ[ENV_NO_COMPUTE_TIMER] = "1"
     if cfg.checkpoint_url:
         os.environ[ENV_CHECKPOINT_URL] = cfg.checkpoint_url
@@ -132,7 +135,7 @@ def build_handler(cfg: AgentConfig):
         raise ConfigError(f"rendezvous configuration ({cfg.rdzv_backend}): {exc}") from exc
 
 
-def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
+def launch(cfg: AgentConfig) -> int:
     """Run this node's agent until the job ends. Returns the process exit code."""
     if not cfg.no_python and not cfg.run_as_module and not os.path.isfile(cfg.script):
         raise ConfigError(f"training script {cfg.script!r} not found")
@@ -172,44 +175,35 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
     )
     reports = WorkerReports(os.path.join(log_dir, "heartbeat"))
     stop = threading.Event()
-    round_checks = goodput = failure_metrics = registry = None
-    if observer is None:
-        from elastic_rt.collectors.schedule import NtpPoller, RoundChecks
-        from elastic_rt.metrics.definitions import FailureMetrics
-        from elastic_rt.metrics.observer import MetricsObserver
-
-        metrics_observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports,
-                                           sysfs_root=cfg.sysfs_root,
-                                           liveness_threshold_s=liveness_threshold_s(cfg.monitor_interval_s))
-        round_checks = RoundChecks(node=node_id, metrics=metrics_observer.metrics, stop=stop,
-                                   probe_bytes=cfg.probe_bytes, probe_timeout_s=cfg.probe_timeout_s,
-                                   probe_backend=cfg.probe_backend, probe_interval_s=cfg.probe_interval_s)
-        add_readiness_checks(metrics_observer.readiness, cfg, round_checks)
-        metrics_observer.serve(cfg.metrics_host, cfg.metrics_port)
-        NtpPoller(servers=cfg.ntp_servers, clock_metrics=metrics_observer.metrics.clock, stop=stop).start()
-        goodput = GoodputObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports, log_dir=log_dir,
-                                  settings=straggler_settings(cfg), registry=metrics_observer.registry,
-                                  started_at=process_start_monotonic())
-        observer = ObserverGroup(metrics_observer, goodput)
-        failure_metrics = FailureMetrics(registry=metrics_observer.registry, run_id=cfg.rdzv_id, node=node_id)
-        registry = metrics_observer.registry
-    diagnostics = build_diagnostics(cfg, log_dir, reports.directory, failure_metrics)
+    collectors = cfg.section(CollectorSettings)
+    metrics_observer = MetricsObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports, sysfs_root=cfg.sysfs_root,
+                                       liveness_threshold_s=liveness_threshold_s(cfg.monitor_interval_s))
+    registry = metrics_observer.registry
+    round_checks = RoundChecks(node=node_id, metrics=metrics_observer.metrics, stop=stop, settings=collectors)
+    add_readiness_checks(metrics_observer.readiness, round_checks, sysfs_root=cfg.sysfs_root,
+                         probe_enabled=collectors.probe_bytes > 0)
+    metrics_observer.serve(cfg.metrics_host, cfg.metrics_port)
+    NtpPoller(servers=collectors.ntp_servers, clock_metrics=metrics_observer.metrics.clock, stop=stop).start()
+    goodput = GoodputObserver(run_id=cfg.rdzv_id, node=node_id, reports=reports, log_dir=log_dir,
+                              settings=cfg.section(StragglerSettings), registry=registry,
+                              started_at=process_start_monotonic())
+    observer = ObserverGroup(metrics_observer, goodput)
+    failure_metrics = FailureMetrics(registry=registry, run_id=cfg.rdzv_id, node=node_id)
+    diagnostics = build_diagnostics(cfg.section(DiagnosticsSettings), log_dir, reports.directory, failure_metrics)
     node_test = build_node_test(cfg, node_id, registry)
     policy = HealthPolicy(
-        heartbeats=reports.heartbeats, hang_timeout_s=cfg.hang_timeout_s,
-        probe_failure=round_checks.probe_failure if round_checks else (lambda: None),
-        probe_failure_action=cfg.probe_failure_action,
+        heartbeats=reports.heartbeats, hang_timeout_s=cfg.section(DiagnosticsSettings).hang_timeout_s,
+        probe_failure=round_checks.probe_failure, probe_failure_action=collectors.probe_failure_action,
     )
     log.info("[%s] %s; stack dumps %s; flight recorder %s; logs in %s", node_id, policy.describe_hang_timeout(),
-             f"on signal {cfg.stack_signal}" if cfg.stack_signal else "off",
+             f"on signal {diagnostics.stack_signal}" if diagnostics.stack_signal else "off",
              "on" if diagnostics.flight_recorder else "off", log_dir)
-    if goodput is not None:
-        policy = PolicyGroup(policy, StragglerPolicy(goodput))
+    policy = PolicyGroup(policy, StragglerPolicy(goodput))
     host_cache = make_host_cache(cfg, node_id)  # before the warm workers: they inherit its variable
     replicas = None if host_cache is None else start_memory_tier(
         host_cache=host_cache, node=node_id, secret_file=cfg.conf.get("secret_file"),
-        advertise_host=cfg.local_addr or socket.gethostname(), max_replica_bytes=cfg.memory_tier_replica_bytes or replica_budget_bytes(),
-        registry=registry)
+        advertise_host=cfg.local_addr or socket.gethostname(),
+        max_replica_bytes=cfg.section(HostMemorySettings).replica_bytes or replica_budget_bytes(), registry=registry)
     warm_pool = make_warm_pool(cfg, node_id, entrypoint, args)
     agent = ElasticRTAgent(
         spec,
@@ -222,14 +216,12 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
         peer_loss_wait_s=(extras.settings.lease_ttl_s if extras else 3.0) + 1.0,
         observer=observer,
         policy=policy,
-        round_listeners=(node_test.on_round,) + ((round_checks.on_round, goodput.exchange.on_round)
-                                                 if round_checks else ())
+        round_listeners=(node_test.on_round, round_checks.on_round, goodput.exchange.on_round)
         + ((HostCacheRoom(host_cache, reserve_bytes=reserve_bytes(host_cache), node_id=node_id).on_round,)
            if host_cache is not None else ()),
         diagnostics=diagnostics,
         warm_pool=warm_pool,
-        crash_loop=CrashLoopJudge(CrashLoopSettings(repeats=cfg.crash_loop_repeats, no_step=cfg.crash_loop_no_step),
-                                  checkpoints=CheckpointReportReader(reports.directory)),
+        crash_loop=CrashLoopJudge(cfg.section(CrashLoopSettings), checkpoints=CheckpointReportReader(reports.directory)),
     )
     try:
         node_test.run_compute()  # before the first round, and before warm workers compete for the CPU
@@ -251,13 +243,13 @@ def launch(cfg: AgentConfig, observer: AgentObserver | None = None) -> int:
             extras.close()
 
 
-def build_diagnostics(cfg: AgentConfig, log_dir: str, reports_dir: str, metrics) -> FailureDiagnostics:
+def build_diagnostics(settings: DiagnosticsSettings, log_dir: str, reports_dir: str, metrics) -> FailureDiagnostics:
     """Failure causes, stacks and flight recorder dumps; sets the variables every worker inherits."""
     import torch
 
-    recorder = torch.cuda.is_available() if cfg.flight_recorder == "auto" else cfg.flight_recorder == "on"
     diagnostics = FailureDiagnostics(log_dir=log_dir, reports_dir=reports_dir, metrics=metrics, oom=OomEvidence(),
-                                     stack_signal=cfg.stack_signal, flight_recorder=recorder)
+                                     stack_signal=settings.stack_signal,
+                                     flight_recorder=settings.recorder_on(cuda=torch.cuda.is_available()))
     os.environ.update(diagnostics.worker_env(os.environ, torch_version=torch.__version__))
     return diagnostics
 
@@ -266,48 +258,36 @@ def build_node_test(cfg: AgentConfig, node_id: str, registry) -> Preflight:
     """The pre-flight node test (--preflight; auto: report where CUDA is available, else off)."""
     import torch
 
-    mode = PreflightMode(cfg.preflight)
-    if mode is PreflightMode.AUTO:
-        mode = PreflightMode.REPORT if torch.cuda.is_available() else PreflightMode.OFF
-    settings = PreflightSettings(mode=mode, threshold=cfg.preflight_threshold, timeout_s=cfg.preflight_timeout_s,
-                                 every_round=cfg.preflight_every_round, min_nodes=cfg.min_nodes)
-    metrics = None
-    if registry is not None:
-        from elastic_rt.metrics.definitions import PreflightMetrics
-
-        metrics = PreflightMetrics(registry=registry, run_id=cfg.rdzv_id, node=node_id)
+    settings = cfg.section(PreflightSettings).resolved(cuda=torch.cuda.is_available(), min_nodes=cfg.min_nodes)
+    metrics = PreflightMetrics(registry=registry, run_id=cfg.rdzv_id, node=node_id)
     return Preflight(node=node_id, settings=settings, nproc=cfg.nproc_per_node, metrics=metrics,
-                     backend=cfg.probe_backend)
+                     backend=cfg.section(CollectorSettings).probe_backend)
 
 
 def make_warm_pool(cfg: AgentConfig, node_id: str, entrypoint: str, args: tuple[str, ...]) -> WarmPool | None:
     """The warm-worker pool for this node, or None (--warm-workers off, --no-python: one log line)."""
-    if not cfg.warm_workers:
+    warm = cfg.section(WarmSettings)
+    if not warm.enabled:
         return None
     if cfg.no_python:
         log.info("[%s] warm workers off: --no-python runs an executable the agent cannot start ahead", node_id)
         return None
     environ = dict(os.environ)
-    return WarmPool(entrypoint=entrypoint, nproc=cfg.nproc_per_node, imports=cfg.warm_imports,
+    return WarmPool(entrypoint=entrypoint, nproc=cfg.nproc_per_node, imports=warm.imports,
                     args_for_rank=lambda rank: macros.substitute(list(args), str(rank)),
                     env_for_rank=(lambda rank: virtual_local_rank_env(rank, environ)) if cfg.virtual_local_rank
                     else (lambda rank: {}))
 
 
-def straggler_settings(cfg: AgentConfig) -> StragglerSettings:
-    return StragglerSettings(threshold=cfg.straggler_threshold, windows=cfg.straggler_windows,
-                             window_s=cfg.straggler_window_s, action=cfg.straggler_action)
-
-
-def add_readiness_checks(readiness, cfg: AgentConfig, round_checks) -> None:
+def add_readiness_checks(readiness, round_checks, *, sysfs_root: str, probe_enabled: bool) -> None:
     """/readyz: this node's fitness for the job, each check on its own data source. (`etcd` is the
     observer's own, fed by on_etcd; /livez holds the monitor-loop check.)"""
     from elastic_rt.collectors.rdma import RdmaCollector
     from elastic_rt.collectors.timex import read_timex
     from elastic_rt.metrics.readiness import clock_check, probe_check, rdma_check
 
-    readiness.add("probe", probe_check(round_checks, enabled=cfg.probe_bytes > 0))
-    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=cfg.sysfs_root).read_ports, os.environ))
+    readiness.add("probe", probe_check(round_checks, enabled=probe_enabled))
+    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=sysfs_root).read_ports, os.environ))
     readiness.add("clock", clock_check(lambda: round_checks.last_skew, read_timex))
 
 

@@ -20,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import select
 import signal
 import subprocess
@@ -28,8 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from elastic_rt.agent.config import DEFAULT_WARM_IMPORTS
 from elastic_rt.agent.warm_child import ENV_PAD, FLAG_FD, FLAG_IMPORTS, FLAG_NICE
+from elastic_rt.errors import ConfigError
+from elastic_rt.sections import on_off, option
 from elastic_rt.worker_env import (
     ENV_HEARTBEAT_DIR,
     ENV_HEARTBEAT_FILE,
@@ -40,6 +42,33 @@ from elastic_rt.worker_env import (
 )
 
 log = logging.getLogger(__name__)
+
+# What a warm worker imports before it knows its rank: torch's own modules (DDP imports torch._dynamo
+# on first use: seconds) and elastic-rt's checkpointing; nothing of the user's.
+DEFAULT_WARM_IMPORTS = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "elastic_rt.checkpoint")
+
+
+def _modules(text: str) -> tuple[str, ...]:
+    modules = tuple(m.strip() for m in (text or "").split(",") if m.strip())
+    bad = [m for m in modules if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", m)]
+    if bad:
+        raise ConfigError(f"--warm-imports {bad[0]!r}: expected dotted module names, e.g. torch,numpy")
+    return modules
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmSettings:
+    """Warm workers' config section: --warm-workers, --warm-imports."""
+
+    enabled: bool = option(
+        "--warm-workers", default="on", choices=("on", "off"), parse=on_off,
+        help="keep a pre-started worker per local rank (torch imported, waiting for its rank) so that a restart "
+             "skips the interpreter start and imports (default on)")
+    imports: tuple[str, ...] = option(
+        "--warm-imports", default=",".join(DEFAULT_WARM_IMPORTS), parse=_modules,
+        help="modules a warm worker imports ahead (comma-separated; library modules only: they run before the "
+             "worker knows its rank)")
+
 
 WORKER_MODULE = "elastic_rt.agent.worker_main"
 # Variables a rendezvous decides (torch's LocalElasticAgent sets them per worker; the agent sets

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 from torch.distributed.elastic.utils.distributed import get_free_port
 
@@ -13,13 +14,52 @@ from elastic_rt.collectors import sntp
 from elastic_rt.collectors.clock import SkewEstimate, skew_warning
 from elastic_rt.collectors.probe import ProbeResult, spawn_probe
 from elastic_rt.collectors.skew import measure_skew_via_store, serve_skew
-from elastic_rt.errors import ElasticRTError
+from elastic_rt.decisions import DETECTION_ACTIONS, DetectionAction
+from elastic_rt.errors import ConfigError, ElasticRTError
+from elastic_rt.sections import option, positive
 
 # torch's DynamicRendezvousHandler declares a node dead when its heartbeat, stamped with
 # that node's clock, looks older than 5 s x 3 on the reader's clock.
 TORCH_HEARTBEAT_TOLERANCE_S = 15.0
 
 log = logging.getLogger(__name__)
+
+
+def _probe_bytes(value: int) -> int:
+    if value < 0:
+        raise ConfigError(f"--probe-bytes {value}: must be >= 0 (0 = no probe)")
+    return value
+
+
+def _probe_backend(value: str) -> str:
+    if value not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"--probe-backend {value!r}: choose auto, gloo or nccl")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectorSettings:
+    """The node collectors' config section: NTP servers, and the collective probe after each rendezvous."""
+
+    ntp_servers: tuple[str, ...] = option(
+        "--ntp-server", action="append", default=[], parse=tuple,
+        help="NTP server to measure offset against (repeatable)")
+    probe_bytes: int = option(
+        "--probe-bytes", type=int, default=4 << 20, parse=_probe_bytes,
+        help="size of the all-reduce probe run across the nodes after every rendezvous (default 4 MiB; 0 = off)")
+    probe_timeout_s: float = option(
+        "--probe-timeout", type=float, default=30.0, parse=positive("--probe-timeout"),
+        help="seconds before the probe counts as failed")
+    probe_backend: str = option(
+        "--probe-backend", default="auto", parse=_probe_backend, help="auto (nccl with CUDA, else gloo), gloo or nccl")
+    probe_interval_s: float = option(
+        "--probe-interval", type=float, default=0.0, parse=positive("--probe-interval", zero_ok=True),
+        help="also probe every this many seconds while the round lasts (default 0 = after rendezvous only)")
+    probe_failure_action: DetectionAction = option(
+        "--probe-failure-action", default=DetectionAction.REPORT.value, choices=DETECTION_ACTIONS,
+        parse=DetectionAction,
+        help="report: fail the /readyz check `probe` and count it; leave: also stop this node's workers and leave "
+             "the job so the others re-form without it (default report)")
 
 
 class NtpPoller:
@@ -58,16 +98,15 @@ class RoundChecks:
     Runs in a thread per round; a round that ended makes its checks stop and its failures moot.
     """
 
-    def __init__(self, *, node: str, metrics, stop: threading.Event, probe_bytes: int = 4 << 20,
-                 probe_timeout_s: float = 30.0, probe_backend: str = "auto", probe_interval_s: float = 0.0,
+    def __init__(self, *, node: str, metrics, stop: threading.Event, settings: CollectorSettings = CollectorSettings(),
                  skew_samples: int = 8) -> None:
         self._node = node
         self._metrics = metrics
         self._stop = stop
-        self._probe_bytes = probe_bytes
-        self._probe_timeout_s = probe_timeout_s
-        self._probe_backend = probe_backend
-        self._probe_interval_s = probe_interval_s
+        self._probe_bytes = settings.probe_bytes
+        self._probe_timeout_s = settings.probe_timeout_s
+        self._probe_backend = settings.probe_backend
+        self._probe_interval_s = settings.probe_interval_s
         self._skew_samples = skew_samples
         self.round = -1
         self.last_probe: ProbeResult | None = None

@@ -13,13 +13,14 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from enum import Enum
 from typing import Any, Callable
 
 from elastic_rt.doctor.bench import ComputeResult, local_devices, run_local
-from elastic_rt.errors import HealthCheckError, NodeExcludedError, RoundRejectedError
+from elastic_rt.errors import ConfigError, HealthCheckError, NodeExcludedError, RoundRejectedError
+from elastic_rt.sections import option, positive
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,12 @@ class PreflightMode(str, Enum):
     AUTO = "auto"  # report where CUDA is available, else off
 
 
+def _times_median(value: float) -> float:
+    if not value > 1:
+        raise ConfigError(f"--preflight-threshold {value:g}: must be > 1 (times the median)")
+    return value
+
+
 class Finding(str, Enum):
     COMPUTE = "compute"  # a local device's matmul is slow
     LINK = "link"  # both ring links through the node are slow
@@ -45,14 +52,32 @@ class Finding(str, Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class PreflightSettings:
-    """--preflight, --preflight-threshold, --preflight-timeout, --preflight-rounds; and the job's MIN."""
+    """The node test's config section: --preflight, --preflight-threshold, --preflight-timeout,
+    --preflight-rounds; and the job's MIN (set by `resolved`)."""
 
-    mode: PreflightMode = PreflightMode.OFF
-    threshold: float = 1.5
-    timeout_s: float = 60.0
-    every_round: bool = False
+    mode: PreflightMode = option(
+        "--preflight", default="auto", choices=("auto", "off", "report", "exclude"), parse=PreflightMode,
+        help="before the first round: a matmul per local device, then a ring link test across the round; report: "
+             "name nodes beyond --preflight-threshold x the job median; exclude: they also leave before training "
+             "(exit 4); auto (default): report with CUDA, else off (docs/goodput.md)")
+    threshold: float = option(
+        "--preflight-threshold", type=float, default=1.5, parse=_times_median,
+        help="times the job median matmul or link time that names a node (default 1.5)")
+    timeout_s: float = option(
+        "--preflight-timeout", type=float, default=60.0, parse=positive("--preflight-timeout"),
+        help="seconds the pre-flight test may take in all; past them the job trains without it (default 60)")
+    every_round: bool = option(
+        "--preflight-rounds", default="first", choices=("first", "all"), parse=lambda v: v == "all",
+        help="test at the first round only (default), or at every re-formation too")
     compute_s: float = 2.0  # seconds of matmuls per device
     min_nodes: int = 1
+
+    def resolved(self, *, cuda: bool, min_nodes: int) -> PreflightSettings:
+        """auto made concrete (report with CUDA, else off), with the job's MIN."""
+        mode = self.mode
+        if mode is PreflightMode.AUTO:
+            mode = PreflightMode.REPORT if cuda else PreflightMode.OFF
+        return replace(self, mode=mode, min_nodes=min_nodes)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,9 +20,23 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Callable, Mapping
 
+from elastic_rt.decisions import DETECTION_ACTIONS, DetectionAction
+from elastic_rt.errors import ConfigError
+from elastic_rt.sections import option, positive
+
 log = logging.getLogger(__name__)
 
-STRAGGLER_ACTIONS = ("report", "leave")
+def _threshold(value: float) -> float:
+    if value != 0 and value <= 1:
+        raise ConfigError(f"--straggler-threshold {value:g}: must be > 1 (times the median), or 0 = off")
+    return value
+
+
+def _windows(value: int) -> int:
+    if value < 1:
+        raise ConfigError(f"--straggler-windows {value}: must be >= 1")
+    return value
+
 _NODE_KEY = "elastic-rt/speed/node/{}"
 _VERDICT_KEY = "elastic-rt/speed/verdict"
 _MAX_AGE = 3  # aggregations after which a node that published nothing new no longer counts
@@ -45,12 +59,22 @@ NodeWindow = tuple[int, Mapping[Signal, Mapping[int, float]]]
 
 @dataclass(frozen=True, kw_only=True)
 class StragglerSettings:
-    """--straggler-threshold (0 = off), --straggler-windows, --straggler-window, --straggler-action."""
+    """Straggler detection's config section: --straggler-threshold (0 = off), --straggler-windows,
+    --straggler-window, --straggler-action."""
 
-    threshold: float = 1.5
-    windows: int = 3
-    window_s: float = 10.0
-    action: str = "report"
+    threshold: float = option(
+        "--straggler-threshold", type=float, default=1.5, parse=_threshold,
+        help="flag a worker whose median step time is this many times the job's median (default 1.5; 0 = off)")
+    windows: int = option(
+        "--straggler-windows", type=int, default=3, parse=_windows,
+        help="windows in a row over the threshold before a worker is flagged (default 3)")
+    window_s: float = option(
+        "--straggler-window", type=float, default=10.0, parse=positive("--straggler-window"),
+        help="seconds per step-timing window; also how often nodes exchange step times (default 10)")
+    action: DetectionAction = option(
+        "--straggler-action", default=DetectionAction.REPORT.value, choices=DETECTION_ACTIONS, parse=DetectionAction,
+        help="report: log, count and export elastic_rt_straggler; leave: also stop this node's workers and leave "
+             "the job so the others re-form without it (default report)")
 
     @property
     def enabled(self) -> bool:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from elastic_rt.cli import build_parser
+from elastic_rt.collectors.schedule import CollectorSettings
 from elastic_rt.config import launch_config_from_args, parse_nnodes
 from elastic_rt.decisions import DetectionAction
 from elastic_rt.errors import ConfigError
+from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous.conf import parse_rdzv_conf
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.registration import parse_endpoints
@@ -101,14 +103,14 @@ def test_signals_to_handle_validated():
             _env_cfg({}, "--standalone", "--signals-to-handle", bad)
 
 
-@pytest.mark.parametrize("flag, field", [("--probe-failure-action", "probe_failure_action"),
-                                         ("--straggler-action", "straggler_action")])
-def test_detection_action_flags_take_the_enum_words(flag, field, capsys):
+@pytest.mark.parametrize("flag, section, field", [("--probe-failure-action", CollectorSettings, "probe_failure_action"),
+                                                  ("--straggler-action", StragglerSettings, "action")])
+def test_detection_action_flags_take_the_enum_words(flag, section, field, capsys):
     """The flags' choices are DetectionAction's values, and the config carries the enum itself."""
     base = ["--rdzv-endpoint", "etcd:2379", "--rdzv-id", "job1", "train.py"]
-    assert getattr(_cfg(*base), field) is DetectionAction.REPORT
+    assert getattr(_cfg(*base).section(section), field) is DetectionAction.REPORT
     for action in DetectionAction:
-        assert getattr(_cfg(flag, str(action), *base), field) is action
+        assert getattr(_cfg(flag, str(action), *base).section(section), field) is action
     with pytest.raises(SystemExit) as exc:
         _cfg(flag, "ignore", *base)
     err = capsys.readouterr().err

@@ -6,13 +6,15 @@ import signal
 
 import pytest
 
+from elastic_rt.agent.diagnostics import DiagnosticsSettings
 from elastic_rt.cli import build_parser
 from elastic_rt.config import launch_config_from_args
 from elastic_rt.errors import ConfigError
 
 
 def cfg(*argv):
-    return launch_config_from_args(build_parser().parse_args(["launch", "--standalone", *argv, "train.py"]))
+    return launch_config_from_args(build_parser().parse_args(["launch", "--standalone", *argv, "train.py"])).section(
+        DiagnosticsSettings)
 
 
 def test_defaults_auto_hang_timeout_and_a_real_time_stack_signal():

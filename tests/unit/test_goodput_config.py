@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_rt.agent.launcher import straggler_settings
 from elastic_rt.cli import build_parser
 from elastic_rt.config import launch_config_from_args
 from elastic_rt.errors import ConfigError
+from elastic_rt.goodput.stragglers import StragglerSettings
 
 
 def _cfg(*argv):
     return launch_config_from_args(build_parser().parse_args(["launch", "--standalone", *argv, "train.py"]))
+
+
+def straggler_settings(cfg) -> StragglerSettings:
+    return cfg.section(StragglerSettings)
 
 
 def test_defaults_report_at_one_and_a_half_times_the_median_for_three_windows_of_ten_seconds():

@@ -172,8 +172,8 @@ def test_readyz_rdma_honours_nccl_ib_hca_on_an_injected_sysfs(monkeypatch, env, 
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     readiness = HealthChecks(READINESS)
-    add_readiness_checks(readiness, SimpleNamespace(sysfs_root=str(FIXTURE_SYSFS), probe_bytes=0),
-                         SimpleNamespace(round=0, last_probe=None, last_skew=None, probe_failure=lambda: None))
+    add_readiness_checks(readiness, SimpleNamespace(round=0, last_probe=None, last_skew=None, probe_failure=lambda: None),
+                         sysfs_root=str(FIXTURE_SYSFS), probe_enabled=False)
     [(_, result)] = readiness.run(only="rdma")
     assert result.ok is ok and words in result.detail
     status, body = render("readyz", readiness.run(only="rdma"), verbose=False)

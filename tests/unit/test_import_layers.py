@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 # areas of lower layers only; areas of one layer do not import each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),  # the one error hierarchy
-    ("decisions", "worker_env", "torchrun_compat"),  # vocabulary and syntax
+    ("decisions", "worker_env", "torchrun_compat", "sections"),  # vocabulary and syntax
     ("checks", "collectors", "data", "checkpoint", "reporting", "interfaces"),  # leaves on their data sources
     ("elastic_rt", "rendezvous", "metrics"),  # elastic_rt: the package root, the training script's API
     ("goodput", "doctor", "status"),

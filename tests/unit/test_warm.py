@@ -13,6 +13,7 @@ from elastic_rt.agent.warm import (
     is_late,
     warm_command,
     warm_environment,
+    WarmSettings,
 )
 from elastic_rt.agent.warm_child import ENV_PAD, split_argv
 from elastic_rt.config import launch_config_from_args
@@ -79,10 +80,14 @@ def _cfg(*flags: str):
     return launch_config_from_args(build_parser().parse_args(["launch", "--standalone", *flags, "train.py"]))
 
 
+def _warm(*flags: str) -> WarmSettings:
+    return _cfg(*flags).section(WarmSettings)
+
+
 def test_warm_flags():
-    assert _cfg().warm_workers is True and "torch" in _cfg().warm_imports
-    assert _cfg("--warm-workers", "off").warm_workers is False
-    assert _cfg("--warm-imports", "torch, numpy").warm_imports == ("torch", "numpy")
+    assert _warm().enabled is True and "torch" in _warm().imports
+    assert _warm("--warm-workers", "off").enabled is False
+    assert _warm("--warm-imports", "torch, numpy").imports == ("torch", "numpy")
     with pytest.raises(ConfigError, match="--warm-imports"):
         _cfg("--warm-imports", "torch;rm -rf")
 
@@ -110,7 +115,8 @@ def test_host_cache_directories_of_dead_agents_are_removed(tmp_path, monkeypatch
     import subprocess
     import sys
 
-    from elastic_rt.agent.host_memory import HOST_CACHE_OWNER, make_host_cache, remove_stale_host_caches
+    from elastic_rt.agent.host_memory import (HOST_CACHE_OWNER, HostMemorySettings, make_host_cache,
+                                             remove_stale_host_caches)
 
     monkeypatch.setenv("ELASTIC_RT_HOST_CACHE_DIR", "")  # restored after the test: make_host_cache sets it
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -124,4 +130,4 @@ def test_host_cache_directories_of_dead_agents_are_removed(tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["elastic-rt-b-n1", "other", os.path.basename(mine)])  # the dead agent's went, unknown ones stay
     assert remove_stale_host_caches(str(tmp_path)) == []  # this agent's own is not stale
-    assert _cfg("--host-cache", "off").host_cache is False
+    assert _cfg("--host-cache", "off").section(HostMemorySettings).host_cache is False
