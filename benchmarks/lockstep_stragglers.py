@@ -85,7 +85,7 @@ def _worker_pid(agent) -> int:
     while time.monotonic() < deadline:
         for child in psutil.Process(agent.proc.pid).children():
             try:
-                if "worker_main" in " ".join(child.cmdline()) and "RANK" in child.environ():
+                if "elastic_rt.worker.main" in " ".join(child.cmdline()) and "RANK" in child.environ():
                     return child.pid
             except psutil.Error:
                 continue

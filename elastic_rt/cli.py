@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     try:
         if args.command == "launch":
-            from elastic_rt.agent.launcher import launch
+            from elastic_rt.launch import launch
             from elastic_rt.config import launch_config_from_args
 
             return launch(launch_config_from_args(args))

@@ -14,7 +14,7 @@ from elastic_rt import sections
 from elastic_rt import torchrun_compat as torchrun
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.agent.crash_loop import CrashLoopSettings
-from elastic_rt.agent.diagnostics import DiagnosticsSettings
+from elastic_rt.diagnostics.failure_diagnostics import DiagnosticsSettings
 from elastic_rt.agent.host_memory import HostMemorySettings
 from elastic_rt.agent.warm import WarmSettings
 from elastic_rt.collectors.schedule import CollectorSettings

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from elastic_rt.decisions import RestartReason
 
 if TYPE_CHECKING:
-    from elastic_rt.agent.hang import HangVerdict
+    from elastic_rt.diagnostics.hang import HangVerdict
     from elastic_rt.rendezvous.decide import Membership
     from elastic_rt.rendezvous.rounds import RendezvousSettings
 

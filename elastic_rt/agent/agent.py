@@ -13,8 +13,8 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, failure_record, hang_record
-from elastic_rt.agent.diagnostics import FailureDiagnostics
-from elastic_rt.agent.exit_aborts import forgive_teardown_exits
+from elastic_rt.diagnostics.failure_diagnostics import FailureDiagnostics
+from elastic_rt.diagnostics.exit_aborts import forgive_teardown_exits
 from elastic_rt.agent.process_tree import stop_tree
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.agent.warm_start import warm_start

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Mapping
 
-from elastic_rt.agent.failures import ClassifiedFailure
+from elastic_rt.diagnostics.failures import ClassifiedFailure
 from elastic_rt.decisions import FailureCause
 from elastic_rt.errors import ConfigError, ElasticRTError
 from elastic_rt.reporting.checkpoint import CheckpointReportReader

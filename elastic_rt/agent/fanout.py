@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable
 
-from elastic_rt.agent.hang import HangVerdict
+from elastic_rt.diagnostics.hang import HangVerdict
 from elastic_rt.decisions import RestartReason
 from elastic_rt.interfaces import AgentObserver, RestartPolicy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Mapping
 
-from elastic_rt.agent.hang import HangDetector, HangTimeout, HangVerdict
+from elastic_rt.diagnostics.hang import HangDetector, HangTimeout, HangVerdict
 from elastic_rt.decisions import DetectionAction, RestartReason
 from elastic_rt.interfaces import RestartPolicy
 from elastic_rt.reporting.heartbeat import Heartbeat

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from elastic_rt.agent.warm_child import ENV_PAD, FLAG_FD, FLAG_IMPORTS, FLAG_NICE
+from elastic_rt.worker.warm_child import ENV_PAD, FLAG_FD, FLAG_IMPORTS, FLAG_NICE
 from elastic_rt.errors import ConfigError
 from elastic_rt.sections import on_off, option
 from elastic_rt.worker_env import (
@@ -70,7 +70,7 @@ class WarmSettings:
              "worker knows its rank)")
 
 
-WORKER_MODULE = "elastic_rt.agent.worker_main"
+WORKER_MODULE = "elastic_rt.worker.main"
 # Variables a rendezvous decides (torch's LocalElasticAgent sets them per worker; the agent sets
 # the ELASTIC_RT_* ones per round). A warm worker starts without them and learns them at start.
 LATE_KEYS = frozenset({

@@ -17,14 +17,14 @@ import logging
 import subprocess
 from typing import Callable, Iterator
 
-from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.multiprocessing.api import RunProcsResult, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler, get_subprocess_handler
 
-from elastic_rt.agent.failures import read_error_file
-from elastic_rt.agent.numa import cpus_for_local_rank
+from elastic_rt.diagnostics.failures import read_error_file
+from elastic_rt.worker.numa import cpus_for_local_rank
 from elastic_rt.agent.process_tree import kill_tree
 from elastic_rt.agent.warm import WarmPool
+from elastic_rt.torch_seams import patched_start_processes
 
 log = logging.getLogger(__name__)
 
@@ -119,26 +119,26 @@ def _ranks(ranks) -> str:
 def warm_start(pool: WarmPool | None, *, ready: Callable[[], bool] | None = None) -> Iterator[None]:
     """Within the block, torch's agent starts its workers from `pool`; after it, the pool refills
     once `ready()` says the new workers are under way."""
-    original = getattr(local_elastic_agent, "start_processes", None)
-    if pool is None or original is None:
+    if pool is None:
         yield
         return
 
-    def start_processes(*args, **kwargs):
-        options = {k: v for k, v in kwargs.items() if k != "start_method"}
-        if args or not isinstance(kwargs.get("entrypoint"), str) or set(options) - _CONTEXT_PARAMS:
-            return original(*args, **kwargs)  # a function entrypoint, or a torch this code does not know
-        context = WarmSubprocessContext(pool=pool, **options)
-        try:
-            context.start()
-            return context
-        except Exception:
-            context.close()
-            raise
+    def make(original):
+        def start_processes(*args, **kwargs):
+            options = {k: v for k, v in kwargs.items() if k != "start_method"}
+            if args or not isinstance(kwargs.get("entrypoint"), str) or set(options) - _CONTEXT_PARAMS:
+                return original(*args, **kwargs)  # a function entrypoint, or a torch this code does not know
+            context = WarmSubprocessContext(pool=pool, **options)
+            try:
+                context.start()
+                return context
+            except Exception:
+                context.close()
+                raise
 
-    local_elastic_agent.start_processes = start_processes
-    try:
+        return start_processes
+
+    with patched_start_processes(make) as patched:
         yield
-    finally:
-        local_elastic_agent.start_processes = original
-    pool.refill(ready)
+    if patched:
+        pool.refill(ready)

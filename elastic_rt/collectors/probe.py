@@ -104,9 +104,9 @@ def _private_group(store: dist.Store, rank: int, world_size: int, backend: str, 
     pg = None
     try:
         if backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            from elastic_rt.torch_seams import nccl_options
+
+            pg = dist.ProcessGroupNCCL(store, rank, world_size, nccl_options(timeout))
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             pg, device = dist.ProcessGroupGloo(store, rank, world_size, timeout), torch.device("cpu")

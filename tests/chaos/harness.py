@@ -98,7 +98,7 @@ class Node:
             return []
         for c in children:
             try:
-                if "worker_main" in " ".join(c.cmdline()):
+                if "elastic_rt.worker.main" in " ".join(c.cmdline()):
                     out.append((c.pid, "RANK" in c.environ()))
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue

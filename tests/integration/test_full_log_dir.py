@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_rt.agent.diagnostics import FailureDiagnostics
+from elastic_rt.diagnostics.failure_diagnostics import FailureDiagnostics
 from elastic_rt.reporting import heartbeat as hb
 from elastic_rt.worker_env import ENV_HEARTBEAT_FILE
 from tests.chaos.harness import ROOT, Node

@@ -56,7 +56,7 @@ def _run(tmp_path, mode: str, env_extra: dict) -> subprocess.CompletedProcess:
     script.write_text(SCRIPT)
     env = dict(os.environ, **env_extra)
     return subprocess.run(
-        [sys.executable, "-m", "elastic_rt.agent.worker_main", "--", str(script), str(free_port()), mode],
+        [sys.executable, "-m", "elastic_rt.worker.main", "--", str(script), str(free_port()), mode],
         capture_output=True, text=True, timeout=120, env=env,
     )
 

@@ -15,9 +15,9 @@ import time
 import psutil
 import pytest
 
-from elastic_rt.agent import flight_recorder as fr
-from elastic_rt.agent.failures import read_error_file, user_frame
-from elastic_rt.agent.stacks import StackCollector, WorkerRef, parse_signal, raw_path
+from elastic_rt.diagnostics import flight_recorder as fr
+from elastic_rt.diagnostics.failures import read_error_file, user_frame
+from elastic_rt.diagnostics.stacks import StackCollector, WorkerRef, parse_signal, raw_path
 from elastic_rt.chaos.etcd_server import free_port
 from elastic_rt.reporting.heartbeat import read_heartbeat
 from elastic_rt.worker_env import ENV_FLIGHT_RECORDER, ENV_HEARTBEAT_DIR, ENV_STACK_SIGNAL
@@ -30,7 +30,7 @@ def worker(tmp_path, script: str, *args: str, env: dict | None = None, **popen) 
     path.write_text(textwrap.dedent(script))
     full_env = dict(os.environ, LOCAL_RANK="0", PYTHONUNBUFFERED="1", **{ENV_HEARTBEAT_DIR: str(tmp_path)},
                     **(env or {}))
-    return subprocess.Popen([sys.executable, "-m", "elastic_rt.agent.worker_main", "--", str(path), *args],
+    return subprocess.Popen([sys.executable, "-m", "elastic_rt.worker.main", "--", str(path), *args],
                             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_rt.errors import ConfigError
-from elastic_rt.agent.hang import HangDetector
+from elastic_rt.diagnostics.hang import HangDetector
 from elastic_rt.reporting.heartbeat import Heartbeat
 
 

@@ -139,7 +139,7 @@ def test_numa_binding_that_torch_cannot_do_is_one_config_error():
     torchrun each worker fails with a traceback)."""
     import torch
 
-    from elastic_rt.agent.numa import check_binding
+    from elastic_rt.worker.numa import check_binding
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: torch can bind here")
@@ -162,7 +162,7 @@ def test_nproc_per_node_words_as_torchrun():
 def test_static_handler_gets_torchruns_rank_and_timeout():
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
-    from elastic_rt.agent.launcher import build_handler
+    from elastic_rt.launch import build_handler
 
     before = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     try:

@@ -12,7 +12,7 @@ from elastic_rt.agent.crash_loop import (
     failure_record,
     hang_record,
 )
-from elastic_rt.agent.failures import ClassifiedFailure
+from elastic_rt.diagnostics.failures import ClassifiedFailure
 from elastic_rt.decisions import FailureCause
 from elastic_rt.reporting.checkpoint import CheckpointReportReader, report_checkpoint
 from elastic_rt.reporting.heartbeat import Heartbeat

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import psutil
 from prometheus_client import CollectorRegistry
 
-from elastic_rt.agent.diagnostics import FailureDiagnostics
-from elastic_rt.agent.hang import HangVerdict, RankStall
-from elastic_rt.agent.worker_main import record_error
+from elastic_rt.diagnostics.failure_diagnostics import FailureDiagnostics
+from elastic_rt.diagnostics.hang import HangVerdict, RankStall
+from elastic_rt.worker.main import record_error
 from elastic_rt.metrics.definitions import FailureMetrics
 
 BASE = {"run_id": "r", "node": "n"}
@@ -40,7 +40,7 @@ def test_siblings_that_torch_terminated_are_not_failures_of_their_own(tmp_path, 
         record_error(exc, error_file)
     failures = {4: SimpleNamespace(local_rank=0, pid=1000, exitcode=1, error_file=error_file),
                 5: SimpleNamespace(local_rank=1, pid=1001, exitcode=-15, error_file="<N/A>")}
-    with caplog.at_level(logging.INFO, logger="elastic_rt.agent.diagnostics"):
+    with caplog.at_level(logging.INFO, logger="elastic_rt.diagnostics.failure_diagnostics"):
         causes = diag.on_failures("[n round 2]", failures)
     assert [c.cause for c in causes] == ["exception"]
     lines = [r.getMessage() for r in caplog.records]
@@ -67,7 +67,7 @@ def test_a_stopped_sibling_that_had_recorded_an_exception_is_the_root_cause(tmp_
         record_error(exc, error_file)
     failures = {4: SimpleNamespace(local_rank=0, pid=1000, exitcode=-6, error_file="<N/A>"),
                 5: SimpleNamespace(local_rank=1, pid=1001, exitcode=-15, error_file=error_file)}
-    with caplog.at_level(logging.INFO, logger="elastic_rt.agent.diagnostics"):
+    with caplog.at_level(logging.INFO, logger="elastic_rt.diagnostics.failure_diagnostics"):
         causes = diag.on_failures("[n]", failures)
     assert [c.cause for c in causes] == ["signal", "exception"]
     assert not any("worker stopped" in r.getMessage() for r in caplog.records)
@@ -94,7 +94,7 @@ def test_hang_line_names_the_first_rank_and_writes_its_stacks(tmp_path, caplog):
         verdict = HangVerdict(hung=True, stuck=(0,), stalled_s=301.0, reason="local rank(s) [0] made no step progress",
                               stalls=(RankStall(local_rank=0, pid=proc.pid, last_step=9, last_progress_s=1.0,
                                                 stalled_s=301.0),), timeout_s=300.0)
-        with caplog.at_level(logging.INFO, logger="elastic_rt.agent.diagnostics"):
+        with caplog.at_level(logging.INFO, logger="elastic_rt.diagnostics.failure_diagnostics"):
             out_dir = diag.on_hang("[n round 1]", verdict)
         state = "sleeping"
         line = caplog.records[-1].getMessage()

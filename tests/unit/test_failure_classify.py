@@ -8,7 +8,7 @@ import signal
 import pytest
 from prometheus_client import CollectorRegistry
 
-from elastic_rt.agent.failures import (
+from elastic_rt.diagnostics.failures import (
     CAUSES,
     ErrorRecord,
     classify,
@@ -18,13 +18,13 @@ from elastic_rt.agent.failures import (
     stderr_tail,
     user_frame,
 )
-from elastic_rt.agent.oom import CgroupOomCounters, KernelLog, OomEvidence
-from elastic_rt.agent.worker_main import record_error
+from elastic_rt.diagnostics.oom import CgroupOomCounters, KernelLog, OomEvidence
+from elastic_rt.worker.main import record_error
 from elastic_rt.metrics.definitions import FailureMetrics
 
 LIBS = ("/usr/lib/python3.11/", "/venv/site-packages/", "/src/elastic_rt/")
 CALLSTACK = '''Traceback (most recent call last):
-  File "/src/elastic_rt/agent/worker_main.py", line 105, in main
+  File "/src/elastic_rt/worker/main.py", line 105, in main
     runpy.run_path(script, run_name="__main__")
   File "<frozen runpy>", line 291, in run_path
   File "/jobs/train.py", line 77, in <module>

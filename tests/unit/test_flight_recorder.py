@@ -6,7 +6,7 @@ import json
 import os
 import pickle
 
-from elastic_rt.agent import flight_recorder as fr
+from elastic_rt.diagnostics import flight_recorder as fr
 
 
 def entry(seq: int, *, name: str = "nccl:all_reduce", state: str = "completed", pg: int = 0) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_rt.agent.hang import AUTO_FLOOR_S, HangDetector, HangTimeout, RankStall, first_stopped
+from elastic_rt.diagnostics.hang import AUTO_FLOOR_S, HangDetector, HangTimeout, RankStall, first_stopped
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.errors import ConfigError
 from elastic_rt.reporting.heartbeat import Heartbeat

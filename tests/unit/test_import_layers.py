@@ -16,12 +16,13 @@ REPO = Path(__file__).resolve().parents[2]
 # areas of lower layers only; areas of one layer do not import each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),  # the one error hierarchy
-    ("decisions", "worker_env", "torchrun_compat", "sections"),  # vocabulary and syntax
+    ("decisions", "worker_env", "torchrun_compat", "sections", "torch_seams"),  # vocabulary, syntax, torch's seams
     ("checks", "collectors", "data", "checkpoint", "reporting", "interfaces"),  # leaves on their data sources
-    ("elastic_rt", "rendezvous", "metrics"),  # elastic_rt: the package root, the training script's API
+    ("elastic_rt", "rendezvous", "metrics", "diagnostics"),  # elastic_rt: the package root, the training script's API
     ("goodput", "doctor", "status"),
-    ("report", "agent"),
-    ("config", "chaos"),  # config: flags -> the agent's frozen configuration
+    ("report", "worker"),  # worker: what runs inside worker processes
+    ("agent",),
+    ("config", "chaos", "launch"),  # config: flags -> the agent's frozen configuration; launch: the composition root
     ("cli",),
 )
 # Edges that break the rule today, each with the place that owns its removal.

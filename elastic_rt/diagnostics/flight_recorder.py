@@ -71,9 +71,10 @@ def start_dump_listener(path: str, dump: Callable[[], bytes] | None = None) -> t
     """Serve dump requests: the agent writes '<output path>\\n' into the FIFO at `path`; this thread
     writes the recorder's JSON there. The thread blocks in read(2) and costs nothing until asked."""
     if dump is None:
-        try:
-            from torch._C._distributed_c10d import _dump_fr_trace_json as dump  # type: ignore[no-redef]
-        except ImportError:  # a torch without distributed support or without the recorder
+        from elastic_rt.torch_seams import flight_recorder_dump
+
+        dump = flight_recorder_dump()
+        if dump is None:  # a torch without distributed support or without the recorder
             return None
     try:
         if os.path.exists(path):

@@ -1,5 +1,5 @@
-"""Wire a AgentConfig into a rendezvous handler, a WorkerSpec and the agent; run it; map the outcome
-to an exit code."""
+"""The composition root of `elastic-rt launch`: an AgentConfig wired into a rendezvous handler, a WorkerSpec, the
+agent and its features (each from its config section); run; the outcome mapped to an exit code."""
 
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from torch.distributed.elastic.utils import macros
 
 from elastic_rt.agent.agent import ElasticRTAgent
 from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, CrashLoopSettings
-from elastic_rt.agent.diagnostics import DiagnosticsSettings, FailureDiagnostics
+from elastic_rt.diagnostics.failure_diagnostics import DiagnosticsSettings, FailureDiagnostics
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.limits import needed_open_files, raise_open_files_limit
-from elastic_rt.agent.numa import check_binding, cpu_list, numa_options
-from elastic_rt.agent.oom import OomEvidence
+from elastic_rt.worker.numa import check_binding, cpu_list, numa_options
+from elastic_rt.diagnostics.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.agent.host_memory import HostCacheRoom, HostMemorySettings, make_host_cache
@@ -82,7 +82,7 @@ def worker_command(cfg: AgentConfig) -> tuple[str, tuple[str, ...]]:
     """The entrypoint and arguments of each worker process."""
     if cfg.no_python:
         return cfg.script, cfg.script_args
-    runner = ("-u", "-m", "elastic_rt.agent.worker_main", "--")
+    runner = ("-u", "-m", "elastic_rt.worker.main", "--")
     target = ("-m", cfg.script) if cfg.run_as_module else (cfg.script,)
     return sys.executable, runner + target + cfg.script_args
 

@@ -1,8 +1,8 @@
 """Entry point of every worker: die with the agent (PR_SET_PDEATHSIG), hook progress, stacks and errors, then run the script.
 
-A warm worker first imports ahead and waits for its environment (agent/warm_child.py). Nothing
+A warm worker first imports ahead and waits for its environment (worker/warm_child.py). Nothing
 else here imports torch: the hooks into torch run when the script imports it (or at once, if a
-warm worker imported it ahead: elastic_rt.agent.after_import).
+warm worker imported it ahead: elastic_rt.worker.after_import).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 import time
 import traceback
 
-from elastic_rt.agent import teardown_guard, warm_child
-from elastic_rt.agent.after_import import when_imported
+from elastic_rt.worker import teardown_guard, warm_child
+from elastic_rt.worker.after_import import when_imported
 from elastic_rt.worker_env import (
     ENV_FLIGHT_RECORDER,
     ENV_HEARTBEAT_DIR,
@@ -62,11 +62,11 @@ def _hook_optimizer_steps() -> None:
 def _install_diagnostics(hb_dir: str, local_rank: int) -> None:
     sig = os.environ.get(ENV_STACK_SIGNAL, "0")
     if sig.isdigit() and int(sig) > 0:
-        from elastic_rt.agent.stacks import install_in_worker, raw_path
+        from elastic_rt.diagnostics.stacks import install_in_worker, raw_path
 
         install_in_worker(int(sig), raw_path(hb_dir, local_rank))
     if os.environ.get(ENV_FLIGHT_RECORDER) == "1":
-        from elastic_rt.agent import flight_recorder
+        from elastic_rt.diagnostics import flight_recorder
 
         path = flight_recorder.fifo_path(hb_dir, local_rank)
         when_imported("torch.distributed", lambda _mod: flight_recorder.start_dump_listener(path))

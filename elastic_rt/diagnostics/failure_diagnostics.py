@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from elastic_rt.agent import flight_recorder as fr
-from elastic_rt.agent.failures import ClassifiedFailure, classify, describe, read_error_file, signal_name, stderr_tail
-from elastic_rt.agent.hang import SUSPECT_STATES, HangVerdict, first_stopped
-from elastic_rt.agent.oom import OomEvidence
-from elastic_rt.agent.stacks import (DEFAULT_STACK_SIGNAL, UNANSWERABLE, StackCollector, WorkerRef, parse_signal,
+from elastic_rt.diagnostics import flight_recorder as fr
+from elastic_rt.diagnostics.failures import ClassifiedFailure, classify, describe, read_error_file, signal_name, stderr_tail
+from elastic_rt.diagnostics.hang import SUSPECT_STATES, HangVerdict, first_stopped
+from elastic_rt.diagnostics.oom import OomEvidence
+from elastic_rt.diagnostics.stacks import (DEFAULT_STACK_SIGNAL, UNANSWERABLE, StackCollector, WorkerRef, parse_signal,
                                      process_state, raw_path)
 from elastic_rt.decisions import FailureCause
 from elastic_rt.errors import ConfigError

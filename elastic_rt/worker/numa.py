@@ -28,10 +28,10 @@ def numa_options(mode: str | None):
 def cpus_for_local_rank(options, local_rank: int) -> set[int] | None:
     """The logical CPUs torch binds local rank `local_rank` to; None when the binding failed and the options
     say to go on unbound (torch's should_fall_back_if_binding_fails), as torch's cold path does."""
-    from torch.numa import binding
+    from elastic_rt.torch_seams import logical_cpus_to_bind
 
     try:
-        return set(binding._get_validated_logical_cpus_to_bind_to(gpu_index=local_rank, numa_options=options))
+        return logical_cpus_to_bind(options, local_rank)
     except Exception:
         if options.should_fall_back_if_binding_fails:
             return None

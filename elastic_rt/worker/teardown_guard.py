@@ -34,7 +34,7 @@ import os
 import weakref
 from typing import Any
 
-from elastic_rt.agent.after_import import when_imported
+from elastic_rt.worker.after_import import when_imported
 
 ENV_DISABLE = "ELASTIC_RT_NO_TEARDOWN_GUARD"
 _C10D_PACKAGE = "torch.distributed"

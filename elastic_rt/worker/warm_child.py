@@ -24,7 +24,7 @@ import os
 import resource
 import sys
 
-# argv of a warm worker: python -u -m elastic_rt.agent.worker_main --warm IN,READY [--warm-nice N]
+# argv of a warm worker: python -u -m elastic_rt.worker.main --warm IN,READY [--warm-nice N]
 #                        [--warm-imports a,b] -- SCRIPT ARGS...
 # IN: the pipe the start message arrives on; READY: a pipe it writes one byte to once imported.
 FLAG_FD = "--warm"
@@ -260,8 +260,8 @@ def become_worker(opts: WarmOptions, argv: list[str]) -> list[str]:
             os.environ[key] = value
         if initial.get(key) != value:
             added[key] = value
-    if message.get("cpus"):  # --numa-binding: what numactl does for a cold worker (agent/numa.py); kept by exec
-        from elastic_rt.agent.numa import bind_this_process
+    if message.get("cpus"):  # --numa-binding: what numactl does for a cold worker (worker/numa.py); kept by exec
+        from elastic_rt.worker.numa import bind_this_process
 
         bind_this_process(message["cpus"])
     if message.get("argv") != argv:
