@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.optim.optimizer as optimizer_module
 
 from elastic_rt.goodput import compute
-from elastic_rt.reporting import heartbeat
+from elastic_rt.worker_reports import heartbeat
 from elastic_rt.worker_env import ENV_HEARTBEAT_FILE
 
 VARIANTS = ("none", "progress_hook", "progress_hook+compute_timer")

@@ -45,14 +45,14 @@ from elastic_rt.errors import (ConfigError, ElasticRTError, EtcdUnavailableError
                                NodeExcludedError, RunClosedError)
 from elastic_rt.interfaces import MembershipHandler
 from elastic_rt.metrics.definitions import FailureMetrics, PreflightMetrics
-from elastic_rt.metrics.health import liveness_threshold_s
-from elastic_rt.metrics.observer import MetricsObserver
-from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy, process_start_monotonic
+from elastic_rt.metrics.health_endpoints import liveness_threshold_s
+from elastic_rt.metrics.metrics_observer import MetricsObserver
+from elastic_rt.goodput.goodput_observer import GoodputObserver, StragglerPolicy, process_start_monotonic
 from elastic_rt.goodput.stragglers import StragglerSettings
 from elastic_rt.rendezvous import registration
 from elastic_rt.rendezvous.claim import JobFingerprint
-from elastic_rt.reporting.checkpoint import CheckpointReportReader
-from elastic_rt.reporting.inbox import WorkerReports
+from elastic_rt.worker_reports.checkpoint import CheckpointReportReader
+from elastic_rt.worker_reports.inbox import WorkerReports
 from elastic_rt.torchrun_compat import STATIC_RDZV_TIMEOUT_S, logs_specs_class, virtual_local_rank_env
 from elastic_rt.worker_env import ENV_CHECKPOINT_URL, ENV_NO_COMPUTE_TIMER, OMP_DEFAULT_WARNING
 

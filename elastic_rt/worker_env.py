@@ -21,7 +21,7 @@ ENV_NO_PROGRESS_HOOK = "ELASTIC_RT_NO_PROGRESS_HOOK"  # 1: optimizer steps do no
 ENV_NO_COMPUTE_TIMER = "ELASTIC_RT_NO_COMPUTE_TIMER"  # 1: backward() is not timed (stragglers off)
 
 # torchrun's launch-time part of the worker contract (torch/distributed/run.py, launcher/api.py),
-# decided once per launch by elastic_rt.config.worker_env_defaults. The per-worker part (RANK,
+# decided once per launch by elastic_rt.launch_config.worker_env_defaults. The per-worker part (RANK,
 # LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT, ...)
 # comes from torch's LocalElasticAgent, which elastic-rt's agent extends.
 ENV_OMP_NUM_THREADS = "OMP_NUM_THREADS"  # "1" when several workers share a node and the user set none

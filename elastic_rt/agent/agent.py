@@ -22,7 +22,7 @@ from elastic_rt.checkpoint.fence import FencePublisher
 from elastic_rt.decisions import Response, RestartReason
 from elastic_rt.errors import RoundRejectedError
 from elastic_rt.interfaces import AgentObserver, MembershipHandler, RestartPolicy
-from elastic_rt.reporting.inbox import WorkerReports
+from elastic_rt.worker_reports.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_DIR, ENV_NODE_ID, ENV_PARENT_PID, ENV_ROUND, ENV_RUN_ID
 
 log = logging.getLogger(__name__)

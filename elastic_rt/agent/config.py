@@ -22,7 +22,7 @@ DEFAULT_METRICS_HOST = "0.0.0.0"
 
 @dataclass(frozen=True, kw_only=True)
 class AgentConfig:
-    """Everything one node's agent needs, validated (built by elastic_rt.config from the flags)."""
+    """Everything one node's agent needs, validated (built by elastic_rt.launch_config from the flags)."""
 
     min_nodes: int
     max_nodes: int

@@ -21,8 +21,8 @@ from typing import Mapping
 from elastic_rt.diagnostics.failures import ClassifiedFailure
 from elastic_rt.decisions import FailureCause
 from elastic_rt.errors import ConfigError, ElasticRTError
-from elastic_rt.reporting.checkpoint import CheckpointReportReader
-from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.worker_reports.checkpoint import CheckpointReportReader
+from elastic_rt.worker_reports.heartbeat import Heartbeat
 from elastic_rt.sections import option
 
 EXIT_CRASH_LOOP = 3

@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Mapping
 from elastic_rt.diagnostics.hang import HangDetector, HangTimeout, HangVerdict
 from elastic_rt.decisions import DetectionAction, RestartReason
 from elastic_rt.interfaces import RestartPolicy
-from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.worker_reports.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 

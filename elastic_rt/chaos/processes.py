@@ -79,7 +79,7 @@ class RunProcesses:
 
 
 def _launch_parser() -> argparse.ArgumentParser:
-    from elastic_rt.cli import add_launch_arguments
+    from elastic_rt.launch_config import add_launch_arguments
 
     class Quiet(argparse.ArgumentParser):
         def error(self, message: str):  # type: ignore[override]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from elastic_rt.errors import ConfigError
-from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.worker_reports.heartbeat import Heartbeat
 
 # The automatic hang timeout (docs/failures.md explains the choice).
 AUTO_FLOOR_S = 300.0  # never less: first-step compilation is not judged, but a recompile, an eval or a save is

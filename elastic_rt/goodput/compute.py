@@ -7,7 +7,7 @@ first collective the script calls itself (a loss all-reduce, a barrier), so all 
 same pace; the time outside those is each rank's own, and the slow rank's is the longest. The worker
 entry point installs this when the script imports torch: it wraps torch.autograd.backward
 (Tensor.backward calls it) and torch.distributed's collectives (`waits`), and ends a step in the
-optimizer step post hook (reporting/heartbeat.py). Marks are CUDA events on the current stream when
+optimizer step post hook (worker_reports/heartbeat.py). Marks are CUDA events on the current stream when
 the optimizer's parameters live on a GPU (kernels run asynchronously: host clocks would time their
 launches, and whichever call synchronises would absorb the wait), else the host's monotonic clock.
 
@@ -235,7 +235,7 @@ def uninstall(*modules: Any) -> None:
 def install_in_worker(autograd_module: Any) -> None:
     """The worker entry point's action on `import torch.autograd`: time backward() calls, and end
     each step in the progress hook (which writes the totals into the heartbeat)."""
-    from elastic_rt.reporting.heartbeat import set_step_timer
+    from elastic_rt.worker_reports.heartbeat import set_step_timer
 
     install(autograd_module)
     set_step_timer(step_ended)

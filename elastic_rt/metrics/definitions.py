@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from elastic_rt.collectors.clock import ClockMetrics
 from elastic_rt.decisions import COLLECTIVE_ERROR_KINDS, FailureCause, Response, RestartReason
-from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.worker_reports.heartbeat import Heartbeat
 from elastic_rt.collectors.rdma import RdmaCollector
 from elastic_rt.collectors.timex import TimexStatus, read_timex
 from elastic_rt.metrics.workers import WorkerCollector

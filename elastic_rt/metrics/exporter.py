@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from elastic_rt.errors import ConfigError
-from elastic_rt.metrics.health import LIVENESS, READINESS, HealthChecks, render
+from elastic_rt.metrics.health_endpoints import LIVENESS, READINESS, HealthChecks, render
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.worker_reports.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 

@@ -101,7 +101,7 @@ from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError, RunInUseErro
 from elastic_rt.interfaces import MembershipHandler
 from elastic_rt.rendezvous.claim import claim_run, remove_run_keys
 from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
-from elastic_rt.rendezvous.health import Backoff, EtcdHealth
+from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.lease import NodeLease
 from elastic_rt.rendezvous.liveness import PeerWatch, parse_peer, ring_neighbours

@@ -11,7 +11,7 @@ from typing import Callable
 
 from elastic_rt.errors import DuplicateNodeError, EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
-from elastic_rt.rendezvous.health import Backoff, EtcdHealth
+from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import LivenessListener, parse_peer, probe
 from elastic_rt.rendezvous.monitor import incarnation

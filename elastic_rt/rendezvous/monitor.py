@@ -10,7 +10,7 @@ from typing import Callable
 
 from elastic_rt.decisions import RestartReason
 from elastic_rt.rendezvous.etcd_client import KeyValue
-from elastic_rt.rendezvous.health import EtcdHealth
+from elastic_rt.rendezvous.etcd_reachability import EtcdHealth
 from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)

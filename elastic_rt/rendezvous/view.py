@@ -32,7 +32,7 @@ from typing import Callable
 
 from elastic_rt.errors import EtcdUnavailableError, RendezvousDataError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, WatchCompacted, WatchEvent, WatchStream
-from elastic_rt.rendezvous.health import Backoff
+from elastic_rt.rendezvous.etcd_reachability import Backoff
 from elastic_rt.rendezvous.keys import RunKeys
 
 log = logging.getLogger(__name__)

@@ -49,7 +49,7 @@ def _hook_optimizer_steps() -> None:
     """Every optimizer.step() is progress for the hang detector (torch's global post hook, ~1 us)."""
     if os.environ.get(ENV_NO_PROGRESS_HOOK, "") not in ("", "0"):
         return
-    from elastic_rt.reporting.heartbeat import install_optimizer_progress
+    from elastic_rt.worker_reports.heartbeat import install_optimizer_progress
 
     when_imported("torch.optim.optimizer", install_optimizer_progress)
     if os.environ.get(ENV_NO_COMPUTE_TIMER, "") in ("", "0"):  # lock-step stragglers (goodput/compute.py)
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> None:
         raise
     finally:
         if hb_dir:  # exiting, not stuck: interpreter teardown of a torch process can take seconds
-            from elastic_rt.reporting.heartbeat import report_finished
+            from elastic_rt.worker_reports.heartbeat import report_finished
 
             # returned: the agent does not re-run the job if teardown then aborts (exit_aborts.py)
             report_finished(returned)

@@ -13,7 +13,7 @@ import time
 
 from elastic_rt import cli
 from elastic_rt.agent.agent import ElasticRTAgent
-from elastic_rt.metrics import health
+from elastic_rt.metrics import health_endpoints as health
 
 WEDGE_FILE = os.environ["ELASTIC_RT_TEST_WEDGE_FILE"]
 health.LIVENESS_MIN_S = float(os.environ.get("ELASTIC_RT_TEST_LIVENESS_MIN_S", health.LIVENESS_MIN_S))

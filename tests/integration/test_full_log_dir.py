@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from elastic_rt.diagnostics.failure_diagnostics import FailureDiagnostics
-from elastic_rt.reporting import heartbeat as hb
+from elastic_rt.worker_reports import heartbeat as hb
 from elastic_rt.worker_env import ENV_HEARTBEAT_FILE
 from tests.chaos.harness import ROOT, Node
 from tests.support.tmpfs import mounted_tmpfs
@@ -43,7 +43,7 @@ def test_a_worker_reporting_steps_into_a_full_dir_keeps_running(full_dir):
     path = str(full_dir / "heartbeat" / "worker-0")
     assert hb.prepare_heartbeat_file(path) == "No space left on device"
     assert not os.path.exists(path)  # no sparse file left to map
-    script = "from elastic_rt.reporting.heartbeat import report_step\nfor s in range(100): report_step(s)\nprint('ok')"
+    script = "from elastic_rt.worker_reports.heartbeat import report_step\nfor s in range(100): report_step(s)\nprint('ok')"
     res = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, **{ENV_HEARTBEAT_FILE: path}),
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "ok", (res.returncode, res.stderr[-2000:])  # not SIGBUS

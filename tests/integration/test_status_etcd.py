@@ -14,7 +14,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_rt.chaos.etcd_server import free_port
 from elastic_rt.cli import main
-from elastic_rt.metrics.observer import MetricsObserver
+from elastic_rt.metrics.metrics_observer import MetricsObserver
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.registration import (
@@ -23,7 +23,7 @@ from elastic_rt.rendezvous.registration import (
     create_etcd_v3_handler,
     etcd_config_from_conf,
 )
-from elastic_rt.reporting.inbox import WorkerReports
+from elastic_rt.worker_reports.inbox import WorkerReports
 from elastic_rt.status.command import StatusOptions, show
 from tests.integration.test_etcd_tls_auth import ALICE_PW, RUN_OK, _tls_conf, auth_etcd, pki, tls_etcd  # noqa: F401
 from tests.support.prometheus import wait_until

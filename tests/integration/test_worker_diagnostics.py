@@ -19,7 +19,7 @@ from elastic_rt.diagnostics import flight_recorder as fr
 from elastic_rt.diagnostics.failures import read_error_file, user_frame
 from elastic_rt.diagnostics.stacks import StackCollector, WorkerRef, parse_signal, raw_path
 from elastic_rt.chaos.etcd_server import free_port
-from elastic_rt.reporting.heartbeat import read_heartbeat
+from elastic_rt.worker_reports.heartbeat import read_heartbeat
 from elastic_rt.worker_env import ENV_FLIGHT_RECORDER, ENV_HEARTBEAT_DIR, ENV_STACK_SIGNAL
 
 SIG = parse_signal("SIGRTMIN+6")

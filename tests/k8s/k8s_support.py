@@ -244,7 +244,7 @@ def parse_launch(argv: list[str]) -> tuple[Any, Any]:
     import io
 
     from elastic_rt.cli import build_parser
-    from elastic_rt.config import launch_config_from_args
+    from elastic_rt.launch_config import launch_config_from_args
 
     assert argv[0] == "elastic-rt", argv
     err = io.StringIO()

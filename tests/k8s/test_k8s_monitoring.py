@@ -91,10 +91,10 @@ def test_alert_structure():
 def exported_names(tmp: Path) -> set[str]:
     """Sample names a real AgentMetrics exposes once every kind of event happened."""
     from elastic_rt.collectors.clock import SkewEstimate
-    from elastic_rt.reporting.heartbeat import Heartbeat
+    from elastic_rt.worker_reports.heartbeat import Heartbeat
     from elastic_rt.metrics.definitions import AgentMetrics
-    from elastic_rt.metrics.observer import MetricsObserver
-    from elastic_rt.reporting.inbox import WorkerReports
+    from elastic_rt.metrics.metrics_observer import MetricsObserver
+    from elastic_rt.worker_reports.inbox import WorkerReports
     from elastic_rt.collectors.sntp import NtpResult
     from elastic_rt.collectors.timex import TimexStatus
 

@@ -6,7 +6,7 @@ import pytest
 
 from elastic_rt.errors import ConfigError
 from elastic_rt.diagnostics.hang import HangDetector
-from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.worker_reports.heartbeat import Heartbeat
 
 
 class FakeClock:
@@ -120,7 +120,7 @@ def test_timeout_must_be_positive():
 
 
 def test_with_real_heartbeat_files(tmp_path):
-    from elastic_rt.reporting.heartbeat import HeartbeatReader, HeartbeatWriter, prepare_heartbeat_file
+    from elastic_rt.worker_reports.heartbeat import HeartbeatReader, HeartbeatWriter, prepare_heartbeat_file
 
     paths = {0: str(tmp_path / "0.hb"), 1: str(tmp_path / "1.hb")}
     for p in paths.values():

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
 from elastic_rt.agent.agent import ElasticRTAgent
-from elastic_rt.reporting.inbox import WorkerReports
+from elastic_rt.worker_reports.inbox import WorkerReports
 
 
 def test_a_fractional_shutdown_grace_reaches_torch_unchanged(tmp_path):

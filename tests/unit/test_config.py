@@ -6,7 +6,7 @@ import pytest
 
 from elastic_rt.cli import build_parser
 from elastic_rt.collectors.schedule import CollectorSettings
-from elastic_rt.config import launch_config_from_args, parse_nnodes
+from elastic_rt.launch_config import launch_config_from_args, parse_nnodes
 from elastic_rt.decisions import DetectionAction
 from elastic_rt.errors import ConfigError
 from elastic_rt.goodput.stragglers import StragglerSettings

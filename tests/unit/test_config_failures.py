@@ -8,7 +8,7 @@ import pytest
 
 from elastic_rt.diagnostics.failure_diagnostics import DiagnosticsSettings
 from elastic_rt.cli import build_parser
-from elastic_rt.config import launch_config_from_args
+from elastic_rt.launch_config import launch_config_from_args
 from elastic_rt.errors import ConfigError
 
 

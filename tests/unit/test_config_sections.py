@@ -11,7 +11,7 @@ import pytest
 from elastic_rt import sections
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.cli import build_parser
-from elastic_rt.config import SECTIONS, launch_config_from_args
+from elastic_rt.launch_config import SECTIONS, launch_config_from_args
 from elastic_rt.errors import ConfigError
 from tests.support import cli_docs
 

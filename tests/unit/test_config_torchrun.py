@@ -8,7 +8,7 @@ import os
 import pytest
 
 from elastic_rt.cli import build_parser
-from elastic_rt.config import launch_config_from_args
+from elastic_rt.launch_config import launch_config_from_args
 from elastic_rt.errors import ConfigError
 from elastic_rt.torchrun_compat import grace_period_s, virtual_local_rank_env
 

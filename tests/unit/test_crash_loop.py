@@ -14,8 +14,8 @@ from elastic_rt.agent.crash_loop import (
 )
 from elastic_rt.diagnostics.failures import ClassifiedFailure
 from elastic_rt.decisions import FailureCause
-from elastic_rt.reporting.checkpoint import CheckpointReportReader, report_checkpoint
-from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.worker_reports.checkpoint import CheckpointReportReader, report_checkpoint
+from elastic_rt.worker_reports.heartbeat import Heartbeat
 
 
 def _rec(step: int | None, *, sig: str = "exception|ValueError|train.py:88 in step", committed: int | None = None,

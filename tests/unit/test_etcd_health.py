@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from elastic_rt.metrics.definitions import EtcdMetrics
-from elastic_rt.rendezvous.health import Backoff, EtcdHealth
+from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 
 
 class Clock:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from elastic_rt.goodput import compute
 from elastic_rt.goodput.steptime import StepTimer, trimmed_mean
-from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.worker_reports.heartbeat import Heartbeat
 from tests.unit.test_goodput_ledger import Clock
 
 MS = 1_000_000

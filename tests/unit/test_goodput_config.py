@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_rt.cli import build_parser
-from elastic_rt.config import launch_config_from_args
+from elastic_rt.launch_config import launch_config_from_args
 from elastic_rt.errors import ConfigError
 from elastic_rt.goodput.stragglers import StragglerSettings
 

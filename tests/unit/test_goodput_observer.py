@@ -11,11 +11,11 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
-from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy
+from elastic_rt.goodput.goodput_observer import GoodputObserver, StragglerPolicy
 from elastic_rt.goodput.stragglers import Signal, Straggler, StragglerSettings, Verdict
-from elastic_rt.reporting.checkpoint import report_checkpoint
-from elastic_rt.reporting.heartbeat import HeartbeatWriter
-from elastic_rt.reporting.inbox import WorkerReports
+from elastic_rt.worker_reports.checkpoint import report_checkpoint
+from elastic_rt.worker_reports.heartbeat import HeartbeatWriter
+from elastic_rt.worker_reports.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_FILE
 from tests.unit.test_goodput_ledger import Clock
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from elastic_rt.goodput.steptime import StepTimer, weighted_median
 from elastic_rt.goodput.stragglers import Signal, SpeedExchange, StragglerBoard, StragglerSettings, Verdict
-from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.worker_reports.heartbeat import Heartbeat
 from tests.unit.test_goodput_ledger import Clock
 
 

@@ -7,7 +7,7 @@ import pytest
 from elastic_rt.diagnostics.hang import AUTO_FLOOR_S, HangDetector, HangTimeout, RankStall, first_stopped
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.errors import ConfigError
-from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.worker_reports.heartbeat import Heartbeat
 
 
 class FakeClock:
@@ -132,7 +132,7 @@ def test_first_stopped_prefers_a_stopped_or_uninterruptible_process():
 
 
 def test_a_finished_worker_is_not_judged_while_it_exits(tmp_path):
-    from elastic_rt.reporting.heartbeat import HeartbeatWriter, read_heartbeat
+    from elastic_rt.worker_reports.heartbeat import HeartbeatWriter, read_heartbeat
 
     path = str(tmp_path / "worker-0")
     writer = HeartbeatWriter(path)

@@ -12,9 +12,9 @@ from elastic_rt.collectors.clock import SkewEstimate
 from elastic_rt.collectors.rdma import RdmaCollector
 from elastic_rt.collectors.timex import TimexStatus
 from elastic_rt.errors import HealthCheckError
-from elastic_rt.metrics import health
+from elastic_rt.metrics import health_endpoints as health
 from elastic_rt.checks.model import CheckResult
-from elastic_rt.metrics.health import (
+from elastic_rt.metrics.health_endpoints import (
     LIVENESS,
     READINESS,
     HealthChecks,
@@ -22,9 +22,9 @@ from elastic_rt.metrics.health import (
     liveness_threshold_s,
     render,
 )
-from elastic_rt.metrics.observer import MetricsObserver
+from elastic_rt.metrics.metrics_observer import MetricsObserver
 from elastic_rt.metrics.readiness import EtcdReachability, clock_check, etcd_check, probe_check, rdma_check
-from elastic_rt.reporting.inbox import WorkerReports
+from elastic_rt.worker_reports.inbox import WorkerReports
 
 FIXTURE_SYSFS = Path(__file__).resolve().parents[1] / "fixtures" / "sysfs"
 

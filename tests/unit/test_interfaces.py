@@ -11,9 +11,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.decisions import RestartReason
-from elastic_rt.goodput.observer import GoodputObserver, StragglerPolicy
+from elastic_rt.goodput.goodput_observer import GoodputObserver, StragglerPolicy
 from elastic_rt.interfaces import AgentObserver, MembershipHandler, RestartPolicy
-from elastic_rt.metrics.observer import MetricsObserver
+from elastic_rt.metrics.metrics_observer import MetricsObserver
 from elastic_rt.rendezvous.handler import EtcdRendezvousHandler
 
 EVENTS = [name for name, _ in inspect.getmembers(AgentObserver, inspect.isfunction) if not name.startswith("_")]

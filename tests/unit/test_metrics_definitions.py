@@ -11,7 +11,7 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from elastic_rt.reporting.heartbeat import Heartbeat
+from elastic_rt.worker_reports.heartbeat import Heartbeat
 from elastic_rt.metrics.definitions import RESTART_REASONS, WORKER_STATES, AgentMetrics
 from elastic_rt.collectors.timex import read_timex
 from elastic_rt.metrics.workers import WorkerCollector

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from elastic_rt.errors import ConfigError, ElasticRTError
 from elastic_rt.metrics.exporter import MetricsExporter
 from elastic_rt.checks.model import CheckResult
-from elastic_rt.metrics.health import LIVENESS, READINESS, HealthChecks
+from elastic_rt.metrics.health_endpoints import LIVENESS, READINESS, HealthChecks
 
 
 def free_port() -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 from elastic_rt.agent.policy import HealthPolicy
-from elastic_rt.metrics.observer import MetricsObserver
-from elastic_rt.reporting.checkpoint import CheckpointReportReader, report_checkpoint
-from elastic_rt.reporting.inbox import WorkerReports
+from elastic_rt.metrics.metrics_observer import MetricsObserver
+from elastic_rt.worker_reports.checkpoint import CheckpointReportReader, report_checkpoint
+from elastic_rt.worker_reports.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_FILE
 
 

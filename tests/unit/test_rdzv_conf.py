@@ -10,7 +10,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_rt.cli import build_parser
-from elastic_rt.config import launch_config_from_args
+from elastic_rt.launch_config import launch_config_from_args
 from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous import conf as rdzv_conf
 from elastic_rt.rendezvous import registration

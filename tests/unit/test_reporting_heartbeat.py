@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from elastic_rt.reporting import heartbeat as hb
+from elastic_rt.worker_reports import heartbeat as hb
 from elastic_rt.worker_env import ENV_HEARTBEAT_FILE
 
 
@@ -107,7 +107,7 @@ def test_prepare_removes_a_stale_record(tmp_path):
 def test_report_step_from_a_separate_worker_process(tmp_path):
     path = tmp_path / "w0.hb"
     hb.prepare_heartbeat_file(str(path))
-    script = "from elastic_rt.reporting.heartbeat import report_step\nfor s in range(100): report_step(s)\n"
+    script = "from elastic_rt.worker_reports.heartbeat import report_step\nfor s in range(100): report_step(s)\n"
     env = dict(os.environ, **{ENV_HEARTBEAT_FILE: str(path)})
     proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=60)
     assert proc.returncode == 0

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from elastic_rt.errors import ConfigError
 from elastic_rt.metrics.definitions import AgentMetrics, FailureMetrics, GoodputMetrics
 from elastic_rt.checks.model import CheckResult
-from elastic_rt.metrics.health import render
+from elastic_rt.metrics.health_endpoints import render
 from elastic_rt.rendezvous.handler import alive_info
 from elastic_rt.rendezvous.registration import advertised_metrics_addr
 from elastic_rt.rendezvous.rounds import RendezvousSettings

@@ -16,7 +16,7 @@ from elastic_rt.agent.warm import (
     WarmSettings,
 )
 from elastic_rt.worker.warm_child import ENV_PAD, split_argv
-from elastic_rt.config import launch_config_from_args
+from elastic_rt.launch_config import launch_config_from_args
 from elastic_rt.cli import build_parser
 from elastic_rt.errors import ConfigError
 from elastic_rt.worker_env import ENV_PARENT_PID, ENV_ROUND

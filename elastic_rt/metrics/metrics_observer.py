@@ -15,10 +15,10 @@ from elastic_rt.errors import ElasticRTError
 from elastic_rt.interfaces import AgentObserver
 from elastic_rt.metrics.definitions import AgentMetrics, HealthCollector
 from elastic_rt.metrics.exporter import MetricsExporter
-from elastic_rt.metrics.health import LIVENESS, LIVENESS_MIN_S, READINESS, HealthChecks, MonitorLiveness
+from elastic_rt.metrics.health_endpoints import LIVENESS, LIVENESS_MIN_S, READINESS, HealthChecks, MonitorLiveness
 from elastic_rt.metrics.readiness import EtcdReachability, etcd_check
-from elastic_rt.reporting.heartbeat import Heartbeat
-from elastic_rt.reporting.inbox import WorkerReports
+from elastic_rt.worker_reports.heartbeat import Heartbeat
+from elastic_rt.worker_reports.inbox import WorkerReports
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import os
 import threading
 from typing import Iterable
 
-from elastic_rt.reporting.checkpoint import CheckpointReport, CheckpointReportReader
-from elastic_rt.reporting.heartbeat import Heartbeat, HeartbeatReader, prepare_heartbeat_file
+from elastic_rt.worker_reports.checkpoint import CheckpointReport, CheckpointReportReader
+from elastic_rt.worker_reports.heartbeat import Heartbeat, HeartbeatReader, prepare_heartbeat_file
 
 log = logging.getLogger(__name__)
 

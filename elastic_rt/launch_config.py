@@ -1,4 +1,5 @@
-"""`elastic-rt launch` arguments -> a validated AgentConfig; the only place that reads launch flags."""
+"""`elastic-rt launch`'s flags: their grammar (add_launch_arguments) and their validation into an AgentConfig; the only
+place that reads launch flags."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Mapping
 
 from elastic_rt import sections
 from elastic_rt import torchrun_compat as torchrun
-from elastic_rt.agent.config import AgentConfig
+from elastic_rt.agent.config import DEFAULT_METRICS_HOST, DEFAULT_METRICS_PORT, AgentConfig
 from elastic_rt.agent.crash_loop import CrashLoopSettings
 from elastic_rt.diagnostics.failure_diagnostics import DiagnosticsSettings
 from elastic_rt.agent.host_memory import HostMemorySettings
@@ -30,6 +31,63 @@ KNOWN_BACKENDS = ("etcd-v3", "etcd-v3-torch", "c10d", "static")
 # added in its section's module; a new section is added here.
 SECTIONS: tuple[type, ...] = (DiagnosticsSettings, CollectorSettings, StragglerSettings, PreflightSettings,
                               CrashLoopSettings, WarmSettings, HostMemorySettings)
+
+
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    """Every `launch` flag: the launcher's own, then each config section's, then torchrun's, then the script."""
+    p.add_argument("--nnodes", default=None, help="N or MIN:MAX nodes (default 1:1, one node)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
+                   help="workers per node: a number, or as torchrun: auto (one per accelerator, else per CPU), "
+                        "cpu, gpu, xpu (default 1)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default=None,
+                   help=f"rendezvous backend: {', '.join(KNOWN_BACKENDS)} (default etcd-v3; static when "
+                        "--node-rank, --master-addr or --master-port is given without --rdzv-endpoint)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
+                   help="etcd endpoints host:port[,host:port...]; tried in order, failing over")
+    p.add_argument("--rdzv-id", "--rdzv_id", default="none", help="job id, the same on every node")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
+                   help="k=v,... : timeouts, TLS files, user and password_file, secret_file, ... (the "
+                        "--rdzv-conf table below; unknown keys of the etcd backends are refused)")
+    p.add_argument("--standalone", action="store_true",
+                   help="one node, no external service (an embedded store)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
+                   help="restarts after this node's own worker failures (default 3); "
+                        "membership changes do not count")
+    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
+                   help="seconds between worker checks (default 0.1)")
+    p.add_argument("--local-addr", "--local_addr", default=None,
+                   help="address of this node that peers can reach (default: the host's FQDN)")
+    p.add_argument("--node-id", default=None, help="unique name of this node (default: hostname-pid)")
+    p.add_argument("--log-dir", "--log_dir", default=None, help="directory for per-worker logs")
+    p.add_argument("--tee", "-t", default="0", help="tee worker stdout/stderr to the console: 0-3")
+    p.add_argument("--redirects", "-r", default="0", help="redirect worker stdout/stderr to log files: 0-3")
+    p.add_argument("--grace-period", type=float, default=None,
+                   help="seconds workers get after SIGTERM (preemption, shutdown) before SIGKILL (default "
+                        "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30; torchrun's --shutdown-timeout)")
+    p.add_argument("--restart-grace", type=float, default=1.0,
+                   help="seconds workers get after SIGTERM when the group restarts (default 1)")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help=f"port of Prometheus /metrics and the /livez, /readyz health endpoints "
+                        f"(default {DEFAULT_METRICS_PORT}; 0 = off)")
+    p.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST,
+                   help=f"address the metrics and health server binds (default {DEFAULT_METRICS_HOST}: every "
+                        "IPv4 interface, which Prometheus and kubelet probes in Kubernetes need since they reach "
+                        "the pod IP; 127.0.0.1 keeps it on the node; :: for IPv6 and IPv4)")
+    p.add_argument("--checkpoint-url", default=None,
+                   help="fsspec URL handed to workers as ELASTIC_RT_CHECKPOINT_URL (shared storage for "
+                        "several nodes; e.g. file:///mnt/shared/job42, s3://bucket/job42)")
+    p.add_argument("--signals-to-handle", "--signals_to_handle", default=DEFAULT_SIGNALS_TO_HANDLE,
+                   help="signals the agent handles (stopping the workers) and hands to them as "
+                        f"TORCHELASTIC_SIGNALS_TO_HANDLE, as torchrun does (default {DEFAULT_SIGNALS_TO_HANDLE})")
+    p.add_argument("--sysfs-root", default="/sys",
+                   help="where sysfs is mounted (RDMA ports are read under it; default /sys)")
+    for section in SECTIONS:  # each feature's flags, declared by its config section
+        sections.add_arguments(p, section)
+    torchrun.add_torchrun_arguments(p)
+    p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
+    p.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
+    p.add_argument("script", nargs="?", default="", help="training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the training script")
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
