@@ -208,7 +208,7 @@ def main() -> None:
     rows: list[dict] = []
     try:
         if "node" in scenarios:
-            from elastic_rt.chaos.etcd_server import EtcdCluster
+            from etcd_testbed.server import EtcdCluster
             etcd = EtcdCluster(1).start()
         for scenario in scenarios:
             for i in range(args.trials):

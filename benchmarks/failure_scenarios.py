@@ -75,7 +75,7 @@ def progress(steps: list[tuple[float, int]], t0: float, t1: float) -> int:
 
 
 def etcd_outage_trial(bench, sc: Scenario, i: int) -> TrialResult:
-    from elastic_rt.chaos.etcd_server import EtcdCluster, free_port
+    from etcd_testbed.server import EtcdCluster, free_port
 
     a = bench.args
     etcd = EtcdCluster(a.outage_etcd_members).start() if sc.launcher == "elastic-rt" else None
@@ -196,7 +196,7 @@ class NetNs:
 
 
 def partition_trial(bench, sc: Scenario, i: int) -> TrialResult:
-    from elastic_rt.chaos.etcd_server import EtcdCluster, free_port
+    from etcd_testbed.server import EtcdCluster, free_port
 
     a = bench.args
     rdzv_id = f"{bench.run_tag}-{sc.label(i)}"

@@ -20,7 +20,10 @@ import urllib.request
 import uuid
 
 from elastic_rt.chaos import cpu_quota
-from elastic_rt.chaos.etcd_server import EtcdCluster, free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(REPO)  # etcd_testbed/: the repository's, not part of the installed package
+from etcd_testbed.server import EtcdCluster, free_port  # noqa: E402
 
 FLAG = r"\[{node} round \d+\] straggler: local rank (\d) (steps in|computes).* (\d+\.\d+)x the job median"
 

@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             sources["baseline"] = os.path.join(scratch, "src")
         if any(CONFIGS[c][5] > 1 for c in configs):
             sys.path.insert(0, REPO)
-            from elastic_rt.chaos.etcd_server import EtcdCluster  # the harness may import elastic_rt; the job never
+            from etcd_testbed.server import EtcdCluster  # the harness may import elastic_rt; the job never
 
             etcd = EtcdCluster(1)
             etcd.__enter__()

@@ -17,7 +17,9 @@ import sys
 import tempfile
 import uuid
 
-from elastic_rt.chaos.etcd_server import EtcdCluster
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(REPO)  # etcd_testbed/: the repository's, not part of the installed package
+from etcd_testbed.server import EtcdCluster  # noqa: E402
 
 VARIANTS = ("off", "report")
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.append(REPO)  # etcd_testbed/: the repository's, not part of the installed package
 SCRIPT = os.path.join("launch", "train_example.py")
 # A plain DDP script that never imports elastic_rt (what a new user brings): rank 0 prints
 # `step=N world_size=W restart=R`, R being TORCHELASTIC_RESTART_COUNT.
@@ -246,7 +248,7 @@ class Bench:
 
     def etcd_endpoint(self) -> str:
         if self.etcd is None:
-            from elastic_rt.chaos.etcd_server import EtcdCluster
+            from etcd_testbed.server import EtcdCluster
 
             self.etcd = EtcdCluster(1).start()
         return self.etcd.endpoints
@@ -377,7 +379,7 @@ class Bench:
     # ---- (b) a whole node is SIGKILLed ----------------------------------------------------------
     def node_trial(self, sc: Scenario, i: int) -> TrialResult:
         a = self.args
-        from elastic_rt.chaos.etcd_server import free_port
+        from etcd_testbed.server import free_port
 
         port = free_port() if sc.launcher == "torchrun" else 0
         rdzv_id = f"{self.run_tag}-{sc.label(i)}"

@@ -349,7 +349,7 @@ def procs_for(n: int, args) -> int:
 
 
 def run_one(kind: str, n: int, cluster, args) -> dict:
-    from elastic_rt.chaos.etcd_server import free_port
+    from etcd_testbed.server import free_port
 
     conf = dict(args.rdzv_conf)
     conf.setdefault("join_timeout", str(int(args.timeout_s)))  # torch's handlers read whole seconds
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
 
     git = provenance(args.allow_dirty)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from elastic_rt.chaos.etcd_server import EtcdCluster
+    from etcd_testbed.server import EtcdCluster
 
     rows, t_start, stopped = [], time.monotonic(), {}
     load_start = list(os.getloadavg())

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from elastic_rt.chaos.etcd_server import EtcdCluster
+from etcd_testbed.server import EtcdCluster
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
 from tests.support.tools import MARKER, require_tool
 

@@ -9,11 +9,11 @@ revision it delivered; a compacted revision costs one fresh range read.
 With `alive_puts=False` the alive/ range is not watched at all until members_formed(): the view reads
 the smallest alive/ key below its node's own id (one key: etcd applies the limit while it reads) and
 watches that one key for its deletion. The closer of a round is the smallest live node, and that is all
-a node that is not yet a member must know. Watching every deletion instead made each lease that lapsed
+a node that is not yet a member must know. Watching every deletion instead makes each lease that lapses
 an event at every node: at a first meeting of 1,024 simulated nodes on 2 cores, a few lapses woke 1,023
 nodes each, which made more keepalives late and more leases lapse (hundreds to thousands of watch
-events per node; the meeting never formed). Now a lapse is an event at no node unless it is the smallest's; then each node
-reads the next smallest (a small read and a new stream per node: the one fan-out left, for one node).
+events per node; the meeting never formed). Here a lapse is an event at no node unless it is the smallest's; then each
+node reads the next smallest (a small read and a new stream per node: the one fan-out left, for one node).
 A node that registers later with a smaller id is learnt by whoever acts as closer from its join, and
 refresh() makes the view read again (rounds.py). When a round forms, members_formed() counts every
 member alive (the final says they were, at its revision) unless a deletion after that revision was

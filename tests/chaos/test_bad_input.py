@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 from tests.chaos.harness import EXAMPLE, ROOT
 
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from elastic_rt.chaos.cut import CutPlan, run_cut_etcd
-from elastic_rt.chaos.etcd_server import EtcdCluster, free_port
+from etcd_testbed.server import EtcdCluster, free_port
 from elastic_rt.chaos.injectors import Drill
 from elastic_rt.chaos.processes import Node as RunNode
 from elastic_rt.chaos.processes import RefusedError, RunProcesses, parse_agent_cmdline

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from elastic_rt.chaos.etcd_server import EtcdCluster
+from etcd_testbed.server import EtcdCluster
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
 from tests.chaos.harness import Node, launch_args
 from tests.chaos.test_launch_e2e import _rank0, nodes  # noqa: F401 - fixture

@@ -1,4 +1,4 @@
-"""Hangs in any script (issue 9.4): a plain DDP script that never calls report_step, so optimizer steps
+"""Hangs in any script: a plain DDP script that never calls report_step, so optimizer steps
 alone are the progress signal; a worker SIGSTOPped on one of two nodes, or in uninterruptible sleep."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 from tests.chaos.harness import Node, launch_args
 from tests.chaos.test_launch_e2e import _rank0, nodes  # noqa: F401 - fixture
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 from tests.chaos.harness import Node
 from tests.chaos.test_health_e2e import poll, scrape, value
 from tests.chaos.test_launch_e2e import nodes  # noqa: F401 - fixture

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from elastic_rt.chaos.etcd_server import EtcdCluster
+from etcd_testbed.server import EtcdCluster
 from elastic_rt.chaos.proxy import TcpProxy
 from elastic_rt.rendezvous.registration import parse_endpoints
 from tests.chaos.harness import EXAMPLE, Node

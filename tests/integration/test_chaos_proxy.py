@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_rt.chaos.etcd_server import EtcdCluster
+from etcd_testbed.server import EtcdCluster
 from elastic_rt.chaos.proxy import TcpProxy
 from elastic_rt.errors import ConfigError, EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig

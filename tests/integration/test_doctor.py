@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 from elastic_rt.doctor.command import DoctorOptions, DoctorSources, etcd_config, first_failure, hard_checks, run_doctor
 from elastic_rt.checks.model import Status
 from elastic_rt.doctor.checks import GpuInfo

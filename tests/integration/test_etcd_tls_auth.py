@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_rt.chaos.etcd_server import EtcdCluster, EtcdTls
+from etcd_testbed.server import EtcdCluster, EtcdTls
 from elastic_rt.errors import ConfigError, EtcdAccessError, EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.registration import ENV_ETCD_PASSWORD, etcd_config_from_conf
@@ -252,7 +252,7 @@ def test_expired_token_is_renewed_without_a_restart(auth_etcd, caplog):
 def test_expired_jwt_is_renewed_without_a_restart(tmp_path, caplog):
     """The shipped recipes sign tokens as JWTs (--auth-token jwt,...,ttl=10m): one past its TTL is renewed
     like a simple token. A member started here with the same kind of token and a 2 s TTL."""
-    from elastic_rt.chaos.etcd_server import find_etcd_binary, find_etcdctl, free_port
+    from etcd_testbed.server import find_etcd_binary, find_etcdctl, free_port
 
     _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "jwt.key", cwd=tmp_path)
     _openssl("pkey", "-in", "jwt.key", "-pubout", "-out", "jwt.pub", cwd=tmp_path)

@@ -136,7 +136,7 @@ def test_neighbour_watch_reports_a_dead_agent_while_the_group_runs(etcd_endpoint
 @pytest.fixture
 def own_etcd():
     """An etcd of this test's own: it gets paused."""
-    from elastic_rt.chaos.etcd_server import EtcdCluster
+    from etcd_testbed.server import EtcdCluster
 
     with EtcdCluster(1) as cluster:
         yield cluster

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 from elastic_rt.collectors.probe import spawn_probe
 from elastic_rt.doctor import bench
 from elastic_rt.errors import HealthCheckError

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_rt.chaos.etcd_server import EtcdCluster
+from etcd_testbed.server import EtcdCluster
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
 
 N = 64

@@ -12,7 +12,7 @@ import threading
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 from elastic_rt.cli import main
 from elastic_rt.metrics.metrics_observer import MetricsObserver
 from elastic_rt.rendezvous.etcd_client import EtcdClient

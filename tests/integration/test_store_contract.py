@@ -445,7 +445,7 @@ def test_etcd_prefix_store_forwards_what_torch_trampoline_forwards(etcd_client, 
 
 
 def test_etcd_unreachable_is_a_store_error(etcd_server):
-    from elastic_rt.chaos.etcd_server import free_port
+    from etcd_testbed.server import free_port
 
     client = EtcdClient(EtcdConfig(endpoints=(("127.0.0.1", free_port()),), request_timeout_s=0.5))
     try:

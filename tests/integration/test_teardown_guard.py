@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 
 SCRIPT = textwrap.dedent("""
     import gc, sys

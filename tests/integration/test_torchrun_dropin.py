@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 from tests.support.tools import needs_tool
 
 REPO = Path(__file__).resolve().parents[2]

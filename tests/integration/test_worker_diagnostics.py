@@ -18,7 +18,7 @@ import pytest
 from elastic_rt.diagnostics import flight_recorder as fr
 from elastic_rt.diagnostics.failures import read_error_file, user_frame
 from elastic_rt.diagnostics.stacks import StackCollector, WorkerRef, parse_signal, raw_path
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 from elastic_rt.worker_reports.heartbeat import read_heartbeat
 from elastic_rt.worker_env import ENV_FLIGHT_RECORDER, ENV_HEARTBEAT_DIR, ENV_STACK_SIGNAL
 

@@ -112,7 +112,7 @@ def etcd3(tmp_path_factory):
     """A 3-member etcd started by launch/etcd-cluster.sh --local on 127.0.0.2-4 as it ships (TLS, client
     certificates, auth; its PKI in tmp/pki), shared by this module's tests (each job uses its own run id
     and user)."""
-    from elastic_rt.chaos.etcd_server import find_etcd_binary, find_etcdctl
+    from etcd_testbed.server import find_etcd_binary, find_etcdctl
 
     tmp_path = tmp_path_factory.mktemp("etcd3")
     port = free_port_block(ETCD_HOSTS, 3)

@@ -22,7 +22,7 @@ from k8s_support import FAKE_UID, K8S, LAUNCH, REPO, container_env, elastic_rt_l
 from recipe_support import FakeApiServer, etcd_member_argv, real_kubectl, run_script
 from tests.support.tools import needs_tool
 
-from elastic_rt.chaos.etcd_server import find_etcd_binary, find_etcdctl, free_port
+from etcd_testbed.server import find_etcd_binary, find_etcdctl, free_port
 from elastic_rt.errors import EtcdAccessError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.registration import etcd_config_from_conf

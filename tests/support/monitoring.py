@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.dashboard_queries import dashboard_panels, grafana_expand
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 from tests.chaos.harness import Node
 from tests.support.prometheus import PrometheusServer
 from tests.unit.test_collectors_clock import LoopbackNtpServer

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from elastic_rt.chaos.etcd_server import EtcdCluster
+from etcd_testbed.server import EtcdCluster
 from elastic_rt.status.agents import read_agent
 from elastic_rt.status.command import StatusOptions, snapshot
 from elastic_rt.status.render import render_text

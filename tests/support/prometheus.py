@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 
 import yaml
 
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 
 T = TypeVar("T")
 INSTALL_HINT = "apt-get install --no-install-recommends prometheus"

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from elastic_rt.chaos.etcd_server import free_port
+from etcd_testbed.server import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "srun")
 HOW = "apt-get install munge slurmctld slurmd slurm-client"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_rt.chaos.etcd_server import ENV_ETCD_BINARY, find_etcd_binary
+from etcd_testbed.server import ENV_ETCD_BINARY, find_etcd_binary
 from elastic_rt.errors import ElasticRTError
 
 

@@ -146,6 +146,17 @@ def test_every_area_is_placed_in_a_layer():
     assert areas == placed, f"not in LAYERS: {sorted(areas - placed)}; gone: {sorted(placed - areas)}"
 
 
+def test_the_package_does_not_need_the_repositorys_etcd_testbed():
+    """etcd_testbed/ is not installed: no module of the package may import it."""
+    reaching = {source for source, path in _module_paths().items()
+                if any(n == "etcd_testbed" or n.startswith("etcd_testbed.") for n in imported_names(path.read_text()))}
+    assert reaching == set()
+
+
+def _module_paths() -> dict[str, Path]:
+    return {".".join(p.relative_to(REPO).with_suffix("").parts): p for p in sorted((REPO / "elastic_rt").rglob("*.py"))}
+
+
 # ---- benchmarks/ ---------------------------------------------------------------------------------------
 def _benchmark_scripts() -> dict[str, Path]:
     return {p.stem: p for p in sorted((REPO / "benchmarks").glob("*.py"))}

@@ -1,4 +1,4 @@
-"""Start, stop and kill a real local etcd server (single member or a cluster) for tests and drills."""
+"""Start, stop and kill a real local etcd server (single member or a cluster) for tests, benchmarks and drills."""
 
 from __future__ import annotations
 
