@@ -190,7 +190,7 @@ def test_a_sigkilled_or_hung_up_pause_etcd_still_resumes_etcd(run_id):
             pause = _chaos("pause-etcd", "--run-id", run_id, "--duration", "4")
             first = json.loads(pause.stdout.readline())
             assert first["action"] == "pause-etcd" and first["pids"] == [m.proc.pid], first
-            assert _stopped(m.proc.pid)
+            _wait(lambda: _stopped(m.proc.pid), 3, "etcd stopped")  # SIGSTOP lands when the kernel next runs it
             pause.kill()
             assert pause.wait(30) == -9
             last = json.loads(pause.stdout.readline())  # the resumer holds the command's stdout until it is done
@@ -200,12 +200,13 @@ def test_a_sigkilled_or_hung_up_pause_etcd_still_resumes_etcd(run_id):
 
             pause = _chaos("pause-etcd", "--run-id", run_id, "--duration", "600")
             first = json.loads(pause.stdout.readline())
-            assert _stopped(m.proc.pid)
+            _wait(lambda: _stopped(m.proc.pid), 30, "etcd stopped")
             pause.send_signal(signal.SIGHUP)
             rest, _ = pause.communicate(timeout=60)
             last = json.loads(rest)
             assert pause.returncode == 130 and last["action"] == "resume" and last["early"] is True, rest
-            assert not _stopped(m.proc.pid) and not psutil.pid_exists(first["resumer_pid"])
+            _wait(lambda: not _stopped(m.proc.pid), 30, "etcd resumed at the SIGHUP")
+            assert not psutil.pid_exists(first["resumer_pid"])
         finally:
             agent.cleanup()
 
