@@ -65,6 +65,7 @@ def test_a_rank_that_raised_and_is_still_tearing_down_is_the_root_cause(nodes, t
     finishes(n, 30)
 
 
+@pytest.mark.long  # test_launch_e2e's worker kill and test_prometheus_e2e's crashes assert cause=killed
 def test_sigkill_from_outside_is_killed(nodes, tmp_path):  # noqa: F811
     n = start(nodes, tmp_path, "--steps", "30")
     n.wait_for(r"step=3 ", 180)

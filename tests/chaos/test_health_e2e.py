@@ -50,6 +50,8 @@ def poll(fn, timeout_s: float, what: str):
     raise TimeoutError(f"{what} within {timeout_s} s (last: {last})")
 
 
+@pytest.mark.long  # tests/integration/test_prometheus_e2e.py scrapes real agents through worker and node
+# losses; every metric asserted here draws a dashboard panel there (test_every_dashboard_panel_draws)
 def test_scrape_two_nodes_before_and_after_worker_kill(etcd_endpoint, run_id, nodes):  # noqa: F811
     ports = [free_port(), free_port()]
     started = []
