@@ -8,7 +8,7 @@ import time
 from typing import Any, TextIO
 
 from elastic_rt.checkpoint.storage import CheckpointEntry, CheckpointStore
-from elastic_rt.checkpoint.trust import read_secret_file
+from elastic_rt.checkpoint.secret import read_secret_file
 from elastic_rt.errors import ElasticRTError
 
 

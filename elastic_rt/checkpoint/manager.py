@@ -26,7 +26,7 @@ from elastic_rt.checkpoint.retention import apply_retention
 from elastic_rt.checkpoint.saver import SaveContext, SaveJob, describe_error, run_save
 from elastic_rt.checkpoint.staging import BufferPool
 from elastic_rt.checkpoint.storage import CheckpointEntry, CheckpointStore
-from elastic_rt.checkpoint.trust import read_secret_file
+from elastic_rt.checkpoint.secret import read_secret_file
 from elastic_rt.checkpoint.user_state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
 from elastic_rt.checkpoint.writer import ChecksumWriter
 from elastic_rt.checkpoint.writer_lease import WriterLease

@@ -1,4 +1,4 @@
-"""What a load trusts: the job secret that signs manifests, and unpicklers that build only known types.
+"""What a load trusts: unpicklers that build only known types (the job secret that signs manifests: secret.py).
 
 Without a secret, checksums (crc32) catch damage, not forgery: whoever can write the checkpoint
 URL can write a manifest. With `secret_file`, every manifest carries an HMAC-SHA256 of itself and
@@ -20,7 +20,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from elastic_rt.errors import CheckpointError, ConfigError
+from elastic_rt.errors import CheckpointError
 
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
 _ALLOWED = {
@@ -33,20 +33,6 @@ _ALLOWED = {
     ("builtins", "set"),
     ("builtins", "frozenset"),
 }
-
-
-def read_secret_file(path: str, *, setting: str = "checkpoint secret_file",
-                     hint: str = "the same file as the rendezvous' secret_file is fine") -> bytes:
-    """A job secret: the file's bytes, surrounding whitespace removed; ConfigError with one line naming
-    `setting` (the checkpoint's and the rendezvous' secret_file both read it here)."""
-    try:
-        with open(path, "rb") as f:
-            secret = f.read().strip()
-    except OSError as exc:
-        raise ConfigError(f"{setting}={path}: cannot read it ({exc.strerror or exc})") from exc
-    if not secret:
-        raise ConfigError(f"{setting}={path}: the file is empty; put the job's secret in it ({hint})")
-    return secret
 
 
 class MetadataUnpickler(pickle.Unpickler):

@@ -13,7 +13,7 @@ import re
 import socket
 from typing import TYPE_CHECKING, Mapping
 
-from elastic_rt.checkpoint import trust
+from elastic_rt.checkpoint import secret as job_secret
 from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous import conf as rdzv_conf
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
@@ -184,7 +184,7 @@ def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
 def read_secret_file(path: str) -> bytes:
     """The job secret that signs etcd-v3's finals and `closed`, and etcd-v3-torch's state: the file's bytes,
     surrounding whitespace removed."""
-    return trust.read_secret_file(path, setting="--rdzv-conf secret_file", hint="e.g. openssl rand -hex 32")
+    return job_secret.read_secret_file(path, setting="--rdzv-conf secret_file", hint="e.g. openssl rand -hex 32")
 
 
 def create_etcd_v3_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:

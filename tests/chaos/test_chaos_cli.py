@@ -72,7 +72,7 @@ def job(tmp_path, run_id):
     node.cleanup()
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: test_cut_etcd_drill_cuts_and_heals_a_client_of_the_run drives the same CLI
 @pytest.mark.slow
 def test_pause_then_kill_worker_of_a_live_job_and_it_recovers(job, run_id, sleeper, capsys):
     job.wait_for(r"plain step=3\b", 180)

@@ -175,7 +175,7 @@ def test_three_member_cluster_all_paused_10s_example_job_exact(etcd3, run_id, tm
     assert_every_sample_once([a, b], 150)
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: test_etcd_member_loss.py kills a member under a training job
 def test_etcd_leader_killed_in_training_then_in_a_reformation(etcd3, run_id, tmp_path, nodes):  # noqa: F811
     a, b = example_pair(nodes, etcd3.endpoints, run_id, tmp_path, 150)
     lead, other = _rank0(a, b)

@@ -65,6 +65,7 @@ def test_a_rank_that_raised_and_is_still_tearing_down_is_the_root_cause(nodes, t
     finishes(n, 30)
 
 
+@pytest.mark.long  # test_launch_e2e's worker kill and test_prometheus_e2e's crashes assert cause=killed
 def test_sigkill_from_outside_is_killed(nodes, tmp_path):  # noqa: F811
     n = start(nodes, tmp_path, "--steps", "30")
     n.wait_for(r"step=3 ", 180)
@@ -136,7 +137,7 @@ def test_memory_limit_is_an_oom_kill(nodes, tmp_path):  # noqa: F811
                 time.sleep(0.2)
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: test_hang_plain_script.py SIGSTOPs a worker
 def test_sigstopped_worker_hang_names_it_and_writes_every_ranks_stacks(nodes, tmp_path):  # noqa: F811
     port = free_port()
     n = start(nodes, tmp_path, "--steps", "150", "--step-sleep", "0.1", extra=["--hang-timeout", "5"], port=port)

@@ -85,7 +85,7 @@ def _sgd_node(endpoint: str, run_id: str, node_id: str, log_dir: Path, step_slee
     ], name=node_id, env={"GOODPUT_STEP_SLEEP": str(step_sleep)})  # one command line for the job's nodes
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: test_lockstep_stragglers.py names, and lets leave, a slow rank
 def test_slow_node_is_flagged_leaves_and_the_other_reforms(etcd_endpoint, run_id, tmp_path, nodes):  # noqa: F811
     fast = _sgd_node(etcd_endpoint, run_id, "fast", tmp_path / "fast", 0.1, "--straggler-action", "leave")
     slow = _sgd_node(etcd_endpoint, run_id, "slow", tmp_path / "slow", 0.3, "--straggler-action", "leave")

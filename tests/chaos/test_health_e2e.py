@@ -50,6 +50,8 @@ def poll(fn, timeout_s: float, what: str):
     raise TimeoutError(f"{what} within {timeout_s} s (last: {last})")
 
 
+@pytest.mark.long  # tests/integration/test_prometheus_e2e.py scrapes real agents through worker and node
+# losses; every metric asserted here draws a dashboard panel there (test_every_dashboard_panel_draws)
 def test_scrape_two_nodes_before_and_after_worker_kill(etcd_endpoint, run_id, nodes):  # noqa: F811
     ports = [free_port(), free_port()]
     started = []
@@ -88,7 +90,7 @@ def test_scrape_two_nodes_before_and_after_worker_kill(etcd_endpoint, run_id, no
         assert n.wait_exit(240) == 0, n.output[-3000:]
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: test_hang_plain_script.py SIGSTOPs a worker
 def test_sigstopped_worker_is_a_hang_and_the_group_restarts(etcd_endpoint, run_id, nodes):  # noqa: F811
     n = Node(launch_args(etcd_endpoint, run_id, "a", nnodes="1", steps=60, step_sleep=0.05,
                          extra=["--hang-timeout", "5"]), name="a")

@@ -75,7 +75,7 @@ def test_node_with_rank0_killed_survivor_finishes_alone(etcd_endpoint, run_id, n
     assert survivor.matches(r"restarting the worker group: (peer lost|worker failure|round advanced)")
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: test_same_math_e2e.py grows a job 2 -> 3 -> 4 workers
 def test_third_node_scales_job_up(etcd_endpoint, run_id, nodes):
     # long enough that the third node (an agent start with torch imports, slow on a loaded machine) joins
     # while the first group still trains: a group that already finished has nothing to scale up

@@ -107,7 +107,7 @@ def _node_processes(n: Node) -> list[psutil.Process]:
     return [agent] + agent.children(recursive=True)
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: test_checkpoint_stale_writer_e2e.py freezes rank 0 mid-save
 def test_grey_node_frozen_is_reformed_out_and_does_not_corrupt_the_job(etcd_endpoint, run_id, tmp_path,
                                                                        nodes):  # noqa: F811
     a, b, c = _three({n: etcd_endpoint for n in "abc"}, run_id, tmp_path, STEPS)
@@ -133,7 +133,7 @@ def test_grey_node_frozen_is_reformed_out_and_does_not_corrupt_the_job(etcd_endp
     assert_every_sample_once([a, b, c], STEPS)
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: the same job over IPv4 is every other e2e test
 @pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 def test_ipv6_loopback_local_addr_and_etcd(run_id, nodes):  # noqa: F811
     with EtcdCluster(1, host="::1") as etcd:

@@ -20,6 +20,7 @@ def _standalone(ckpt: str, *job: str, extra: list[str] | None = None) -> list[st
             "--checkpoint-url", ckpt, *(extra or []), EXAMPLE, *job]
 
 
+@pytest.mark.long  # tests/chaos/test_same_math_e2e.py resumes after SIGKILLs and compares every parameter
 def test_worker_killed_after_checkpoint_resumes_bitwise_equal(tmp_path, nodes):  # noqa: F811
     job = ["--steps", "60", "--save-every", "20", "--dataset-size", "200", "--step-sleep", "0.2"]
     ref = Node(_standalone(f"file://{tmp_path}/ref", *job), name="reference")

@@ -123,7 +123,7 @@ def test_no_python_runs_cold(tmp_path, nodes):  # noqa: F811
     assert not n.matches(r"from warm workers")
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: a waiting node joins the next round in test_handler.py; node loss: test_launch_e2e
 def test_hot_spare_takes_the_place_of_a_killed_node(etcd_endpoint, run_id, nodes):  # noqa: F811
     started = {name: Node(launch_args(etcd_endpoint, run_id, name, nnodes="1:2", nproc=1, steps=150,
                                       step_sleep=0.1), name=name) for name in ("a", "b", "c")}

@@ -119,7 +119,7 @@ def test_credentials_never_reach_the_logs_of_a_save(s3, url, caplog):
     assert not any(SECRET_KEY in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: the S3 tests above run the same manager against moto
 @pytest.mark.slow
 def test_the_example_job_saves_to_and_resumes_from_s3_under_elastic_rt_launch(s3, url):
     """launch/train_example.py, unchanged, under `elastic-rt launch --checkpoint-url s3://...`: the credentials and

@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BENCH = os.path.join(REPO, "benchmarks", "overhead.py")
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: a benchmark run whole (benchmarks/README.md runs it)
 @pytest.mark.timeout(1500)  # two short trials; generous for a loaded machine
 def test_quick_run_writes_both_launchers(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}

@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BENCH = os.path.join(REPO, "benchmarks", "rendezvous_scale.py")
 
 
-@pytest.mark.long  # keeps CI under 30 minutes; a shorter default-run test covers the same path
+@pytest.mark.long  # for CI's time: a benchmark run whole (benchmarks/README.md runs it)
 @pytest.mark.timeout(600)  # about 30 s; generous for a loaded machine
 def test_quick_run_writes_results_that_parse(tmp_path):
     env = dict(os.environ)

@@ -97,7 +97,8 @@ def assert_same_contract(torchrun: dict[str, str], ert: dict[str, str], rank: in
 @pytest.mark.parametrize("nproc,user_env,omp", [
     (2, {}, "1"),                          # several workers, nothing set: both default to 1 and warn
     (1, {}, None),                         # one worker: nothing set, no warning
-    (2, {"OMP_NUM_THREADS": "3"}, "3"),    # the user's value is kept, no warning
+    # the user's value is kept, no warning: the rule is tests/unit/test_config.py's; long for CI's time
+    pytest.param(2, {"OMP_NUM_THREADS": "3"}, "3", marks=pytest.mark.long),
 ], ids=["nproc2", "nproc1", "nproc2-user-omp3"])
 def test_worker_environment_matches_torchrun(tmp_path, nproc, user_env, omp):
     torchrun, ert, outputs = run_both(tmp_path, nproc, user_env)
