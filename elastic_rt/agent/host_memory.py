@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import psutil
 
 from elastic_rt.agent.config import AgentConfig
-from elastic_rt.checkpoint.host_cache import mib
 from elastic_rt.sections import on_off, option, positive
 from elastic_rt.worker_env import ENV_HOST_CACHE_DIR
 
@@ -116,6 +115,8 @@ class HostCacheRoom:
             log.warning("[%s] could not check the checkpoint copy in host memory: %s", self._node_id, exc)
             return
         if dropped:
+            from elastic_rt.checkpoint.host_cache import mib  # imports torch: only where a copy is dropped
+
             log.warning("[%s] shared memory has %s free, below the %s reserve: the checkpoint copy in %s "
                         "dropped before the workers start (they load from storage)", self._node_id, mib(free),
                         mib(self._reserve_bytes), self._path)

@@ -212,7 +212,7 @@ def start_memory_tier(*, host_cache: str, node: str, secret_file: str | None, ad
     alone: nothing is replicated, nothing is served)."""
     from elastic_rt.checkpoint.memory_tier import ENV_MEMORY_TIER_ADDR, ENV_MEMORY_TIER_DIR, ENV_MEMORY_TIER_SECRET
 
-    from elastic_rt.checkpoint.trust import read_secret_file
+    from elastic_rt.checkpoint.secret import read_secret_file
 
     secret = read_secret_file(secret_file, setting="--rdzv-conf secret_file", hint="e.g. openssl rand -hex 32") if secret_file else None
     directory = os.path.join(host_cache, "tier")

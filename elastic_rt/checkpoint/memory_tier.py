@@ -29,7 +29,7 @@ from elastic_rt.checkpoint.backends import PosixStorage, StorageError
 from elastic_rt.checkpoint.manifest import manifest_name
 from elastic_rt.checkpoint.replica_channel import ChannelError, ReplicaClient
 from elastic_rt.checkpoint.storage import STEP_DIR_RE, CheckpointStore, step_dirname
-from elastic_rt.checkpoint.trust import read_secret_file
+from elastic_rt.checkpoint.secret import read_secret_file
 
 log = logging.getLogger(__name__)
 

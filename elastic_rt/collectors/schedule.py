@@ -8,12 +8,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from torch.distributed.elastic.utils.distributed import get_free_port
-
 from elastic_rt.collectors import sntp
 from elastic_rt.collectors.clock import SkewEstimate, skew_warning
 from elastic_rt.collectors.probe import ProbeResult, spawn_probe
-from elastic_rt.collectors.skew import measure_skew_via_store, serve_skew
 from elastic_rt.decisions import DETECTION_ACTIONS, DetectionAction
 from elastic_rt.errors import ConfigError, ElasticRTError
 from elastic_rt.sections import option, positive
@@ -145,6 +142,8 @@ class RoundChecks:
 
     def _probe_once(self, rnd: int, store, rank: int, world: int, master_addr: str | None, k: int) -> None:
         """Probe number k of round rnd; every node of the round runs the same k at about the same time."""
+        from torch.distributed.elastic.utils.distributed import get_free_port  # torch: only once a round runs
+
         key = f"elastic-rt/probe/{k}/port"
         try:
             if rank == 0:
@@ -170,6 +169,8 @@ class RoundChecks:
                  result.busbw_bytes_per_s / 1e9)
 
     def _measure_skew(self, rnd: int, store, rank: int, world: int) -> None:
+        from elastic_rt.collectors.skew import measure_skew_via_store, serve_skew  # torch.distributed
+
         try:
             if rank == 0:  # the reference clock: its skew is 0 by definition
                 serve_skew(store, list(range(1, world)), samples=self._skew_samples)

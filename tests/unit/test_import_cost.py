@@ -28,7 +28,7 @@ def test_the_operator_commands_do_not_import_torch(statement):
 
 
 def test_the_agent_does_not_import_torch_distributed_checkpoint():
-    assert _loaded("import elastic_rt.agent.launcher", ("torch", "torch.distributed.checkpoint")) == ["torch"]
+    assert _loaded("import elastic_rt.launch", ("torch", "torch.distributed.checkpoint")) == ["torch"]
 
 
 def test_the_checkpoint_package_still_offers_its_names():
