@@ -157,6 +157,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         )
         self._rounds = Rounds(client, self.keys, settings, self._view, lease_id=lambda: self._lease.lease_id,
                               on_formed=self._formed, incarnation=self._lease.incarnation, signer=self._signer,
+                              before_final=self._run_lease.ensure,
                               clock=clock, rng=rng)
         self.membership: Membership | None = None
 

@@ -47,10 +47,12 @@ class RendezvousSettings:
 class Rounds:
     """Rounds as this node takes part in them; `lease_id()` is the current lease to attach its keys to,
     `incarnation` this agent process's (its joins carry it, the final lists the members'), `on_formed(membership)`
-    is told of every round it becomes a member of."""
+    is told of every round it becomes a member of; `before_final()` runs before this node writes a final (the
+    run lease is made sure of there, so that the members find it with the final)."""
 
     def __init__(self, client: EtcdClient, keys: RunKeys, settings: RendezvousSettings, view: MembershipView, *,
                  lease_id: Callable[[], int], on_formed: Callable[[Membership], None], incarnation: str = "",
+                 before_final: Callable[[], None] = lambda: None,
                  signer: KeySigner | None = None, clock: Callable[[], float] = time.monotonic,
                  rng: Callable[[], float]) -> None:
         self._client = client
@@ -61,6 +63,7 @@ class Rounds:
         self._view = view
         self._lease_id = lease_id
         self._on_formed = on_formed
+        self._before_final = before_final
         self._clock = clock
         self._rng = rng
         self._tracker: MembershipView | None = None  # the closer's: the joined round's joins/ (and alive/)
@@ -212,6 +215,7 @@ class Rounds:
         if action.members[0] == s.node_id:  # rank 0 closes: its store address travels with the final
             final["master"] = [s.local_addr, get_free_port()]
         key = self.keys.final(action.round)
+        self._before_final()
         _, written = self._client.compare_and_put(key, self._signer.seal(key, final), expected_mod_revision=None)
         return replace(action.state, written=written)
 

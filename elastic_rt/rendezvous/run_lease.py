@@ -29,8 +29,10 @@ def lease_of(kv: KeyValue | None) -> int:
 
 class RunLease:
     """One lease per run, shared by its agents: its id is in the key `lease`, which lives on the lease itself.
-    The first member of a round that finds no lease grants one (create-only; a loser revokes its own and takes
-    the winner's); the member ranked 0 keeps it alive, a keep-alive every ttl_s / 3 (beat() is called often and
+    The node that closes a round makes sure the lease exists before it writes the final (ensure()), so the
+    round's members find its key with the final and grant nothing; a member that still finds no lease (its key
+    ran out meanwhile) grants one (create-only; a loser revokes its own and takes the winner's); the member
+    ranked 0 keeps it alive, a keep-alive every ttl_s / 3 (beat() is called often and
     sends only when one is due). A lease that ran out during a long etcd outage is granted anew by rank 0; store
     writes that meet the old one fall back to no lease (EtcdStore)."""
 
@@ -56,6 +58,16 @@ class RunLease:
             self.lease_id = lease
             self._due = self._clock() + self.ttl_s / 3
             return lease
+
+    def ensure(self) -> None:
+        """Before this node writes a round's final: the run's lease and its key exist (read, and granted here
+        when absent), unless this node already holds the run's lease. Raises EtcdUnavailableError."""
+        with self._lock:
+            if self.lease_id:
+                return
+            kv, _ = self._client.get(self._keys.run_lease)
+            if lease_of(kv) == 0:
+                self._grant(expected=kv.mod_revision if kv is not None else None)
 
     def _grant(self, *, expected: int | None) -> int:
         mine = self._client.grant_lease(self.ttl_s)

@@ -110,6 +110,8 @@ def test_64_nodes_meet_and_reform_at_constant_cost_and_idle_costs_only_keepalive
         print(f"\n{N} nodes met in {took:.2f} s; {per_node:.1f} requests per node in round 0: {first}")
         assert per_node <= PER_NODE_PER_ROUND, first
         assert first.get("events", 0.0) / N <= EVENTS_PER_NODE_PER_ROUND, first
+        # one lease per node and one for the run, granted by the closer before its final: no member races it
+        assert first.get("LeaseGrant") == N + 1 and not first.get("LeaseRevoke"), first
 
         # Idle: the agent's monitor tick, 10 times a second on every node, costs etcd nothing.
         for h in handlers:
