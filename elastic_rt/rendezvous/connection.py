@@ -50,7 +50,7 @@ class Connection(StreamTable):
         super().__init__()
         self._authority, self._tls_on = authority, ssl_context is not None
         self._lock = threading.Lock()
-        self._prefixes: dict[str, bytes] = {}
+        self._blocks: dict[tuple, bytes] = {}  # (path, timeout_s, metadata) -> the request's header block
         self._tls: ssl.SSLObject | None = None
         self._owner: Stream | None = None  # the stream whose caller reads the socket now (None: the reader thread)
         self._owner_thread = 0
@@ -129,16 +129,21 @@ class Connection(StreamTable):
 
     # ---- calls ----------------------------------------------------------------------------------------
     def open(self, path: str, metadata: tuple = (), *, timeout_s: float | None = None,
-             body: bytes | None = None) -> Stream:
+             body: bytes | None = None, claim: bool = False) -> Stream:
         """Start a call: a unary one with `body` (its only request, sent with the headers), else a streaming one
-        (messages follow with Stream.send). `timeout_s` goes to etcd as grpc-timeout."""
-        fields = self._prefixes.get(path)
-        if fields is None:
-            fields = self._prefixes[path] = request_prefix(path, self._authority, tls=self._tls_on)
-        if timeout_s is not None:
-            fields += timeout_field(timeout_s)
-        for name, value in metadata:
-            fields += literal(name.encode(), value.encode() if isinstance(value, str) else value)
+        (messages follow with Stream.send). `timeout_s` goes to etcd as grpc-timeout. `claim`: the calling
+        thread reads the socket for the call's replies if no other caller does (release() when done)."""
+        key = (path, timeout_s, metadata)
+        fields = self._blocks.get(key)
+        if fields is None:  # a call's header block depends on these alone: encoded once per connection
+            fields = request_prefix(path, self._authority, tls=self._tls_on)
+            if timeout_s is not None:
+                fields += timeout_field(timeout_s)
+            for name, value in metadata:
+                fields += literal(name.encode(), value.encode() if isinstance(value, str) else value)
+            if len(self._blocks) >= 256:
+                self._blocks.clear()
+            self._blocks[key] = fields
         with self._lock:
             if self.error is not None:
                 raise self.error
@@ -148,13 +153,19 @@ class Connection(StreamTable):
             out = self._header_frames(stream.id, fields)
             if body is not None:
                 out += self._data(stream, message(body), end=True)
-            self._write(out)
+            claimed = claim and self._claim(stream)  # before the request leaves: the reader thread never sees it
+            try:
+                self._write(out)
+            except CallError:
+                if claimed:
+                    self._release(stream)
+                raise
             stream.sent_at = time.monotonic()
         return stream
 
     def unary(self, path: str, body: bytes, timeout_s: float, metadata: tuple = ()) -> bytes:
         """One request, one reply (bytes); raises CallError. The deadline runs from the send (Stream.next)."""
-        stream = self.open(path, metadata, timeout_s=timeout_s, body=body)
+        stream = self.open(path, metadata, timeout_s=timeout_s, body=body, claim=True)
         try:
             reply = stream.next(timeout_s)
             if reply is None:
@@ -165,6 +176,8 @@ class Connection(StreamTable):
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.cancel(stream)
             raise
+        finally:
+            self.release(stream)
 
     def send(self, stream: Stream, data: bytes, *, end: bool) -> None:
         with self._lock:
@@ -231,11 +244,17 @@ class Connection(StreamTable):
         With a deadline, and while no other caller reads the socket, the calling thread reads it itself until
         its item is there. Otherwise it waits on its queue; before a deadline fails it reads what the kernel
         already holds for the connection (whoever reads may simply not have run)."""
-        if timeout_s is not None and self._claim(stream):
-            try:
+        if timeout_s is not None:
+            with self._lock:
+                mine = self._owner is stream and self._owner_thread == threading.get_ident()
+                claimed = not mine and self._claim(stream)
+            if mine:
                 return self._read_for(stream, timeout_s)
-            finally:
-                self._release()
+            if claimed:
+                try:
+                    return self._read_for(stream, timeout_s)
+                finally:
+                    self.release(stream)
         try:
             return stream.replies.get(timeout=timeout_s) if timeout_s is None or timeout_s > 0 \
                 else stream.replies.get_nowait()
@@ -246,21 +265,32 @@ class Connection(StreamTable):
             except queue.Empty:
                 raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s") from None
 
-    def _claim(self, stream: Stream) -> bool:
+    def claim(self, stream: Stream) -> bool:
+        """The calling thread reads the socket for `stream` from now on, if no other caller does (True);
+        until release(stream). Claim before sending a request whose reply the caller will wait for."""
         with self._lock:
-            if self._owner is not None or self.error is not None:
-                return False
-            self._owner, self._owner_thread = stream, threading.get_ident()
-            self._epoll.unregister(self._fd)  # the reader thread sleeps on: this caller reads what comes
-            return True
+            return self._claim(stream)
 
-    def _release(self) -> None:
+    def _claim(self, stream: Stream) -> bool:
+        if self._owner is not None or self.error is not None:
+            return False
+        self._owner, self._owner_thread = stream, threading.get_ident()
+        self._epoll.unregister(self._fd)  # the reader thread sleeps on: this caller reads what comes
+        return True
+
+    def release(self, stream: Stream) -> None:
+        """The reader thread reads again (what is left to read wakes it), if `stream` held the socket."""
         with self._lock:
-            self._owner = None
-            if self._close_pending:
-                self._close_socket()
-            else:
-                self._epoll.register(self._fd, select.EPOLLIN)  # what is left to read wakes the reader thread
+            self._release(stream)
+
+    def _release(self, stream: Stream) -> None:
+        if self._owner is not stream:
+            return
+        self._owner = None
+        if self._close_pending:
+            self._close_socket()
+        else:
+            self._epoll.register(self._fd, select.EPOLLIN)
 
     def _read_for(self, stream: Stream, timeout_s: float) -> bytes | CallError | None:
         deadline = time.monotonic() + timeout_s

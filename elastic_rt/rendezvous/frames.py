@@ -56,6 +56,12 @@ class Stream:
     def cancel(self) -> None:
         self.conn.cancel(self)
 
+    def claim(self) -> bool:
+        return self.conn.claim(self)
+
+    def release(self) -> None:
+        self.conn.release(self)
+
 
 class StreamTable:
     """The streams of one HTTP/2 connection and its send and receive windows. Every method runs under the
