@@ -1,15 +1,12 @@
-"""One HTTP/2 connection to one etcd member: its socket and TLS session, every call on it, and who reads the socket.
+"""One HTTP/2 connection to one etcd member: its socket and TLS session, every call on it, one reader thread.
 
 Why not gRPC Python: a unary call there costs about 0.3 ms of CPU (a thread hand-off to gRPC's event
 engine and back, five context switches, objects enough to run the garbage collector), a streaming call
 a thread of its own that consumes the requests, and a keep-alive on a stream 0.3-0.8 ms. An agent makes
 eleven requests a round and a keep-alive every TTL/3; at a thousand agents on one machine (the scale
 benchmark), or beside a training job, that CPU is what runs out. Here a call is written to the socket by
-the calling thread, which then reads the socket itself until its reply is there (no thread hand-off for a
-reply). One caller at a time reads; the others wait on their stream's queue, filled by whoever reads. A
-reader thread per connection reads while no caller does (watch events, replies to callers that wait with
-no deadline): it sleeps in epoll_wait, and a caller that takes over the socket takes it out of that epoll
-set first, so the reader thread is not woken by a reply that its caller reads.
+the calling thread, and one reader thread per connection (it sleeps in poll() until the member sends
+something) parses the frames and hands each stream its messages on a queue: one hand-off per reply.
 
 Timing that survives a starved process: a call's deadline runs from the moment its request was handed to
 the kernel, and before it fails the waiting thread reads whatever the kernel already holds for the
@@ -19,8 +16,6 @@ taken for a silent member because this process could not run.
 
 from __future__ import annotations
 
-import math
-import os
 import queue
 import select
 import socket
@@ -52,17 +47,7 @@ class Connection(StreamTable):
         self._lock = threading.Lock()
         self._blocks: dict[tuple, bytes] = {}  # (path, timeout_s, metadata) -> the request's header block
         self._tls: ssl.SSLObject | None = None
-        self._owner: Stream | None = None  # the stream whose caller reads the socket now (None: the reader thread)
-        self._owner_thread = 0
-        self._close_pending = False  # the reader thread ended while a caller read: that caller closes the socket
         self._sock = self._connect(host, port, ssl_context, timeout_s)
-        self._fd = self._sock.fileno()
-        self._nudge = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # wakes the reading caller: its stream got an item
-        self._caller_poll = select.poll()
-        self._caller_poll.register(self._fd, select.POLLIN)
-        self._caller_poll.register(self._nudge, select.POLLIN)
-        self._epoll = select.epoll()  # the reader thread's; holds the socket while no caller reads it
-        self._epoll.register(self._fd, select.EPOLLIN)
         self._reader = threading.Thread(target=self._run, name=f"elastic-rt-etcd-{name}", daemon=True)
         self._reader.start()
 
@@ -129,10 +114,9 @@ class Connection(StreamTable):
 
     # ---- calls ----------------------------------------------------------------------------------------
     def open(self, path: str, metadata: tuple = (), *, timeout_s: float | None = None,
-             body: bytes | None = None, claim: bool = False) -> Stream:
+             body: bytes | None = None) -> Stream:
         """Start a call: a unary one with `body` (its only request, sent with the headers), else a streaming one
-        (messages follow with Stream.send). `timeout_s` goes to etcd as grpc-timeout. `claim`: the calling
-        thread reads the socket for the call's replies if no other caller does (release() when done)."""
+        (messages follow with Stream.send). `timeout_s` goes to etcd as grpc-timeout."""
         key = (path, timeout_s, metadata)
         fields = self._blocks.get(key)
         if fields is None:  # a call's header block depends on these alone: encoded once per connection
@@ -153,19 +137,13 @@ class Connection(StreamTable):
             out = self._header_frames(stream.id, fields)
             if body is not None:
                 out += self._data(stream, message(body), end=True)
-            claimed = claim and self._claim(stream)  # before the request leaves: the reader thread never sees it
-            try:
-                self._write(out)
-            except CallError:
-                if claimed:
-                    self._release(stream)
-                raise
+            self._write(out)
             stream.sent_at = time.monotonic()
         return stream
 
     def unary(self, path: str, body: bytes, timeout_s: float, metadata: tuple = ()) -> bytes:
         """One request, one reply (bytes); raises CallError. The deadline runs from the send (Stream.next)."""
-        stream = self.open(path, metadata, timeout_s=timeout_s, body=body, claim=True)
+        stream = self.open(path, metadata, timeout_s=timeout_s, body=body)
         try:
             reply = stream.next(timeout_s)
             if reply is None:
@@ -176,8 +154,6 @@ class Connection(StreamTable):
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.cancel(stream)
             raise
-        finally:
-            self.release(stream)
 
     def send(self, stream: Stream, data: bytes, *, end: bool) -> None:
         with self._lock:
@@ -240,21 +216,9 @@ class Connection(StreamTable):
 
     # ---- reading --------------------------------------------------------------------------------------
     def wait(self, stream: Stream, timeout_s: float | None) -> bytes | CallError | None:
-        """The next item for `stream`, whose queue is empty (Stream.next); raises CallError DEADLINE_EXCEEDED.
-        With a deadline, and while no other caller reads the socket, the calling thread reads it itself until
-        its item is there. Otherwise it waits on its queue; before a deadline fails it reads what the kernel
-        already holds for the connection (whoever reads may simply not have run)."""
-        if timeout_s is not None:
-            with self._lock:
-                mine = self._owner is stream and self._owner_thread == threading.get_ident()
-                claimed = not mine and self._claim(stream)
-            if mine:
-                return self._read_for(stream, timeout_s)
-            if claimed:
-                try:
-                    return self._read_for(stream, timeout_s)
-                finally:
-                    self.release(stream)
+        """The next item for `stream`, whose queue is empty (Stream.next); raises CallError DEADLINE_EXCEEDED. Before
+        a deadline fails, what the kernel holds for the connection is read here: a reply that came in time counts
+        even if the reader thread did not run."""
         try:
             return stream.replies.get(timeout=timeout_s) if timeout_s is None or timeout_s > 0 \
                 else stream.replies.get_nowait()
@@ -265,82 +229,20 @@ class Connection(StreamTable):
             except queue.Empty:
                 raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s") from None
 
-    def claim(self, stream: Stream) -> bool:
-        """The calling thread reads the socket for `stream` from now on, if no other caller does (True);
-        until release(stream). Claim before sending a request whose reply the caller will wait for."""
-        with self._lock:
-            return self._claim(stream)
-
-    def _claim(self, stream: Stream) -> bool:
-        if self._owner is not None or self.error is not None:
-            return False
-        self._owner, self._owner_thread = stream, threading.get_ident()
-        self._epoll.unregister(self._fd)  # the reader thread sleeps on: this caller reads what comes
-        return True
-
-    def release(self, stream: Stream) -> None:
-        """The reader thread reads again (what is left to read wakes it), if `stream` held the socket."""
-        with self._lock:
-            self._release(stream)
-
-    def _release(self, stream: Stream) -> None:
-        if self._owner is not stream:
-            return
-        self._owner = None
-        if self._close_pending:
-            self._close_socket()
-        else:
-            self._epoll.register(self._fd, select.EPOLLIN)
-
-    def _read_for(self, stream: Stream, timeout_s: float) -> bytes | CallError | None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return stream.replies.get_nowait()
-            except queue.Empty:
-                pass
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.pump()  # what reached the machine in time counts, however late this thread ran
-                try:
-                    return stream.replies.get_nowait()
-                except queue.Empty:
-                    raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s") from None
-            for fd, _ in self._caller_poll.poll(math.ceil(left * 1000)):
-                if fd == self._nudge:
-                    try:
-                        os.eventfd_read(self._nudge)
-                    except BlockingIOError:
-                        pass
-            self.pump()
-
-    def _put(self, stream: Stream, item) -> None:
-        stream.replies.put(item)
-        if stream is self._owner and threading.get_ident() != self._owner_thread:
-            os.eventfd_write(self._nudge, 1)  # another thread read the caller's item: wake it from poll()
-
     def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
         try:
             while self.error is None:
-                self._epoll.poll()
-                self.pump(stand_aside=True)
+                poller.poll()
+                self.pump()
         finally:
-            with self._lock:
-                if self._owner is None:
-                    self._close_socket()
-                else:
-                    self._close_pending = True
+            self._sock.close()
 
-    def _close_socket(self) -> None:
-        self._sock.close()
-        self._epoll.close()
-        os.close(self._nudge)
-
-    def pump(self, *, stand_aside: bool = False) -> None:
-        """Read what the kernel holds for this connection and handle every complete frame in it (stand_aside:
-        not while a caller reads the socket itself)."""
+    def pump(self) -> None:
+        """Read what the kernel holds for this connection and handle every complete frame in it."""
         with self._lock:
-            if self.error is not None or (stand_aside and self._owner is not None):
+            if self.error is not None:
                 return
             try:
                 data = self._sock.recv(262144, socket.MSG_DONTWAIT)

@@ -114,21 +114,17 @@ class _KeepAliveStream:
         self._sent = self._received = 0
 
     def beat(self, lease_id: int, timeout_s: float) -> float:
-        self._stream.claim()  # this thread reads the reply itself (connection.py), unless another caller reads
-        try:
-            self._stream.send(etcdrpc.LeaseKeepAliveRequest(ID=lease_id).SerializeToString())
-            self._sent += 1
-            deadline = self._stream.sent_at + timeout_s
-            while True:
-                reply = self._stream.next(max(0.0, deadline - time.monotonic()))
-                if reply is None:
-                    raise CallError(grpc.StatusCode.UNAVAILABLE, "etcd ended the keep-alive stream")
-                self._received += 1
-                if self._received == self._sent:  # the reply to this request (earlier ones' came late)
-                    resp = etcdrpc.LeaseKeepAliveResponse.FromString(reply)
-                    return float(resp.TTL) if resp.ID == lease_id else 0.0
-        finally:
-            self._stream.release()
+        self._stream.send(etcdrpc.LeaseKeepAliveRequest(ID=lease_id).SerializeToString())
+        self._sent += 1
+        deadline = self._stream.sent_at + timeout_s
+        while True:
+            reply = self._stream.next(max(0.0, deadline - time.monotonic()))
+            if reply is None:
+                raise CallError(grpc.StatusCode.UNAVAILABLE, "etcd ended the keep-alive stream")
+            self._received += 1
+            if self._received == self._sent:  # the reply to this request (earlier ones' came late)
+                resp = etcdrpc.LeaseKeepAliveResponse.FromString(reply)
+                return float(resp.TTL) if resp.ID == lease_id else 0.0
 
     def close(self) -> None:
         self._stream.cancel()

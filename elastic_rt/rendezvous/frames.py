@@ -42,7 +42,7 @@ class Stream:
 
     def next(self, timeout_s: float | None) -> bytes | None:
         """The next message, or None once the call ended OK; raises CallError (DEADLINE_EXCEEDED when nothing
-        came within timeout_s, None: wait as long as it takes). Connection.wait says how the waiting is done."""
+        came within timeout_s, None: wait as long as it takes); see Connection.wait."""
         try:
             item = self.replies.get_nowait()
         except queue.Empty:
@@ -55,12 +55,6 @@ class Stream:
 
     def cancel(self) -> None:
         self.conn.cancel(self)
-
-    def claim(self) -> bool:
-        return self.conn.claim(self)
-
-    def release(self) -> None:
-        self.conn.release(self)
 
 
 class StreamTable:
