@@ -114,22 +114,27 @@ def timeout_field(timeout_s: float) -> bytes:
     return literal(b"grpc-timeout", b"%dm" % min(99_999_999, max(1, int(timeout_s * 1000 + 0.999))))
 
 
+_DECODED: dict[bytes, dict[bytes, bytes]] = {}  # header block -> its fields, decoded with an empty table of size 0
+
+
 class HeaderDecoder:
-    """Response header blocks -> {name: value}. The table size is 0 (client_settings()), so a block decodes
-    the same every time and repeated ones (every OK response's) come from a cache."""
+    """Response header blocks -> {name: value}. The table size is 0 (client_settings()): once the member's
+    encoder applied it, a block decodes the same on every connection, and blocks seen before (every OK
+    response's) come from one cache shared by the process's connections."""
 
     def __init__(self) -> None:
         self._decoder = hpack.Decoder()
         self._decoder.max_allowed_table_size = 0
-        self._cache: dict[bytes, dict[bytes, bytes]] = {}
 
     def decode(self, block: bytes) -> dict[bytes, bytes]:
-        cached = self._cache.get(block)
-        if cached is not None:
-            return cached
+        stateless = self._decoder.header_table_size == 0
+        if stateless:
+            cached = _DECODED.get(block)
+            if cached is not None:
+                return cached
         headers = dict(self._decoder.decode(block, raw=True))
-        if self._decoder.header_table_size == 0 and len(self._cache) < 128:
-            self._cache[block] = headers
+        if stateless and len(_DECODED) < 256:
+            _DECODED[block] = headers
         return headers
 
 
