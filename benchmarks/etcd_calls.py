@@ -99,7 +99,8 @@ def main() -> int:
     from provenance import provenance
     from results_file import write_results
 
-    from elastic_rt.chaos.etcd_server import EtcdCluster
+    sys.path.insert(0, REPO)  # etcd_testbed/ (the repository's test etcd servers) beside benchmarks/
+    from etcd_testbed.server import EtcdCluster
 
     git = provenance(args.allow_dirty) if args.out else None
     load_start = os.getloadavg()
