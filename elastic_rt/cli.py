@@ -69,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     try:
         if args.command == "launch":
-            from elastic_rt.launch import launch
             from elastic_rt.launch_config import launch_config_from_args
 
-            return launch(launch_config_from_args(args))
+            config = launch_config_from_args(args)  # a bad flag is one line before torch is imported
+            from elastic_rt.launch import launch
+
+            return launch(config)
         return int(args.func(args))
     except ElasticRTError as exc:
         print(f"elastic-rt {args.command}: error: {exc}", file=sys.stderr)

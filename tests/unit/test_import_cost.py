@@ -34,3 +34,11 @@ def test_the_agent_does_not_import_torch_distributed_checkpoint():
 def test_the_checkpoint_package_still_offers_its_names():
     assert _loaded("from elastic_rt.checkpoint import CheckpointManager, CheckpointStore, Manifest",
                    ("torch.distributed.checkpoint",)) == ["torch.distributed.checkpoint"]
+
+
+def test_a_bad_launch_flag_is_refused_before_torch_is_imported():
+    code = ("import sys\nfrom elastic_rt.cli import main\nrc = main(['launch', '--nnodes', '3:2', 'train.py'])\n"
+            "print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["2", "False"], (out.stdout, out.stderr)
+    assert "MIN (3) is larger than MAX (2)" in out.stderr
