@@ -272,28 +272,21 @@ class EtcdClient:
         rng = resp.responses[-1].response_range
         return bool(resp.succeeded), (_kv(rng.kvs[0]) if rng.kvs else None)
 
-    def delete_range(self, start: str, end: str) -> int:
-        """Delete every key k with start <= k < end."""
-        req = etcdrpc.DeleteRangeRequest(key=start.encode(), range_end=end.encode())
-        resp = self._call(lambda ep, t: ep.call("KV/DeleteRange", req, t))
-        return int(resp.deleted)
-
     def delete_ranges(self, ranges: list[tuple[str, str]]) -> int:
         """Delete every key k with start <= k < end, for each (start, end), in one transaction."""
-        ops = [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=a.encode(), range_end=b.encode()))
-               for a, b in ranges]
-        req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
-        resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
-        return sum(int(r.response_delete_range.deleted) for r in resp.responses)
+        return self._delete_ranges(ranges, compare=[])
 
     def delete_ranges_if_empty(self, ranges: list[tuple[str, str]], *, empty: tuple[str, bytes]) -> int:
         """delete_ranges, in a transaction that does it only while no key k with start <= k < end of `empty`
         exists (etcd compares an empty range as one key of version 0). Returns the keys deleted (0: not done)."""
         cmp = etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.VERSION,
                               key=empty[0].encode(), range_end=empty[1], version=0)
+        return self._delete_ranges(ranges, compare=[cmp])
+
+    def _delete_ranges(self, ranges: list[tuple[str, str]], *, compare: list) -> int:
         ops = [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=a.encode(), range_end=b.encode()))
                for a, b in ranges]
-        req = etcdrpc.TxnRequest(compare=[cmp], success=ops, failure=[])
+        req = etcdrpc.TxnRequest(compare=compare, success=ops, failure=[])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         return sum(int(r.response_delete_range.deleted) for r in resp.responses) if resp.succeeded else 0
 
