@@ -130,6 +130,7 @@ class CheckpointManager:
         self._guarded: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
         self._last_stats: SaveStats | None = None
+        self.skipped_snapshots = 0  # memory tier snapshots not taken because the previous save was in flight
         self._closed = False
 
     def _acquire_guard(self) -> WriterGuard:
@@ -167,7 +168,10 @@ class CheckpointManager:
         staged (or at once when guard_optimizer() is used); False when skipped (if_busy='skip').
         With memory_every/persist_every, call it every step: it snapshots to the memory tier or
         persists to storage when the step is due (persist=True: to storage now, e.g. on SIGTERM),
-        and returns False for a step that is neither."""
+        and returns False for a step that is neither. A snapshot always runs on the background
+        thread (this call waits for its copy to host memory unless guard_optimizer() is used), and
+        one due while any save is still in flight is skipped on every rank (False): snapshots
+        coalesce to the pace the node can write and replicate them, never queue."""
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be an integer >= 0, got {step!r}")
@@ -181,15 +185,20 @@ class CheckpointManager:
                 ctx = self._mem_ctx
         entered = time.monotonic()
         self._raise_background_error()
-        if self.options.async_save and self.options.if_busy == "skip":
+        snapshot_only = ctx is self._mem_ctx
+        if snapshot_only or (self.options.async_save and self.options.if_busy == "skip"):
             busy = self._inflight is not None and not self._inflight.future.done()  # type: ignore[union-attr]
             if coll.any_true(busy, self._groups.ctl):
-                log.info("checkpoint step %d skipped: the previous save is still being written", step)
+                if snapshot_only:  # coalesced: the one in flight is the newest the tier will have
+                    self.skipped_snapshots += 1
+                    log.debug("memory tier snapshot of step %d skipped: the previous save is still in flight", step)
+                else:
+                    log.info("checkpoint step %d skipped: the previous save is still being written", step)
                 return False
         self._wait_inflight()
         global_part, per_rank = split_state(state, self.options.per_rank_keys)
         protected = frozenset(optimizer_storage_ptrs(self._guarded))
-        if not self.options.async_save:
+        if not self.options.async_save and not snapshot_only:  # snapshots always go to the background thread
             job = SaveJob(
                 step=step,
                 global_state=snapshot(global_part, keep_live=lambda t: True),
@@ -245,10 +254,6 @@ class CheckpointManager:
     def wait(self) -> SaveStats | None:
         """Finish the in-flight save; raises CheckpointError if it failed. Returns the last stats."""
         self._wait_inflight()
-        return self._last_stats
-
-    @property
-    def last_stats(self) -> SaveStats | None:
         return self._last_stats
 
     def _wait_inflight(self) -> None:
