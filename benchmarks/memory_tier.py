@@ -8,15 +8,18 @@ Two gloo ranks on CPU stand for two nodes (one rank each), each with a real repl
 momentum buffers, half each.
 
 Part "snapshot": a tight loop (no sleep) of optimizer steps (torch's default thread count, as a
-user leaves it), without a manager, then with async_save + guard_optimizer and each `--every` (1
-and 5 by default). Per configuration: the median and the mean step time and their ratios to the
-loop without a manager (the mean is what throughput pays: a snapshot that blocks a few steps hardly
-moves the median), the time the loop was blocked per snapshot (SaveStats.blocked_s), how many of the
-due snapshots were taken (one due while the previous is in flight is skipped: snapshots coalesce)
-and the median steps between two committed snapshots of one block (what a failure can lose is at
-most about twice that). A snapshot copies the state to host buffers (the only part the loop waits for: the optimizer
-step waits for the copy), writes it into /dev/shm with its crc32 and sha256, and pushes it to the
-peer, all on the background thread, which competes with the loop for the same cores.
+user leaves it) in blocks of `--block-steps`: without save() calls, then with a memory tier snapshot
+every e steps for each `--every` (1 and 5 by default; async_save + guard_optimizer), `--rounds` times,
+interleaved so the shared machine's load drift falls on all alike. Per configuration: the median and
+the mean step time and their ratios to the blocks without snapshots (the mean is what throughput
+pays: a snapshot that blocks a few steps hardly moves the median), the mean ratio again with the wait
+for the snapshot still in flight at a block's end counted in (the true cost lies between the two),
+the time the loop was blocked per snapshot (SaveStats.blocked_s), how many of the due snapshots were
+taken (one due while the previous is in flight is skipped: snapshots coalesce) and the median steps
+between two committed snapshots of one block (a failure loses at most about twice that). A snapshot
+copies the state to host buffers (the only part the loop waits for: the optimizer step waits for the
+copy), writes it into /dev/shm with its crc32 and sha256, and pushes it to the peer, all on the
+background thread, which competes with the loop for the same cores.
 
 Part "restore": node a is lost (server closed, its tier removed); a world of one rank on node b
 loads the newest snapshot (its own files, and a's from the replica it holds) into a fresh state;
