@@ -8,7 +8,8 @@ training step. Configurations, one run each, in this order:
   fault-free         elastic-rt launch, no kill: the steps the job makes in `--duration` s
   torchrun           torchrun --standalone --max-restarts 100, checkpoints every --persist-every steps
   elastic-rt persist elastic-rt launch --standalone, checkpoints every --persist-every steps
-  elastic-rt memory  the same, with --memory-every M (a snapshot in the node's memory tier every M steps)
+  elastic-rt memory  the same, with --memory-every M --async-save (a snapshot in the node's memory tier
+                     every M steps on the background thread, coalesced while one is in flight)
 
 Per run: the step reached `--duration` s after the first step (kept steps: a restart rolls the step
 counter back to what it restored), goodput = that / fault-free's, and per failure the lost steps (the
@@ -41,7 +42,7 @@ from results_file import write_results
 def _job(args: argparse.Namespace, url: str, memory: bool) -> list[str]:
     return [SCRIPT, "--steps", "100000000", "--save-every", str(args.persist_every), "--step-sleep",
             str(args.step_sleep), "--hidden", str(args.hidden), "--ckpt-url", url,
-            *(["--memory-every", str(args.memory_every)] if memory else [])]
+            *(["--memory-every", str(args.memory_every), "--async-save"] if memory else [])]
 
 
 def run(name: str, args: argparse.Namespace, scratch: str, *, kill: bool) -> dict:

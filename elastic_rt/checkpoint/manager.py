@@ -17,7 +17,6 @@ import torch.distributed as dist
 from elastic_rt.checkpoint import collectives as coll
 from elastic_rt.checkpoint import loader
 from elastic_rt.checkpoint.backends import Storage, open_storage
-from elastic_rt.checkpoint.fence import FenceCheck
 from elastic_rt.checkpoint.guard import WriterGuard
 from elastic_rt.checkpoint.host_cache import HostCache
 from elastic_rt.checkpoint.memory_tier import MemoryTier
@@ -29,7 +28,6 @@ from elastic_rt.checkpoint.storage import CheckpointEntry, CheckpointStore
 from elastic_rt.checkpoint.trust import read_secret_file
 from elastic_rt.checkpoint.user_state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
 from elastic_rt.checkpoint.writer import ChecksumWriter
-from elastic_rt.checkpoint.writer_lease import WriterLease
 from elastic_rt.errors import CheckpointError, ElasticRTError
 from elastic_rt.worker_env import WorkerEnvironment
 
@@ -102,7 +100,8 @@ class CheckpointManager:
         if self._groups.io is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
         self.rank, self.world_size = self._groups.rank, self._groups.world_size
-        self._guard = self._acquire_guard()
+        self._guard = WriterGuard.acquire(self._store.storage, self._groups, lease_ttl_s=writer_lease_ttl_s,
+                                          wait_s=self.options.writer_wait_s, fence_wait_s=fence_wait_s)
         self._host_cache = HostCache.from_env(rank=self.rank)  # the node's copy in shared memory, if any
         self._ctx = SaveContext(
             url=url,
@@ -133,26 +132,6 @@ class CheckpointManager:
         self.skipped_snapshots = 0  # memory tier snapshots not taken because the previous save was in flight
         self._closed = False
 
-    def _acquire_guard(self) -> WriterGuard:
-        """Rank 0 takes the writer lease (one writer per URL) and tells the others its epoch; an error
-        there (another job holds the URL, storage unreachable) is raised on every rank alike."""
-        fence = FenceCheck.from_env()
-        token = WriterGuard.token_from_env(fence)
-        lease, outcome = None, None
-        if self.rank == 0:
-            lease = WriterLease(self._store.storage, token=token, ttl_s=self.options.writer_lease_ttl_s,
-                                wait_s=self.options.writer_wait_s, fenced=fence is not None)
-            try:
-                outcome = lease.acquire()
-            except ElasticRTError as exc:
-                outcome = str(exc)
-        outcome = coll.broadcast(outcome, self._groups.ctl)
-        if isinstance(outcome, str):
-            self._groups.destroy()
-            raise CheckpointError(outcome)
-        token = replace(token, epoch=outcome)
-        return WriterGuard(token=token, lease=lease, fence=fence, fence_wait_s=self.options.fence_wait_s)
-
     # ------------------------------------------------------------------ saving
 
     def _make_writer(
@@ -168,10 +147,8 @@ class CheckpointManager:
         staged (or at once when guard_optimizer() is used); False when skipped (if_busy='skip').
         With memory_every/persist_every, call it every step: it snapshots to the memory tier or
         persists to storage when the step is due (persist=True: to storage now, e.g. on SIGTERM),
-        and returns False for a step that is neither. A snapshot always runs on the background
-        thread (this call waits for its copy to host memory unless guard_optimizer() is used), and
-        one due while any save is still in flight is skipped on every rank (False): snapshots
-        coalesce to the pace the node can write and replicate them, never queue."""
+        and returns False for a step that is neither. With async_save, a snapshot due while any save is
+        in flight is skipped on every rank (False): snapshots coalesce, never queue."""
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be an integer >= 0, got {step!r}")
@@ -185,11 +162,11 @@ class CheckpointManager:
                 ctx = self._mem_ctx
         entered = time.monotonic()
         self._raise_background_error()
-        snapshot_only = ctx is self._mem_ctx
-        if snapshot_only or (self.options.async_save and self.options.if_busy == "skip"):
+        coalesce = self.options.async_save and ctx is self._mem_ctx
+        if coalesce or (self.options.async_save and self.options.if_busy == "skip"):
             busy = self._inflight is not None and not self._inflight.future.done()  # type: ignore[union-attr]
             if coll.any_true(busy, self._groups.ctl):
-                if snapshot_only:  # coalesced: the one in flight is the newest the tier will have
+                if coalesce:  # the one in flight is the newest the tier will have
                     self.skipped_snapshots += 1
                     log.debug("memory tier snapshot of step %d skipped: the previous save is still in flight", step)
                 else:
@@ -198,7 +175,7 @@ class CheckpointManager:
         self._wait_inflight()
         global_part, per_rank = split_state(state, self.options.per_rank_keys)
         protected = frozenset(optimizer_storage_ptrs(self._guarded))
-        if not self.options.async_save and not snapshot_only:  # snapshots always go to the background thread
+        if not self.options.async_save:
             job = SaveJob(
                 step=step,
                 global_state=snapshot(global_part, keep_live=lambda t: True),

@@ -190,8 +190,8 @@ def coalesce(rank: int, world_size: int, url: str, secret_file: str, nodes: list
     os.environ[ENV_MEMORY_TIER_DIR], os.environ[ENV_MEMORY_TIER_ADDR] = nodes[rank]
     saved = []
     mgr = HeldSnapshotManager(url, collective_timeout_s=60.0, secret_file=secret_file, memory_every=1,
-                              persist_every=1000, on_saved=lambda s: saved.append((s.step, s.tier)))
-    with mgr:  # async_save off: a snapshot still goes to the background thread (save(1) returns while held)
+                              persist_every=1000, async_save=True, on_saved=lambda s: saved.append((s.step, s.tier)))
+    with mgr:  # if_busy stays "wait": snapshots coalesce whatever it says
         returned = [mgr.save(step, {"model": _tensors(rank, step), "extra": {"step": step}}) for step in (1, 2, 3)]
         skipped_while_held = mgr.skipped_snapshots
         mgr.release.set()
