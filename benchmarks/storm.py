@@ -8,14 +8,15 @@ training step. Configurations, one run each, in this order:
   fault-free         elastic-rt launch, no kill: the steps the job makes in `--duration` s
   torchrun           torchrun --standalone --max-restarts 100, checkpoints every --persist-every steps
   elastic-rt persist elastic-rt launch --standalone, checkpoints every --persist-every steps
-  elastic-rt memory  the same, with --memory-every M (a snapshot in the node's memory tier every M steps)
+  elastic-rt memory  the same, with --memory-every M --async-save (a snapshot in the node's memory tier
+                     every M steps on the background thread, coalesced while one is in flight)
 
 Per run: the step reached `--duration` s after the first step (kept steps: a restart rolls the step
 counter back to what it restored), goodput = that / fault-free's, and per failure the lost steps (the
 last step printed before the kill minus the step the restart resumed from). One node, so the memory
 tier has no replica here: a node storm (replicas) is not part of this benchmark.
 
-    python benchmarks/storm.py [--duration 90] [--kill-every 30] [--persist-every 50] [--memory-every 5]
+    python benchmarks/storm.py [--duration 90] [--kill-every 30] [--persist-every 50] [--memory-every 5] [--hidden 64]
 
 Results: benchmarks/results/storm-DATE[-K].json and .txt, with the commit and the load average.
 """
@@ -40,7 +41,8 @@ from results_file import write_results
 
 def _job(args: argparse.Namespace, url: str, memory: bool) -> list[str]:
     return [SCRIPT, "--steps", "100000000", "--save-every", str(args.persist_every), "--step-sleep",
-            str(args.step_sleep), "--ckpt-url", url, *(["--memory-every", str(args.memory_every)] if memory else [])]
+            str(args.step_sleep), "--hidden", str(args.hidden), "--ckpt-url", url,
+            *(["--memory-every", str(args.memory_every), "--async-save"] if memory else [])]
 
 
 def run(name: str, args: argparse.Namespace, scratch: str, *, kill: bool) -> dict:
@@ -87,6 +89,8 @@ def main() -> None:
     p.add_argument("--persist-every", type=int, default=50)
     p.add_argument("--memory-every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--hidden", type=int, default=64, help="the example model's hidden width: its state is "
+                   "144 x hidden bytes (parameters and SGD momentum, float32); 7456540 for 1 GiB")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument("--allow-dirty", action="store_true")
@@ -108,7 +112,8 @@ def main() -> None:
             f"{statistics.median(r['lost_per_failure']) if r['lost_per_failure'] else '-'} | "
             f"{r['lost_per_failure']} |" for r in runs]
     text = "\n".join([
-        f"worker storm: 1 node x 2 workers, example job (--step-sleep {args.step_sleep}), local rank 1 SIGKILLed every "
+        f"worker storm: 1 node x 2 workers, example job (--step-sleep {args.step_sleep}, --hidden {args.hidden}: "
+        f"{144 * args.hidden / 2**30:.3g} GiB of state), local rank 1 SIGKILLed every "
         f"{args.kill_every:g} s for {args.duration:g} s; persist every {args.persist_every} steps, memory tier every "
         f"{args.memory_every}; commit {prov['commit'][:10]}{' (dirty)' if prov['dirty'] else ''}",
         f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (2 shared cores)",

@@ -17,12 +17,12 @@ import secrets
 import socket
 import socketserver
 import threading
-import zlib
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from elastic_rt.checkpoint import replica_channel as ch
+from elastic_rt.checkpoint import checksum
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +147,10 @@ class ReplicaServer:
             with f:  # two passes, one chunk at a time: the crc32 goes in the header, ahead of the bytes
                 size, crc = os.fstat(f.fileno()).st_size, 0
                 for chunk in ch.file_chunks(f):
-                    crc = zlib.crc32(chunk, crc)
+                    crc = checksum.crc32(chunk, crc)
                 f.seek(0)
                 ch.send_header(sock, self.config.secret, nonce, {"size": size, "crc32": crc}, reply=True)
-                ch.stream_to(sock, ch.file_chunks(f))
+                ch.send_file(sock, f)
             return
         ch.send_header(sock, self.config.secret, nonce, {"error": "not found", "missing": True}, reply=True)
 
@@ -170,19 +170,15 @@ class ReplicaServer:
                 error = (f"node {self.config.node} holds {held >> 20} MiB of replicas; {rel} ({size >> 20} MiB) "
                          f"would pass its budget of {self.config.max_replica_bytes >> 20} MiB "
                          "(--memory-tier-replica-gib)")
-                for _ in range(0, size, ch.CHUNK_BYTES):  # drained, not kept: the pusher reads the reason
-                    ch.recv_exact(sock, min(ch.CHUNK_BYTES, size - _))
+                for _chunk in ch.recv_chunks(sock, size):  # drained, not kept: the pusher reads the reason
+                    pass
             else:
                 os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
-                got = 0
+                crc = 0
                 with open(tmp, "wb") as f:
-                    while got < size:
-                        chunk = ch.recv_exact(sock, min(ch.CHUNK_BYTES, size - got))
-                        crc = zlib.crc32(chunk, crc if got else 0)
+                    for chunk in ch.recv_chunks(sock, size):
+                        crc = checksum.crc32(chunk, crc)
                         f.write(chunk)
-                        got += len(chunk)
-                if size == 0:
-                    crc = 0
                 if crc != crc32:
                     self.refused.labels(self.config.node, "crc32").inc()
                     error = f"{rel} arrived with crc32 {crc:08x}, announced {crc32:08x}: not kept"

@@ -4,8 +4,8 @@ DCP's data files (`*.distcp`) are the bulk of a checkpoint. Checking their crc32
 its own before the load reads every byte twice and makes the restore wait for the checksum.
 Instead the loader reads each data file once, in increasing offsets: the tensors' bytes go
 straight into the state's tensors and everything between them (zip headers, pickles, records
-left to DCP's own path) into a scratch buffer, every byte through zlib.crc32; the crc32 of a
-large piece runs in a helper thread (zlib releases the GIL) while the next piece is read.
+left to DCP's own path) into a scratch buffer, every byte through crc32 (checkpoint/checksum.py);
+the crc32 of a large piece runs in a helper thread (it releases the GIL) while the next piece is read.
 After the last record the rest of the file is read and checked too, so the whole file is
 covered. The other files (`.metadata`, per-rank files: small pickles) are still checked
 before anything unpickles them.
@@ -14,13 +14,13 @@ before anything unpickles them.
 from __future__ import annotations
 
 import hashlib
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from elastic_rt.checkpoint.manifest import FileEntry
 from elastic_rt.checkpoint.storage import file_problem
 from elastic_rt.checkpoint.tensor_read import read_fully
+from elastic_rt.checkpoint import checksum
 
 # Pieces at least this large get their crc32 computed in the helper thread while the next one is read.
 OVERLAP_MIN_BYTES = 1 << 20
@@ -91,7 +91,7 @@ class CheckedFile:
     def _digest(self, piece: memoryview, crc: int) -> int:
         if self._hasher is not None:
             self._hasher.update(piece)
-        return zlib.crc32(piece, crc)
+        return checksum.crc32(piece, crc)
 
     def _feed(self, piece: memoryview) -> None:
         crc = self._settle()

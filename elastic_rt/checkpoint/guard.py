@@ -6,11 +6,15 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import replace
 from typing import Callable, Mapping
 
+from elastic_rt.checkpoint import collectives as coll
+from elastic_rt.checkpoint.backends import Storage
 from elastic_rt.checkpoint.fence import FenceCheck
 from elastic_rt.checkpoint.manifest import WriterToken
 from elastic_rt.checkpoint.writer_lease import WriterLease
+from elastic_rt.errors import CheckpointError, ElasticRTError
 from elastic_rt.worker_env import ENV_RUN_ID
 
 log = logging.getLogger(__name__)
@@ -31,6 +35,26 @@ class WriterGuard:
         self._token, self.lease, self.fence = token, lease, fence
         self._fence_wait_s, self._clock = fence_wait_s, clock
         self.last_check_s = 0.0
+
+    @classmethod
+    def acquire(cls, storage: Storage, groups: coll.CheckpointGroups, *, lease_ttl_s: float, wait_s: float,
+                fence_wait_s: float) -> "WriterGuard":
+        """Every rank at once: rank 0 takes the writer lease (one writer per URL) and tells the others its
+        epoch; an error there (another job holds the URL, storage unreachable) is raised on every rank alike."""
+        fence = FenceCheck.from_env()
+        token = cls.token_from_env(fence)
+        lease, outcome = None, None
+        if groups.rank == 0:
+            lease = WriterLease(storage, token=token, ttl_s=lease_ttl_s, wait_s=wait_s, fenced=fence is not None)
+            try:
+                outcome = lease.acquire()
+            except ElasticRTError as exc:
+                outcome = str(exc)
+        outcome = coll.broadcast(outcome, groups.ctl)
+        if isinstance(outcome, str):
+            groups.destroy()
+            raise CheckpointError(outcome)
+        return cls(token=replace(token, epoch=outcome), lease=lease, fence=fence, fence_wait_s=fence_wait_s)
 
     @classmethod
     def token_from_env(cls, fence: FenceCheck | None, env: Mapping[str, str] = os.environ) -> WriterToken:

@@ -25,7 +25,6 @@ import os
 import posixpath
 import re
 import shutil
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Mapping
 
@@ -34,6 +33,7 @@ from elastic_rt.checkpoint.manifest import FileEntry, Manifest
 from elastic_rt.checkpoint.storage import STEP_DIR_RE, CheckpointStore, step_dirname
 from elastic_rt.errors import CheckpointError
 from elastic_rt.worker_env import ENV_HOST_CACHE_DIR, ENV_HOST_CACHE_RESERVE
+from elastic_rt.checkpoint import checksum
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class HostCache:
         try:
             with store.open_read(posixpath.join(data_dir, entry.path)) as src, open(tmp, "wb") as dst:
                 while chunk := src.read(COPY_CHUNK_BYTES):
-                    crc = zlib.crc32(chunk, crc)
+                    crc = checksum.crc32(chunk, crc)
                     dst.write(chunk)
             if crc != entry.crc32:
                 raise CheckpointError(f"{entry.path} on storage does not match its manifest")
@@ -339,7 +339,7 @@ class CachedSource:
         if not self._verify or (name not in self._unverified.get(data_dir, ()) and not stale):
             return self._store.open_read(path)
         data = self._store.read_file(data_dir, name)
-        if len(data) != entry.size or zlib.crc32(data) != entry.crc32:
+        if len(data) != entry.size or checksum.crc32(data) != entry.crc32:
             raise CheckpointError(f"{path} does not match its manifest (size or crc32); the checkpoint "
                                   "on storage is damaged: move the step directory aside to load the previous one")
         return _ViewStream(data, checksum_verified=entry.sha256 is None)
@@ -355,7 +355,7 @@ class CachedSource:
             return None
         if mapped is None:
             return _ViewStream(b"", checksum_verified=True) if entry.crc32 == 0 else None
-        if self._verify and not _stamp_holds(path, stat) and zlib.crc32(mapped) != entry.crc32:
+        if self._verify and not _stamp_holds(path, stat) and checksum.crc32(mapped) != entry.crc32:
             mapped.close()
             return None
         return _ViewStream(mapped, closer=mapped.close, checksum_verified=self._verify and entry.sha256 is None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, MutableMapping, Protocol
 
@@ -22,6 +21,7 @@ from elastic_rt.checkpoint.trust import SafeLoadPlanner
 from elastic_rt.checkpoint.user_state import decode_per_rank, split_state
 from elastic_rt.checkpoint.writer import METADATA_NAME, CheckpointReader
 from elastic_rt.errors import CheckpointError, ElasticRTError
+from elastic_rt.checkpoint import checksum
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def _load_step(
     data = source.read_file(data_dir, name)
     if verify:  # the bytes that are decoded are the bytes that are checked
         sha = hashlib.sha256(data).hexdigest() if entry.sha256 is not None else None
-        problem = "size" if len(data) != entry.size else file_problem(entry, (zlib.crc32(data), sha))
+        problem = "size" if len(data) != entry.size else file_problem(entry, (checksum.crc32(data), sha))
         if problem is not None:
             raise CheckpointError(f"{data_dir}/{name} changed after it was verified ({problem}); not loaded")
     loaded = decode_per_rank(data)

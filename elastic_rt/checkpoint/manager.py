@@ -17,7 +17,6 @@ import torch.distributed as dist
 from elastic_rt.checkpoint import collectives as coll
 from elastic_rt.checkpoint import loader
 from elastic_rt.checkpoint.backends import Storage, open_storage
-from elastic_rt.checkpoint.fence import FenceCheck
 from elastic_rt.checkpoint.guard import WriterGuard
 from elastic_rt.checkpoint.host_cache import HostCache
 from elastic_rt.checkpoint.memory_tier import MemoryTier
@@ -29,7 +28,6 @@ from elastic_rt.checkpoint.storage import CheckpointEntry, CheckpointStore
 from elastic_rt.checkpoint.secret import read_secret_file
 from elastic_rt.checkpoint.user_state import optimizer_storage_ptrs, snapshot, split_state, storage_ptr
 from elastic_rt.checkpoint.writer import ChecksumWriter
-from elastic_rt.checkpoint.writer_lease import WriterLease
 from elastic_rt.errors import CheckpointError, ElasticRTError
 from elastic_rt.worker_env import WorkerEnvironment
 
@@ -102,7 +100,8 @@ class CheckpointManager:
         if self._groups.io is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
         self.rank, self.world_size = self._groups.rank, self._groups.world_size
-        self._guard = self._acquire_guard()
+        self._guard = WriterGuard.acquire(self._store.storage, self._groups, lease_ttl_s=writer_lease_ttl_s,
+                                          wait_s=self.options.writer_wait_s, fence_wait_s=fence_wait_s)
         self._host_cache = HostCache.from_env(rank=self.rank)  # the node's copy in shared memory, if any
         self._ctx = SaveContext(
             url=url,
@@ -130,27 +129,8 @@ class CheckpointManager:
         self._guarded: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
         self._last_stats: SaveStats | None = None
+        self.skipped_snapshots = 0  # memory tier snapshots not taken because the previous save was in flight
         self._closed = False
-
-    def _acquire_guard(self) -> WriterGuard:
-        """Rank 0 takes the writer lease (one writer per URL) and tells the others its epoch; an error
-        there (another job holds the URL, storage unreachable) is raised on every rank alike."""
-        fence = FenceCheck.from_env()
-        token = WriterGuard.token_from_env(fence)
-        lease, outcome = None, None
-        if self.rank == 0:
-            lease = WriterLease(self._store.storage, token=token, ttl_s=self.options.writer_lease_ttl_s,
-                                wait_s=self.options.writer_wait_s, fenced=fence is not None)
-            try:
-                outcome = lease.acquire()
-            except ElasticRTError as exc:
-                outcome = str(exc)
-        outcome = coll.broadcast(outcome, self._groups.ctl)
-        if isinstance(outcome, str):
-            self._groups.destroy()
-            raise CheckpointError(outcome)
-        token = replace(token, epoch=outcome)
-        return WriterGuard(token=token, lease=lease, fence=fence, fence_wait_s=self.options.fence_wait_s)
 
     # ------------------------------------------------------------------ saving
 
@@ -167,7 +147,8 @@ class CheckpointManager:
         staged (or at once when guard_optimizer() is used); False when skipped (if_busy='skip').
         With memory_every/persist_every, call it every step: it snapshots to the memory tier or
         persists to storage when the step is due (persist=True: to storage now, e.g. on SIGTERM),
-        and returns False for a step that is neither."""
+        and returns False for a step that is neither. With async_save, a snapshot due while any save is
+        in flight is skipped on every rank (False): snapshots coalesce, never queue."""
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be an integer >= 0, got {step!r}")
@@ -181,10 +162,15 @@ class CheckpointManager:
                 ctx = self._mem_ctx
         entered = time.monotonic()
         self._raise_background_error()
-        if self.options.async_save and self.options.if_busy == "skip":
+        coalesce = self.options.async_save and ctx is self._mem_ctx
+        if coalesce or (self.options.async_save and self.options.if_busy == "skip"):
             busy = self._inflight is not None and not self._inflight.future.done()  # type: ignore[union-attr]
             if coll.any_true(busy, self._groups.ctl):
-                log.info("checkpoint step %d skipped: the previous save is still being written", step)
+                if coalesce:  # the one in flight is the newest the tier will have
+                    self.skipped_snapshots += 1
+                    log.debug("memory tier snapshot of step %d skipped: the previous save is still in flight", step)
+                else:
+                    log.info("checkpoint step %d skipped: the previous save is still being written", step)
                 return False
         self._wait_inflight()
         global_part, per_rank = split_state(state, self.options.per_rank_keys)
@@ -245,10 +231,6 @@ class CheckpointManager:
     def wait(self) -> SaveStats | None:
         """Finish the in-flight save; raises CheckpointError if it failed. Returns the last stats."""
         self._wait_inflight()
-        return self._last_stats
-
-    @property
-    def last_stats(self) -> SaveStats | None:
         return self._last_stats
 
     def _wait_inflight(self) -> None:

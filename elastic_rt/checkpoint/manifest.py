@@ -7,11 +7,11 @@ import enum
 import hashlib
 import hmac
 import json
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from elastic_rt.errors import CheckpointError
+from elastic_rt.checkpoint import checksum
 
 FORMAT_NAME = "elastic-rt-checkpoint"
 FORMAT_VERSION = 2  # 2: writer token, generation, data folder, optional sha256 and HMAC
@@ -212,7 +212,7 @@ def _canonical(body: dict[str, Any]) -> bytes:
 
 
 def _crc_of_body(body: dict[str, Any]) -> str:
-    return f"{zlib.crc32(_canonical(body)):08x}"
+    return f"{checksum.crc32(_canonical(body)):08x}"
 
 
 def _hmac_of_body(body: dict[str, Any], secret: bytes) -> str:

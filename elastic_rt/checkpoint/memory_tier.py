@@ -20,7 +20,6 @@ import logging
 import os
 import posixpath
 import shutil
-import zlib
 from dataclasses import dataclass, field
 from typing import BinaryIO, Mapping
 
@@ -29,6 +28,7 @@ from elastic_rt.checkpoint.backends import PosixStorage, StorageError
 from elastic_rt.checkpoint.manifest import manifest_name
 from elastic_rt.checkpoint.replica_channel import ChannelError, ReplicaClient
 from elastic_rt.checkpoint.storage import STEP_DIR_RE, CheckpointStore, step_dirname
+from elastic_rt.checkpoint import checksum
 from elastic_rt.checkpoint.secret import read_secret_file
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class MemoryTier:
             try:
                 if crc is None:  # the manifest: checked by its own checksum and signature; crc32 for the wire
                     with open(local, "rb") as f:
-                        crc = zlib.crc32(f.read())
+                        crc = checksum.crc32(f.read())
                 self.successor.put_file(rel, local, crc32=crc)  # type: ignore[union-attr]
             except (OSError, ChannelError) as exc:
                 if step not in self._push_warned:

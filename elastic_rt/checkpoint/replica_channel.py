@@ -4,9 +4,11 @@ One request per TCP connection. The server opens with a random nonce; the client
 (one JSON line: op, path, size, crc32) and the HMAC-SHA256 of nonce + header under the job secret,
 then the body (PUT). The server answers with a header and its own HMAC (over nonce + "reply" +
 header), then the body (GET). A peer without the secret can neither read, write nor list, and
-cannot answer in a server's place. Bodies travel in chunks of CHUNK_BYTES: a server holds at most
-one chunk of a file it sends or receives (a GET's reader holds the file it reads, as a read from
-storage does), and a GET's bytes are checked against the crc32 its reply header announced (what it holds is checked against the manifest by the loader, as for storage).
+cannot answer in a server's place. Bodies are sent by sendfile (no copy through the sender's
+memory) and received in chunks of CHUNK_BYTES: a server holds at most one chunk of a file it
+receives (a GET's reader holds the file it reads, as a read from storage does), and a GET's bytes
+are checked against the crc32 its reply header announced (what it holds is checked against the
+manifest by the loader, as for storage).
 Paths are relative to the tier's root and must be plain names below it (no "..", no absolute path).
 """
 
@@ -18,11 +20,11 @@ import json
 import os
 import posixpath
 import socket
-import zlib
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from elastic_rt.errors import CheckpointError
+from elastic_rt.checkpoint import checksum
 
 NONCE_BYTES = 16
 MAC_BYTES = 32
@@ -99,12 +101,26 @@ def recv_header(sock: socket.socket, secret: bytes, nonce: bytes, *, reply: bool
     return header if isinstance(header, dict) else None
 
 
-def stream_to(sock: socket.socket, chunks: Iterable[bytes]) -> int:
-    crc = 0
-    for chunk in chunks:
-        crc = zlib.crc32(chunk, crc)
-        sock.sendall(chunk)
-    return crc
+def send_file(sock: socket.socket, f: BinaryIO) -> None:
+    """The rest of `f` (from its position), by the kernel's sendfile where it can (a file in /dev/shm goes to
+    the socket without passing through this process); its crc32 is already known to the receiver."""
+    sock.sendfile(f)
+
+
+def recv_chunks(sock: socket.socket, n: int) -> Iterator[memoryview]:
+    """n bytes as views of one reused CHUNK_BYTES buffer, each valid until the next is taken."""
+    buf = bytearray(min(n, CHUNK_BYTES))
+    view, got = memoryview(buf), 0
+    while got < n:
+        want = min(n - got, CHUNK_BYTES)
+        filled = 0
+        while filled < want:
+            k = sock.recv_into(view[filled:want])
+            if not k:
+                raise ConnectionError(f"peer closed the connection after {got + filled} of {n} bytes")
+            filled += k
+        got += filled
+        yield view[:filled]
 
 
 def file_chunks(f: BinaryIO) -> Iterable[bytes]:
@@ -135,7 +151,7 @@ class ReplicaClient:
         try:
             send_header(sock, self.secret, nonce, header)
             if body is not None:
-                stream_to(sock, file_chunks(body))
+                send_file(sock, body)
             reply = recv_header(sock, self.secret, nonce, reply=True)
         except (OSError, ValueError) as exc:
             sock.close()
@@ -164,7 +180,7 @@ class ReplicaClient:
                 data = recv_into_buffer(sock, int(reply["size"]))
             except (OSError, ValueError) as exc:
                 raise ChannelError(f"replica peer {self.address}: reading {path} failed ({exc})") from exc
-        if zlib.crc32(data) != reply["crc32"]:
+        if checksum.crc32(data) != reply["crc32"]:
             raise ChannelError(f"replica peer {self.address}: {path} arrived damaged (crc32)")
         return data
 

@@ -16,13 +16,13 @@ import hashlib
 import logging
 import posixpath
 import re
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from elastic_rt.checkpoint.backends import Storage, StorageError, open_storage
 from elastic_rt.checkpoint.manifest import Damage, FileEntry, Manifest, ManifestError, manifest_name
 from elastic_rt.errors import CheckpointError
+from elastic_rt.checkpoint import checksum
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class CheckpointStore:
             if sync:
                 self.storage.sync_file(f)
         sha = hashlib.sha256(data).hexdigest() if self.secret is not None else None
-        return FileEntry(path=name, size=len(data), crc32=zlib.crc32(data), rank=0, sha256=sha)
+        return FileEntry(path=name, size=len(data), crc32=checksum.crc32(data), rank=0, sha256=sha)
 
     def delete_step(self, entry: CheckpointEntry) -> None:
         """Uncommit first (manifests, oldest generation first, so the newest commit stays whole until
@@ -254,7 +254,7 @@ class CheckpointStore:
         crc, hasher = 0, hashlib.sha256() if sha else None
         with self.storage.open_read(path) as f:
             while chunk := f.read(READ_CHUNK_BYTES):
-                crc = zlib.crc32(chunk, crc)
+                crc = checksum.crc32(chunk, crc)
                 if hasher is not None:
                     hasher.update(chunk)
         return crc, (hasher.hexdigest() if hasher is not None else None)

@@ -8,7 +8,6 @@ import logging
 import os
 import posixpath
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
@@ -29,11 +28,12 @@ from elastic_rt.checkpoint.storage import file_problem
 from elastic_rt.checkpoint.trust import load_metadata
 from elastic_rt.checkpoint.writeback import StartWriteback, start_writeback
 from elastic_rt.errors import CheckpointError
+from elastic_rt.checkpoint import checksum
 
 log = logging.getLogger(__name__)
 
 # Buffers at least this large get their crc32 computed in a helper thread while the
-# write proceeds (zlib releases the GIL), so checksumming overlaps with I/O.
+# write proceeds (checksum.crc32 releases the GIL), so checksumming overlaps with I/O.
 OVERLAP_CRC_MIN_BYTES = 1 << 20
 # ... and are written in chunks of this size, each handed to the disk (start_writeback) as
 # soon as it is in the page cache, so the disk works while the next chunk is copied.
@@ -93,7 +93,7 @@ class _ChecksumStream(io.RawIOBase):
     def _digest(self, view: memoryview, crc: int) -> int:
         if self.hasher is not None:
             self.hasher.update(view)
-        return zlib.crc32(view, crc)
+        return checksum.crc32(view, crc)
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
@@ -296,7 +296,7 @@ class CheckpointReader(FileSystemReader):
         entry = self.metadata_entry
         if entry is not None:
             sha = hashlib.sha256(data).hexdigest() if entry.sha256 is not None else None
-            problem = "size" if len(data) != entry.size else file_problem(entry, (zlib.crc32(data), sha))
+            problem = "size" if len(data) != entry.size else file_problem(entry, (checksum.crc32(data), sha))
             if problem is not None:
                 raise CheckpointError(f"{path} does not match its manifest ({problem}); not unpickled")
         metadata = load_metadata(data, path)

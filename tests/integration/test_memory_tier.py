@@ -16,6 +16,7 @@ from elastic_rt.agent.replica_server import ReplicaServer, ReplicaServerConfig
 from elastic_rt.checkpoint import CheckpointManager
 from elastic_rt.checkpoint.backends import open_storage
 from elastic_rt.checkpoint.memory_tier import ENV_MEMORY_TIER_ADDR, ENV_MEMORY_TIER_DIR
+from elastic_rt.checkpoint.writer import ChecksumWriter
 from tests.support.checkpoint import LogLines
 from benchmarks.gloo_world import run_world
 
@@ -156,3 +157,65 @@ def test_replica_node_lost_too_reads_storage(two_nodes):
     (r,) = run_world(restore, 1, url, secret_file, nodes[1:], 2)
     assert (r["step"], r["equal"], r["extra"]) == (4, True, 4)  # step 6 has no manifest left: absent, not damaged
     assert not any("restored from the memory tier" in line for line in r["lines"]), r["lines"]
+
+
+class HeldWriter(ChecksumWriter):
+    """A snapshot writer that waits for `release` after the state was copied to host memory."""
+
+    release = None
+
+    def write_data(self, plan, planner):
+        if not self.release.wait(timeout=120):
+            raise RuntimeError("the test never released the snapshot")
+        return super().write_data(plan, planner)
+
+
+class HeldSnapshotManager(CheckpointManager):
+    """A manager whose snapshot of step 1 stays in flight, staged but not written, until `release` is set."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        import threading
+
+        self.release = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _make_writer(self, storage, path, *, step, **kwargs):
+        writer = super()._make_writer(storage, path, step=step, **kwargs)
+        if step == 1 and path.startswith("/memory-tier"):
+            writer.__class__, writer.release = HeldWriter, self.release
+        return writer
+
+
+def coalesce(rank: int, world_size: int, url: str, secret_file: str, nodes: list[tuple[str, str]]) -> dict:
+    os.environ[ENV_MEMORY_TIER_DIR], os.environ[ENV_MEMORY_TIER_ADDR] = nodes[rank]
+    saved = []
+    mgr = HeldSnapshotManager(url, collective_timeout_s=60.0, secret_file=secret_file, memory_every=1,
+                              persist_every=1000, async_save=True, on_saved=lambda s: saved.append((s.step, s.tier)))
+    with mgr:  # if_busy stays "wait": snapshots coalesce whatever it says
+        returned = [mgr.save(step, {"model": _tensors(rank, step), "extra": {"step": step}}) for step in (1, 2, 3)]
+        skipped_while_held = mgr.skipped_snapshots
+        mgr.release.set()
+        mgr.wait()
+        returned.append(mgr.save(4, {"model": _tensors(rank, 4), "extra": {"step": 4}}))
+        mgr.wait()
+    own = sorted(os.listdir(os.path.join(nodes[rank][0], "own")))
+    replicas = sorted(os.listdir(os.path.join(nodes[rank][0], "replicas")))
+    return {"returned": returned, "skipped": skipped_while_held, "saved": saved, "own": own, "replicas": replicas}
+
+
+def test_a_snapshot_due_while_one_is_in_flight_is_skipped_on_every_rank_not_queued(tmp_path):
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+    servers = _servers([str(tmp_path / "tier-a"), str(tmp_path / "tier-b")])
+    try:
+        results = run_world(coalesce, 2, f"file://{tmp_path / 'ckpt'}", str(secret_file),
+                            [(s.config.directory, s.address) for s in servers])
+    finally:
+        for s in servers:
+            s.close()
+    for r in results:
+        # step 1 in flight (held): 2 and 3 coalesce into it; 4 is taken once 1 has committed
+        assert (r["returned"], r["skipped"]) == ([True, False, False, True], 2), r
+        assert r["saved"] == [(1, "memory"), (4, "memory")], r
+        # each node keeps its two newest snapshots, and the replicas of its peer's: never 2 or 3
+        assert r["own"] == r["replicas"] == ["step_00000001", "step_00000004"], r

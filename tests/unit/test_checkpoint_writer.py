@@ -121,7 +121,7 @@ def test_failed_write_waits_for_the_checksum_of_its_chunk(pool, monkeypatch):
         finished.set()
         return result
 
-    monkeypatch.setattr(writer_mod.zlib, "crc32", slow_crc)
+    monkeypatch.setattr(writer_mod.checksum, "crc32", slow_crc)
     stream = _ChecksumStream(FailingRaw(started), pool)
     with pytest.raises(OSError, match="No space left"):
         stream.write(bytes(OVERLAP_CRC_MIN_BYTES))
