@@ -65,9 +65,12 @@ class RunLease:
         with self._lock:
             if self.lease_id:
                 return
-            kv, _ = self._client.get(self._keys.run_lease)
-            if lease_of(kv) == 0:
-                self._grant(expected=kv.mod_revision if kv is not None else None)
+            self._found_or_granted()
+
+    def _found_or_granted(self) -> int:
+        """The lease named by the `lease` key as read now; granted here when the key names none."""
+        kv, _ = self._client.get(self._keys.run_lease)
+        return lease_of(kv) or self._grant(expected=kv.mod_revision if kv is not None else None)
 
     def _grant(self, *, expected: int | None) -> int:
         mine = self._client.grant_lease(self.ttl_s)
@@ -87,8 +90,7 @@ class RunLease:
                 if self._client.refresh_lease(self.lease_id, timeout_s=5.0, attempts=1) <= 0:
                     log.info("run %s: its lease ran out (a long etcd outage?); granting a new one",
                              self._keys.run_id)
-                    kv, _ = self._client.get(self._keys.run_lease)
-                    self.lease_id = lease_of(kv) or self._grant(expected=kv.mod_revision if kv else None)
+                    self.lease_id = self._found_or_granted()
             except EtcdUnavailableError as exc:
                 log.debug("run %s: run lease keep-alive failed: %s", self._keys.run_id, exc)
                 return
