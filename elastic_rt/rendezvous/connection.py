@@ -183,9 +183,18 @@ class Connection(StreamTable):
             self._sock.sendall(data)
         except (OSError, ssl.SSLError) as exc:
             self._read_refusal()
-            error = self.error or CallError(_UNAVAILABLE, f"connection broken: {exc}")
+            error = self.error or self._broken(exc)
             self._fail(error)
             raise error from None
+
+    def _broken(self, exc: Exception) -> CallError:
+        """A connection that broke: before the member ever answered it is "Socket closed", as gRPC says of a
+        TLS-only etcd that a plaintext client met (it closes, or resets when our preface was still unread),
+        and worth a TLS check; after, an outage."""
+        why = getattr(exc, "strerror", None) or exc
+        if not self.answered:
+            return CallError(_UNAVAILABLE, f"Socket closed before etcd answered ({why})")
+        return CallError(_UNAVAILABLE, f"connection broken: {why}")
 
     def _read_refusal(self) -> None:
         """Before the member answered, a write that broke may follow a TLS alert the kernel already holds (etcd
@@ -249,7 +258,7 @@ class Connection(StreamTable):
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                self._fail(CallError(_UNAVAILABLE, f"connection broken: {exc.strerror or exc}"))
+                self._fail(self._broken(exc))
                 return
             if not data:
                 self._fail(CallError(_UNAVAILABLE, "Socket closed" if not self.answered

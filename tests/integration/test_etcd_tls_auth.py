@@ -139,13 +139,23 @@ def test_a_refused_client_certificate_is_named_on_every_attempt(tls_etcd, pki, c
 
 
 def test_plaintext_client_to_a_tls_etcd_fails_at_once_with_one_line(tls_etcd):
-    c = _client("http://" + tls_etcd.members[0].endpoint, {})
-    try:
-        with pytest.raises(EtcdAccessError, match="speaks TLS and this client does not: use https://") as err:
+    """etcd closes a plaintext connection, or resets it when our preface was still unread: one attempt in
+    twenty read as an outage before a reset was treated as the close it is (CI, 2026-12-01)."""
+    outcomes = []
+    for _ in range(60):
+        c = _client("http://" + tls_etcd.members[0].endpoint, {})
+        try:
             c.put("/x", b"1")
-        assert "\n" not in str(err.value)
-    finally:
-        c.close()
+            outcomes.append("accepted")
+        except EtcdAccessError as err:
+            assert "\n" not in str(err)
+            outcomes.append("speaks TLS" if "speaks TLS and this client does not: use https://" in str(err)
+                            else str(err))
+        except EtcdUnavailableError as exc:
+            outcomes.append(str(exc))
+        finally:
+            c.close()
+    assert outcomes == ["speaks TLS"] * 60
 
 
 def test_an_outage_of_a_tls_etcd_is_unavailable_not_a_tls_error(pki):
