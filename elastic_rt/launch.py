@@ -44,7 +44,8 @@ from elastic_rt.doctor.preflight import Preflight, PreflightSettings
 from elastic_rt.errors import (ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError,
                                NodeExcludedError, RunClosedError)
 from elastic_rt.interfaces import MembershipHandler
-from elastic_rt.metrics.definitions import FailureMetrics, PreflightMetrics
+from elastic_rt.diagnostics.failure_metrics import FailureMetrics
+from elastic_rt.doctor.preflight_metrics import PreflightMetrics
 from elastic_rt.metrics.health_endpoints import liveness_threshold_s
 from elastic_rt.metrics.metrics_observer import MetricsObserver
 from elastic_rt.goodput.goodput_observer import GoodputObserver, StragglerPolicy, process_start_monotonic

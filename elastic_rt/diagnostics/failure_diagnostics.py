@@ -82,7 +82,7 @@ class FailureDiagnostics:
 
     log_dir: where stacks/ and flight_recorder/ go. reports_dir: the directory the workers
     share with the agent (heartbeats; their stack and dump channels live there too).
-    metrics: an elastic_rt.metrics.definitions.FailureMetrics, or None.
+    metrics: an elastic_rt.diagnostics.failure_metrics.FailureMetrics, or None.
     """
 
     def __init__(self, *, log_dir: str, reports_dir: str, metrics: Any = None, oom: OomEvidence | None = None,
