@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from elastic_rt.collectors.clock import CLOCK
+from elastic_rt.collectors.timex import TIMEX
 from elastic_rt.decisions import FailureCause, Response, RestartReason
 from elastic_rt.diagnostics.failure_metrics import FAILURES
 from elastic_rt.doctor.preflight_metrics import PREFLIGHT
@@ -64,6 +66,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "workers": lambda: table(WORKERS),
     "checkpoints": lambda: table(agent.CHECKPOINTS),
     "probe": lambda: table(agent.PROBE),
+    "clock": lambda: table((*CLOCK, *TIMEX.values())),
     "health": lambda: table(agent.HEALTH),
     "goodput": lambda: table(GOODPUT),
     "preflight": lambda: table(PREFLIGHT),
