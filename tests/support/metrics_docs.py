@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from elastic_rt.collectors import rdma
 from elastic_rt.collectors.clock import CLOCK
 from elastic_rt.collectors.timex import TIMEX
 from elastic_rt.decisions import FailureCause, Response, RestartReason
@@ -57,6 +58,13 @@ def failure_causes() -> str:
     return "\n".join(["| cause | meaning |", "|---|---|", *(f"| `{c}` | {c.meaning} |" for c in FailureCause)])
 
 
+def rdma_table() -> str:
+    """The RDMA metrics with the sysfs files they are read from (their labels are the same for all)."""
+    specs = (*rdma.GAUGES, *(spec for spec, _ in rdma.COUNTERS.values()))
+    rows = [f"| `{s.name}` | {s.kind.value} | {rdma.SOURCES[s.name]} | {s.doc} |" for s in specs]
+    return "\n".join(["| Metric | Type | sysfs source | Meaning |", "|---|---|---|---|", *rows])
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "rendezvous": lambda: table((*agent.RENDEZVOUS, *agent.ETCD)),
     "recovery": lambda: table((*agent.RECOVERY, *FAILURES)),
@@ -67,6 +75,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "checkpoints": lambda: table(agent.CHECKPOINTS),
     "probe": lambda: table(agent.PROBE),
     "clock": lambda: table((*CLOCK, *TIMEX.values())),
+    "rdma": rdma_table,
     "health": lambda: table(agent.HEALTH),
     "goodput": lambda: table(GOODPUT),
     "preflight": lambda: table(PREFLIGHT),

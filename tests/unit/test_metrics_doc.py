@@ -104,3 +104,27 @@ def test_agent_metrics_refuses_a_spec_fed_by_an_event_it_does_not_have(monkeypat
     monkeypatch.setattr(definitions, "PROBE", (*definitions.PROBE, typo))
     with pytest.raises(ValueError, match="rendevous"):
         AgentMetrics(registry=CollectorRegistry(), run_id="job", node="a", sysfs_root=None, timex_reader=None)
+
+
+def test_every_metric_an_agent_exports_has_a_generated_row():
+    """Not only named somewhere in docs/metrics.md: its row comes from its spec, so it cannot go stale."""
+    from elastic_rt.collectors.timex import TimexStatus
+    from elastic_rt.diagnostics.failure_metrics import FailureMetrics
+    from elastic_rt.doctor.preflight_metrics import PreflightMetrics
+    from elastic_rt.goodput.goodput_metrics import GoodputMetrics
+    from elastic_rt.metrics.definitions import HealthCollector
+
+    timex = TimexStatus(synchronized=True, unsync_flag=False, offset_s=0.0, estimated_error_s=0.0, max_error_s=0.0,
+                        frequency_adjustment_ratio=1.0, tick_s=0.01, status=0, state=0)
+    reg = CollectorRegistry()
+    sysfs = Path(__file__).resolve().parents[1] / "fixtures" / "sysfs"
+    AgentMetrics(registry=reg, run_id="job", node="a", sysfs_root=str(sysfs), timex_reader=lambda: timex)
+    GoodputMetrics(registry=reg, run_id="job", node="a")
+    FailureMetrics(registry=reg, run_id="job", node="a")
+    PreflightMetrics(registry=reg, run_id="job", node="a")
+    reg.register(HealthCollector(run_id="job", node="a", results=lambda: [("liveness", "monitor", True)],
+                                 last_tick_age_s=lambda: 0.1))
+    generated = "\n".join(metrics_docs.render(name) for name in metrics_docs.TABLES)
+    names = {family.name for family in reg.collect()}
+    assert len(names) > 80  # every kind of metric is in the registry: RDMA and timex included
+    assert sorted(n for n in names if f"| `{n}" not in generated) == []
