@@ -27,12 +27,24 @@ class _Word(str, Enum):
         return self.value.replace("_", " ")
 
 
-class Response(_Word):
+class _Described(_Word):
+    """A _Word whose members carry `meaning`: what it means to an operator, the text docs/metrics.md shows."""
+
+    meaning: str
+
+    def __new__(cls, value: str, meaning: str) -> _Described:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.meaning = meaning
+        return member
+
+
+class Response(_Described):
     """What the agent does with its worker group for a RestartReason."""
 
-    RESTART = "restart"  # stop the workers, take part in the next round, start them again
-    LEAVE = "leave"  # stop the workers and leave the job: the other nodes re-form without this node
-    STOP = "stop"  # stop the workers, leave and exit with the verdict's code: restarting cannot help
+    RESTART = "restart", "stop the workers, take part in the next round, start them again"
+    LEAVE = "leave", "stop the workers and leave the job: the other nodes re-form without this node"
+    STOP = "stop", "stop the workers, leave and exit with the verdict's code: restarting cannot help"
 
 
 class RestartReason(_Word):
@@ -45,6 +57,7 @@ class RestartReason(_Word):
                 fail, a collective and have nothing consistent to save, so they are killed without grace
       summary   what was detected, for the log line of a LEAVE or of a counted restart with none left
       hint      what the operator can change, in that line's parentheses
+      meaning   what happened, for an operator (docs/metrics.md's table of restart reasons)
     """
 
     response: Response
@@ -52,6 +65,7 @@ class RestartReason(_Word):
     broken: bool
     summary: str
     hint: str
+    meaning: str
 
     def __new__(cls, value: str, response: Response, handling: dict) -> RestartReason:
         member = str.__new__(cls, value)
@@ -61,30 +75,38 @@ class RestartReason(_Word):
         member.broken = handling.get("broken", False)
         member.summary = handling.get("summary", value.replace("_", " "))
         member.hint = handling.get("hint", "")
+        member.meaning = handling["meaning"]
         return member
 
     #: a local worker failed (the agent, from its worker group's state)
     WORKER_FAILURE = "worker_failure", Response.RESTART, dict(counted=True, broken=True,
-                                                              summary="worker group failed")
+                                                              summary="worker group failed",
+                                                              meaning="a local worker exited non-zero")
     #: a member of this round is gone (the membership monitor; handler.py's docstring has the rules)
-    PEER_LOST = "peer_lost", Response.RESTART, dict(broken=True)
+    PEER_LOST = "peer_lost", Response.RESTART, dict(broken=True,
+                                                    meaning="another node of the round lost its etcd lease")
     #: another node opened a new round (the membership monitor)
-    ROUND_ADVANCED = "round_advanced", Response.RESTART, {}
+    ROUND_ADVANCED = "round_advanced", Response.RESTART, dict(
+        meaning="another node started a new rendezvous round, e.g. after its own worker failed")
     #: nodes wait to join and the round has room for them (the membership monitor)
-    SCALE_UP = "scale_up", Response.RESTART, {}
+    SCALE_UP = "scale_up", Response.RESTART, dict(meaning="a node joined")
     #: the local workers made no step progress for the hang timeout (HealthPolicy)
     HANG = "hang", Response.RESTART, dict(
-        counted=True, summary="workers hung",
+        counted=True, summary="workers hung", meaning="no step progress for the hang timeout",
         hint="with the auto hang timeout, long pauses between steps may need --hang-timeout")
     #: the collective probe of the current round failed, with --probe-failure-action leave (HealthPolicy)
     PROBE_FAILURE = "probe_failure", Response.LEAVE, dict(summary="collective probe failed",
-                                                         hint="--probe-failure-action leave")
+                                                         hint="--probe-failure-action leave",
+                                                         meaning="the collective probe failed")
     #: a local worker is a straggler, with --straggler-action leave (StragglerPolicy)
     STRAGGLER = "straggler", Response.LEAVE, dict(summary="a local worker is a straggler",
-                                                 hint="--straggler-action leave")
+                                                 hint="--straggler-action leave",
+                                                 meaning="a local worker is a straggler")
     #: failures repeat without progress (the crash-loop judge, agent/crash_loop.py): exit 3, do not requeue
     CRASH_LOOP = "crash_loop", Response.STOP, dict(summary="failures repeat without progress",
-                                                  hint="--crash-loop-repeats, --crash-loop-no-step")
+                                                  hint="--crash-loop-repeats, --crash-loop-no-step",
+                                                  meaning="failures repeat without progress: the agent exits 3, "
+                                                          "and the Slurm recipe does not requeue")
 
 
 class DetectionAction(_Word):
@@ -97,17 +119,17 @@ class DetectionAction(_Word):
 DETECTION_ACTIONS = tuple(a.value for a in DetectionAction)  # the flags' choices
 
 
-class FailureCause(_Word):
+class FailureCause(_Described):
     """Why one worker failed, in the order an operator reads them (elastic_rt_worker_failures_total{cause})."""
 
-    EXCEPTION = "exception"  # the script raised (its error file says what)
-    OOM = "oom"  # host or accelerator memory: a MemoryError, CUDA OOM, or the kernel's OOM killer
-    KILLED = "killed"  # a terminating signal from outside the agent (kill, a scheduler)
-    SIGNAL = "signal"  # a fault signal (SIGSEGV, SIGABRT, ...)
-    COLLECTIVE_TIMEOUT = "collective_timeout"  # a collective backend timed out
-    COLLECTIVE_ERROR = "collective_error"  # a collective backend aborted or failed otherwise
-    HANG = "hang"  # no step progress (the hang restart names the rank that stopped first)
-    EXIT = "exit"  # a non-zero exit code without an exception
+    EXCEPTION = "exception", "the script raised (its error file says what)"
+    OOM = "oom", "host or accelerator memory: a MemoryError, CUDA OOM, or the kernel's OOM killer"
+    KILLED = "killed", "a terminating signal from outside the agent (kill, a scheduler)"
+    SIGNAL = "signal", "a fault signal (SIGSEGV, SIGABRT, ...)"
+    COLLECTIVE_TIMEOUT = "collective_timeout", "a collective backend timed out"
+    COLLECTIVE_ERROR = "collective_error", "a collective backend aborted or failed otherwise"
+    HANG = "hang", "no step progress (the hang restart names the rank that stopped first)"
+    EXIT = "exit", "a non-zero exit code without an exception"
 
     @property
     def collective(self) -> bool:

@@ -24,28 +24,27 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-from torch.distributed.elastic.utils import macros
 
 from elastic_rt.agent.agent import ElasticRTAgent
 from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, CrashLoopSettings
-from elastic_rt.diagnostics.failure_diagnostics import DiagnosticsSettings, FailureDiagnostics
+from elastic_rt.diagnostics.failure_diagnostics import DiagnosticsSettings, build_diagnostics
 from elastic_rt.agent.fanout import ObserverGroup, PolicyGroup
 from elastic_rt.agent.limits import needed_open_files, raise_open_files_limit
 from elastic_rt.worker.numa import check_binding, cpu_list, numa_options
-from elastic_rt.diagnostics.oom import OomEvidence
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.agent.config import AgentConfig
 from elastic_rt.agent.host_memory import HostCacheRoom, HostMemorySettings, make_host_cache
 from elastic_rt.agent.replica_server import replica_budget_bytes, start_memory_tier
 from elastic_rt.checkpoint.host_cache import reserve_bytes
-from elastic_rt.agent.warm import WarmPool, WarmSettings
+from elastic_rt.agent.warm import WarmSettings, make_warm_pool
 from elastic_rt.collectors.schedule import CollectorSettings, NtpPoller, RoundChecks
-from elastic_rt.doctor.preflight import Preflight, PreflightSettings
-from elastic_rt.errors import (ConfigError, ElasticRTError, EtcdUnavailableError, HealthCheckError,
+from elastic_rt.doctor.command import refuse_an_unfit_node
+from elastic_rt.doctor.preflight import PreflightSettings, build_node_test
+from elastic_rt.errors import (ConfigError, ElasticRTError, EtcdUnavailableError,
                                NodeExcludedError, RunClosedError)
 from elastic_rt.interfaces import MembershipHandler
-from elastic_rt.metrics.definitions import FailureMetrics, PreflightMetrics
 from elastic_rt.metrics.health_endpoints import liveness_threshold_s
+from elastic_rt.metrics.readiness import add_readiness_checks
 from elastic_rt.metrics.metrics_observer import MetricsObserver
 from elastic_rt.goodput.goodput_observer import GoodputObserver, StragglerPolicy, process_start_monotonic
 from elastic_rt.goodput.stragglers import StragglerSettings
@@ -53,7 +52,7 @@ from elastic_rt.rendezvous import registration
 from elastic_rt.rendezvous.claim import JobFingerprint
 from elastic_rt.worker_reports.checkpoint import CheckpointReportReader
 from elastic_rt.worker_reports.inbox import WorkerReports
-from elastic_rt.torchrun_compat import STATIC_RDZV_TIMEOUT_S, logs_specs_class, virtual_local_rank_env
+from elastic_rt.torchrun_compat import STATIC_RDZV_TIMEOUT_S, logs_specs_class
 from elastic_rt.worker_env import ENV_CHECKPOINT_URL, ENV_NO_COMPUTE_TIMER, OMP_DEFAULT_WARNING
 
 log = logging.getLogger(__name__)
@@ -64,18 +63,6 @@ def _std(value: str, flag: str):
         return Std.from_str(value)
     except ValueError as exc:
         raise ConfigError(f"{flag} {value!r}: {exc}") from exc
-
-
-def preflight(cfg: AgentConfig, sysfs_root: str = "/sys") -> None:
-    """The hard pre-flight checks (`elastic-rt doctor` runs them all): refuse to join with one line.
-
-    etcd reachability is left to the rendezvous, which retries until the join timeout.
-    """
-    from elastic_rt.doctor.command import first_failure, hard_checks
-
-    failure = first_failure(hard_checks(etcd_client=None, sysfs_root=sysfs_root))
-    if failure:
-        raise HealthCheckError(f"{failure}; not joining the rendezvous")
 
 
 def worker_command(cfg: AgentConfig) -> tuple[str, tuple[str, ...]]:
@@ -141,7 +128,7 @@ def launch(cfg: AgentConfig) -> int:
         raise ConfigError(f"training script {cfg.script!r} not found")
     bound = check_binding(cfg.numa_binding, cfg.nproc_per_node) if cfg.numa_binding else {}
     install_signal_handlers()
-    preflight(cfg, cfg.sysfs_root)
+    refuse_an_unfit_node(sysfs_root=cfg.sysfs_root)
     raise_open_files_limit(needed_open_files(max_nodes=cfg.max_nodes, nproc_per_node=cfg.nproc_per_node))
     apply_worker_env(cfg)
     handler = build_handler(cfg)
@@ -188,9 +175,11 @@ def launch(cfg: AgentConfig) -> int:
                               settings=cfg.section(StragglerSettings), registry=registry,
                               started_at=process_start_monotonic())
     observer = ObserverGroup(metrics_observer, goodput)
-    failure_metrics = FailureMetrics(registry=registry, run_id=cfg.rdzv_id, node=node_id)
-    diagnostics = build_diagnostics(cfg.section(DiagnosticsSettings), log_dir, reports.directory, failure_metrics)
-    node_test = build_node_test(cfg, node_id, registry)
+    diagnostics = build_diagnostics(cfg.section(DiagnosticsSettings), log_dir=log_dir, reports_dir=reports.directory,
+                                    registry=registry, run_id=cfg.rdzv_id, node=node_id)
+    node_test = build_node_test(cfg.section(PreflightSettings), node=node_id, nproc=cfg.nproc_per_node,
+                                min_nodes=cfg.min_nodes, backend=collectors.probe_backend, registry=registry,
+                                run_id=cfg.rdzv_id)
     policy = HealthPolicy(
         heartbeats=reports.heartbeats, hang_timeout_s=cfg.section(DiagnosticsSettings).hang_timeout_s,
         probe_failure=round_checks.probe_failure, probe_failure_action=collectors.probe_failure_action,
@@ -204,7 +193,9 @@ def launch(cfg: AgentConfig) -> int:
         host_cache=host_cache, node=node_id, secret_file=cfg.conf.get("secret_file"),
         advertise_host=cfg.local_addr or socket.gethostname(),
         max_replica_bytes=cfg.section(HostMemorySettings).replica_bytes or replica_budget_bytes(), registry=registry)
-    warm_pool = make_warm_pool(cfg, node_id, entrypoint, args)
+    warm_pool = make_warm_pool(cfg.section(WarmSettings), node=node_id, entrypoint=entrypoint, args=args,
+                               nproc=cfg.nproc_per_node, no_python=cfg.no_python,
+                               virtual_local_rank=cfg.virtual_local_rank)
     agent = ElasticRTAgent(
         spec,
         logs_specs,
@@ -241,54 +232,6 @@ def launch(cfg: AgentConfig) -> int:
         observer.close()
         if extras is not None:
             extras.close()
-
-
-def build_diagnostics(settings: DiagnosticsSettings, log_dir: str, reports_dir: str, metrics) -> FailureDiagnostics:
-    """Failure causes, stacks and flight recorder dumps; sets the variables every worker inherits."""
-    import torch
-
-    diagnostics = FailureDiagnostics(log_dir=log_dir, reports_dir=reports_dir, metrics=metrics, oom=OomEvidence(),
-                                     stack_signal=settings.stack_signal,
-                                     flight_recorder=settings.recorder_on(cuda=torch.cuda.is_available()))
-    os.environ.update(diagnostics.worker_env(os.environ, torch_version=torch.__version__))
-    return diagnostics
-
-
-def build_node_test(cfg: AgentConfig, node_id: str, registry) -> Preflight:
-    """The pre-flight node test (--preflight; auto: report where CUDA is available, else off)."""
-    import torch
-
-    settings = cfg.section(PreflightSettings).resolved(cuda=torch.cuda.is_available(), min_nodes=cfg.min_nodes)
-    metrics = PreflightMetrics(registry=registry, run_id=cfg.rdzv_id, node=node_id)
-    return Preflight(node=node_id, settings=settings, nproc=cfg.nproc_per_node, metrics=metrics,
-                     backend=cfg.section(CollectorSettings).probe_backend)
-
-
-def make_warm_pool(cfg: AgentConfig, node_id: str, entrypoint: str, args: tuple[str, ...]) -> WarmPool | None:
-    """The warm-worker pool for this node, or None (--warm-workers off, --no-python: one log line)."""
-    warm = cfg.section(WarmSettings)
-    if not warm.enabled:
-        return None
-    if cfg.no_python:
-        log.info("[%s] warm workers off: --no-python runs an executable the agent cannot start ahead", node_id)
-        return None
-    environ = dict(os.environ)
-    return WarmPool(entrypoint=entrypoint, nproc=cfg.nproc_per_node, imports=warm.imports,
-                    args_for_rank=lambda rank: macros.substitute(list(args), str(rank)),
-                    env_for_rank=(lambda rank: virtual_local_rank_env(rank, environ)) if cfg.virtual_local_rank
-                    else (lambda rank: {}))
-
-
-def add_readiness_checks(readiness, round_checks, *, sysfs_root: str, probe_enabled: bool) -> None:
-    """/readyz: this node's fitness for the job, each check on its own data source. (`etcd` is the
-    observer's own, fed by on_etcd; /livez holds the monitor-loop check.)"""
-    from elastic_rt.collectors.rdma import RdmaCollector
-    from elastic_rt.collectors.timex import read_timex
-    from elastic_rt.metrics.readiness import clock_check, probe_check, rdma_check
-
-    readiness.add("probe", probe_check(round_checks, enabled=probe_enabled))
-    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=sysfs_root).read_ports, os.environ))
-    readiness.add("clock", clock_check(lambda: round_checks.last_skew, read_timex))
 
 
 def _leave_finished(extras: MembershipHandler | None) -> None:

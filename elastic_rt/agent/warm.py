@@ -32,6 +32,7 @@ from typing import Callable, Mapping, Sequence
 from elastic_rt.worker.warm_child import ENV_PAD, FLAG_FD, FLAG_IMPORTS, FLAG_NICE
 from elastic_rt.errors import ConfigError
 from elastic_rt.sections import on_off, option
+from elastic_rt.torchrun_compat import virtual_local_rank_env
 from elastic_rt.worker_env import (
     ENV_HEARTBEAT_DIR,
     ENV_HEARTBEAT_FILE,
@@ -345,3 +346,21 @@ def _discard(warm: _Warm) -> None:
         warm.proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         log.error("warm worker %d did not die after SIGKILL", warm.proc.pid)
+
+
+def make_warm_pool(settings: WarmSettings, *, node: str, entrypoint: str, args: Sequence[str], nproc: int,
+                   no_python: bool, virtual_local_rank: bool) -> WarmPool | None:
+    """This node's warm-worker pool, or None (--warm-workers off; --no-python: one log line). `args` may hold
+    torch's ${local_rank} macro, substituted per rank."""
+    from torch.distributed.elastic.utils import macros
+
+    if not settings.enabled:
+        return None
+    if no_python:
+        log.info("[%s] warm workers off: --no-python runs an executable the agent cannot start ahead", node)
+        return None
+    environ = dict(os.environ)
+    return WarmPool(entrypoint=entrypoint, nproc=nproc, imports=settings.imports,
+                    args_for_rank=lambda rank: macros.substitute(list(args), str(rank)),
+                    env_for_rank=(lambda rank: virtual_local_rank_env(rank, environ)) if virtual_local_rank
+                    else (lambda rank: {}))

@@ -6,9 +6,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from elastic_rt.errors import ConfigError, HealthCheckError
+from elastic_rt.metric_spec import Kind, MetricSpec
 from elastic_rt.collectors.sntp import NtpResult, query as ntp_query
 from elastic_rt.collectors.timex import TimexCollector, TimexStatus, read_timex
 
@@ -119,8 +120,29 @@ def skew_warning(
     )
 
 
+CLOCK = (
+    MetricSpec(name="elastic_rt_clock_ntp_offset_seconds", kind=Kind.GAUGE, labels=("server",),
+               help="NTP server clock minus local clock, from the last successful SNTP query.",
+               doc="NTP server clock minus this node's clock, from the last successful SNTP query (positive: the "
+                   "server is ahead)."),
+    MetricSpec(name="elastic_rt_clock_ntp_round_trip_seconds", kind=Kind.GAUGE, labels=("server",),
+               help="Round trip of the last successful SNTP query.",
+               doc="Round trip of that query; the offset is exact to within half of it."),
+    MetricSpec(name="elastic_rt_clock_ntp_query_failures_total", kind=Kind.COUNTER, labels=("server",),
+               help="SNTP queries that timed out or got an unusable answer.",
+               doc="SNTP queries that timed out or got an unusable reply."),
+    MetricSpec(name="elastic_rt_clock_skew_seconds", kind=Kind.GAUGE,
+               help="Rank 0's clock minus this node's clock, estimated over the rendezvous store.",
+               doc="Rank 0's node clock minus this node's clock, estimated over the rendezvous store "
+                   "(smallest-round-trip sample)."),
+    MetricSpec(name="elastic_rt_clock_skew_error_bound_seconds", kind=Kind.GAUGE,
+               help="Half the round trip of the probe behind elastic_rt_clock_skew_seconds.",
+               doc="Half the round trip of the sample behind `elastic_rt_clock_skew_seconds`."),
+)
+
+
 class ClockMetrics:
-    """Gauges for NTP queries and peer skew, plus the timex collector, in one registry."""
+    """Gauges for NTP queries and peer skew (CLOCK), plus the timex collector, in one registry."""
 
     def __init__(
         self,
@@ -130,38 +152,9 @@ class ClockMetrics:
         node: str,
         timex_reader: Callable[[], TimexStatus] | None = read_timex,
     ) -> None:
-        base = ["run_id", "node"]
         self._base = (run_id, node)
-        self.ntp_offset = Gauge(
-            "elastic_rt_clock_ntp_offset_seconds",
-            "NTP server clock minus local clock, from the last successful SNTP query.",
-            base + ["server"],
-            registry=registry,
-        )
-        self.ntp_round_trip = Gauge(
-            "elastic_rt_clock_ntp_round_trip_seconds",
-            "Round trip of the last successful SNTP query.",
-            base + ["server"],
-            registry=registry,
-        )
-        self.ntp_failures = Counter(
-            "elastic_rt_clock_ntp_query_failures",
-            "SNTP queries that timed out or got an unusable answer.",
-            base + ["server"],
-            registry=registry,
-        )
-        self.skew = Gauge(
-            "elastic_rt_clock_skew_seconds",
-            "Rank 0's clock minus this node's clock, estimated over the rendezvous store.",
-            base,
-            registry=registry,
-        )
-        self.skew_error = Gauge(
-            "elastic_rt_clock_skew_error_bound_seconds",
-            "Half the round trip of the probe behind elastic_rt_clock_skew_seconds.",
-            base,
-            registry=registry,
-        )
+        self.ntp_offset, self.ntp_round_trip, self.ntp_failures, self.skew, self.skew_error = (
+            spec.build(registry, run_id=run_id, node=node) for spec in CLOCK)
         if timex_reader is not None:
             registry.register(TimexCollector(reader=timex_reader, const_labels={"run_id": run_id, "node": node}))
 

@@ -7,48 +7,140 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from elastic_rt.metric_spec import Kind, MetricSpec
 
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic_rt_rdma_"
-_LABELS = ["device", "port"]
+_LABELS = ("device", "port")
 
-# sysfs counter file -> (metric suffix without _total, multiplier, help).
+
+def _counter(suffix: str, help: str, doc: str) -> MetricSpec:
+    return MetricSpec(name=f"{PREFIX}{suffix}_total", kind=Kind.COUNTER, labels=_LABELS, help=help, doc=doc)
+
+
+# sysfs counter file -> (its metric, multiplier).
 # Suffixes are node_exporter's infiniband collector names (node_infiniband_*), so a
 # dashboard written for one works for the other by swapping the prefix.
 # port_xmit_data/port_rcv_data count 4-byte words (per lane), hence x4 -> bytes.
-COUNTERS: dict[str, tuple[str, int, str]] = {
-    "link_downed": ("link_downed", 1, "Times the link failed to recover from an error state and went down."),
-    "link_error_recovery": ("link_error_recovery", 1, "Times the link successfully recovered from an error state."),
-    "symbol_error": ("symbol_error", 1, "Minor link errors detected on one or more physical lanes."),
-    "port_rcv_errors": ("port_errors_received", 1, "Packets containing an error received on this port."),
-    "port_xmit_discards": ("port_discards_transmitted", 1, "Outbound packets discarded because the port is down or congested."),
-    "port_rcv_discards": ("port_discards_received", 1, "Inbound packets discarded because the port is down or congested."),
-    "port_rcv_remote_physical_errors": ("port_receive_remote_physical_errors", 1, "Packets received marked with the EBP (End of Bad Packet) delimiter."),
-    "port_rcv_switch_relay_errors": ("port_receive_switch_relay_errors", 1, "Packets that could not be forwarded by the switch."),
-    "local_link_integrity_errors": ("local_link_integrity_errors", 1, "Times local physical errors exceeded the LocalPhyErrors threshold."),
-    "excessive_buffer_overrun_errors": ("excessive_buffer_overrun_errors", 1, "Times consecutive flow control update periods had buffer overruns."),
-    "VL15_dropped": ("vl15_dropped", 1, "Incoming VL15 (subnet management) packets dropped for lack of resources."),
-    "port_xmit_constraint_errors": ("port_constraint_errors_transmitted", 1, "Packets not transmitted because of partition/constraint checks."),
-    "port_rcv_constraint_errors": ("port_constraint_errors_received", 1, "Packets received and discarded because of partition/constraint checks."),
-    "port_xmit_data": ("port_data_transmitted_bytes", 4, "Data octets transmitted on all lanes (sysfs counts 4-byte words)."),
-    "port_rcv_data": ("port_data_received_bytes", 4, "Data octets received on all lanes (sysfs counts 4-byte words)."),
-    "port_xmit_packets": ("port_packets_transmitted", 1, "Packets transmitted on all VLs, including errors."),
-    "port_rcv_packets": ("port_packets_received", 1, "Packets received on all VLs, including errors."),
-    "port_xmit_wait": ("port_transmit_wait", 1, "Ticks during which the port had data to send but sent none."),
-    "unicast_xmit_packets": ("unicast_packets_transmitted", 1, "Unicast packets transmitted, including errors."),
-    "unicast_rcv_packets": ("unicast_packets_received", 1, "Unicast packets received, including errors."),
-    "multicast_xmit_packets": ("multicast_packets_transmitted", 1, "Multicast packets transmitted, including errors."),
-    "multicast_rcv_packets": ("multicast_packets_received", 1, "Multicast packets received, including errors."),
+COUNTERS: dict[str, tuple[MetricSpec, int]] = {
+    "link_downed": (_counter(
+        "link_downed",
+        "Times the link failed to recover from an error state and went down.",
+        "Link failed to recover from an error and went down."), 1),
+    "link_error_recovery": (_counter(
+        "link_error_recovery",
+        "Times the link successfully recovered from an error state.",
+        "Link recovered from an error state."), 1),
+    "symbol_error": (_counter(
+        "symbol_error",
+        "Minor link errors detected on one or more physical lanes.",
+        "Minor link errors on a physical lane (cable/transceiver health)."), 1),
+    "port_rcv_errors": (_counter(
+        "port_errors_received",
+        "Packets containing an error received on this port.",
+        "Packets received with an error."), 1),
+    "port_xmit_discards": (_counter(
+        "port_discards_transmitted",
+        "Outbound packets discarded because the port is down or congested.",
+        "Outbound packets discarded (port down or congested)."), 1),
+    "port_rcv_discards": (_counter(
+        "port_discards_received",
+        "Inbound packets discarded because the port is down or congested.",
+        "Inbound packets discarded."), 1),
+    "port_rcv_remote_physical_errors": (_counter(
+        "port_receive_remote_physical_errors",
+        "Packets received marked with the EBP (End of Bad Packet) delimiter.",
+        "Packets received marked bad (EBP delimiter)."), 1),
+    "port_rcv_switch_relay_errors": (_counter(
+        "port_receive_switch_relay_errors",
+        "Packets that could not be forwarded by the switch.",
+        "Packets the switch could not forward."), 1),
+    "local_link_integrity_errors": (_counter(
+        "local_link_integrity_errors",
+        "Times local physical errors exceeded the LocalPhyErrors threshold.",
+        "Local physical errors exceeded the LocalPhyErrors threshold."), 1),
+    "excessive_buffer_overrun_errors": (_counter(
+        "excessive_buffer_overrun_errors",
+        "Times consecutive flow control update periods had buffer overruns.",
+        "Flow-control periods with buffer overruns."), 1),
+    "VL15_dropped": (_counter(
+        "vl15_dropped",
+        "Incoming VL15 (subnet management) packets dropped for lack of resources.",
+        "Subnet management (VL15) packets dropped."), 1),
+    "port_xmit_constraint_errors": (_counter(
+        "port_constraint_errors_transmitted",
+        "Packets not transmitted because of partition/constraint checks.",
+        "Packets not sent because of partition/constraint checks."), 1),
+    "port_rcv_constraint_errors": (_counter(
+        "port_constraint_errors_received",
+        "Packets received and discarded because of partition/constraint checks.",
+        "Packets dropped on receive by partition/constraint checks."), 1),
+    "port_xmit_data": (_counter(
+        "port_data_transmitted_bytes",
+        "Data octets transmitted on all lanes (sysfs counts 4-byte words).",
+        "Bytes sent (sysfs counts 4-byte words)."), 4),
+    "port_rcv_data": (_counter(
+        "port_data_received_bytes",
+        "Data octets received on all lanes (sysfs counts 4-byte words).",
+        "Bytes received."), 4),
+    "port_xmit_packets": (_counter(
+        "port_packets_transmitted",
+        "Packets transmitted on all VLs, including errors.",
+        "Packets sent, all VLs."), 1),
+    "port_rcv_packets": (_counter(
+        "port_packets_received",
+        "Packets received on all VLs, including errors.",
+        "Packets received, all VLs."), 1),
+    "port_xmit_wait": (_counter(
+        "port_transmit_wait",
+        "Ticks during which the port had data to send but sent none.",
+        "Ticks with data to send but no credit to send it (congestion)."), 1),
+    "unicast_xmit_packets": (_counter(
+        "unicast_packets_transmitted",
+        "Unicast packets transmitted, including errors.",
+        "Unicast packets sent."), 1),
+    "unicast_rcv_packets": (_counter(
+        "unicast_packets_received",
+        "Unicast packets received, including errors.",
+        "Unicast packets received."), 1),
+    "multicast_xmit_packets": (_counter(
+        "multicast_packets_transmitted",
+        "Multicast packets transmitted, including errors.",
+        "Multicast packets sent."), 1),
+    "multicast_rcv_packets": (_counter(
+        "multicast_packets_received",
+        "Multicast packets received, including errors.",
+        "Multicast packets received."), 1),
 }
 
-STATE_HELP = "Logical port state (0: no change, 1: down, 2: init, 3: armed, 4: active, 5: act defer)."
-PHYS_STATE_HELP = (
-    "Physical port state (0: no change, 1: sleep, 2: polling, 3: disabled, 4: port configuration "
-    "training, 5: link up, 6: link error recovery, 7: phy test)."
+STATE, PHYS_STATE, RATE, PORT_INFO = GAUGES = (
+    MetricSpec(name=PREFIX + "state_id", kind=Kind.GAUGE, labels=_LABELS,
+               help="Logical port state (0: no change, 1: down, 2: init, 3: armed, 4: active, 5: act defer).",
+               doc="Logical state: 1 down, 2 init, 3 armed, 4 active, 5 active-defer."),
+    MetricSpec(name=PREFIX + "physical_state_id", kind=Kind.GAUGE, labels=_LABELS,
+               help="Physical port state (0: no change, 1: sleep, 2: polling, 3: disabled, 4: port configuration "
+                    "training, 5: link up, 6: link error recovery, 7: phy test).",
+               doc="Physical state: 1 sleep, 2 polling, 3 disabled, 4 training, 5 link up, 6 link error recovery, "
+                   "7 phy test."),
+    MetricSpec(name=PREFIX + "rate_bytes_per_second", kind=Kind.GAUGE, labels=_LABELS,
+               help="Port signalling rate, bytes per second.",
+               doc="Signalling rate (`100 Gb/sec (4X EDR)` -> 12.5e9)."),
+    MetricSpec(name=PREFIX + "port_info", kind=Kind.GAUGE, labels=(*_LABELS, "link_layer", "state", "phys_state"),
+               help="Always 1; labels carry the port's link layer and state names.",
+               doc="Always 1; extra labels `link_layer` (`InfiniBand`/`Ethernet`), `state` (`ACTIVE`...), "
+                   "`phys_state` (`LinkUp`...)."),
 )
+# metric name -> the sysfs files of a port it is read from (docs/metrics.md's source column)
+SOURCES: dict[str, str] = {
+    STATE.name: "`state`", PHYS_STATE.name: "`phys_state`", RATE.name: "`rate`",
+    PORT_INFO.name: "`link_layer`, `state`, `phys_state`",
+    **{spec.name: f"`counters/{name}`" + (f" x {scale}" if scale != 1 else "")
+       for name, (spec, scale) in COUNTERS.items()},
+}
 
 
 class SysfsValueError(ValueError):
@@ -172,7 +264,7 @@ class RdmaCollector(Collector):
             link_layer=value("link_layer", lambda t: t.strip() or None),
         )
         counters_dir = os.path.join(port_dir, "counters")
-        for name, (_, scale, _) in COUNTERS.items():
+        for name, (_, scale) in COUNTERS.items():
             path = os.path.join(counters_dir, name)
             raw = self._parse(path, parse_counter, self._read(path))
             if raw is not None:
@@ -180,21 +272,9 @@ class RdmaCollector(Collector):
         return reading
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, dict]:
-        labels = list(self._const) + _LABELS
-        state = GaugeMetricFamily(PREFIX + "state_id", STATE_HELP, labels=labels)
-        phys = GaugeMetricFamily(PREFIX + "physical_state_id", PHYS_STATE_HELP, labels=labels)
-        rate = GaugeMetricFamily(
-            PREFIX + "rate_bytes_per_second", "Port signalling rate, bytes per second.", labels=labels
-        )
-        info = GaugeMetricFamily(
-            PREFIX + "port_info",
-            "Always 1; labels carry the port's link layer and state names.",
-            labels=labels + ["link_layer", "state", "phys_state"],
-        )
-        counters = {
-            name: CounterMetricFamily(PREFIX + suffix, doc, labels=labels)
-            for name, (suffix, _, doc) in COUNTERS.items()
-        }
+        base = list(self._const)
+        state, phys, rate, info = (spec.family(labels=base) for spec in GAUGES)
+        counters = {name: spec.family(labels=base) for name, (spec, _) in COUNTERS.items()}
         return state, phys, rate, info, counters
 
     def collect(self) -> Iterator:

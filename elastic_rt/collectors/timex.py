@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from elastic_rt.errors import HealthCheckError
+from elastic_rt.metric_spec import Kind, MetricSpec
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +115,28 @@ def _strerror(errno: int) -> str:
     return os.strerror(errno) if errno else "unknown"
 
 
-class TimexCollector(Collector):
-    """elastic_rt_clock_timex_* gauges, read at scrape time (one system call)."""
+TIMEX = {  # the TimexStatus field each one shows -> its metric
+    "sync": MetricSpec(name="elastic_rt_clock_timex_sync_status", kind=Kind.GAUGE,
+                       help="1 if the kernel clock is synchronized (adjtimex != TIME_ERROR).",
+                       doc="1 if the kernel says the clock is synchronized (`adjtimex` does not return "
+                           "`TIME_ERROR`), else 0."),
+    "offset": MetricSpec(name="elastic_rt_clock_timex_offset_seconds", kind=Kind.GAUGE,
+                         help="Kernel PLL offset between system and reference clock.",
+                         doc="Kernel PLL offset to the reference clock (ns when `STA_NANO` is set, else µs, "
+                             "converted)."),
+    "esterror": MetricSpec(name="elastic_rt_clock_timex_estimated_error_seconds", kind=Kind.GAUGE,
+                           help="Kernel estimated clock error.", doc="Kernel estimated error."),
+    "maxerror": MetricSpec(name="elastic_rt_clock_timex_maxerror_seconds", kind=Kind.GAUGE,
+                           help="Kernel maximum clock error.",
+                           doc="Kernel maximum error; grows by 500 ppm while no NTP daemon updates it."),
+    "freq": MetricSpec(name="elastic_rt_clock_timex_frequency_adjustment_ratio", kind=Kind.GAUGE,
+                       help="Local clock frequency adjustment.",
+                       doc="Local clock frequency adjustment (1 + freq / 2^16 ppm)."),
+}
 
-    PREFIX = "elastic_rt_clock_timex_"
+
+class TimexCollector(Collector):
+    """elastic_rt_clock_timex_* gauges (TIMEX), read at scrape time (one system call)."""
 
     def __init__(
         self,
@@ -130,20 +149,7 @@ class TimexCollector(Collector):
         self._warned = False
 
     def _families(self) -> dict[str, GaugeMetricFamily]:
-        p, lb = self.PREFIX, list(self._const)
-        return {
-            "sync": GaugeMetricFamily(
-                p + "sync_status", "1 if the kernel clock is synchronized (adjtimex != TIME_ERROR).", labels=lb
-            ),
-            "offset": GaugeMetricFamily(
-                p + "offset_seconds", "Kernel PLL offset between system and reference clock.", labels=lb
-            ),
-            "esterror": GaugeMetricFamily(p + "estimated_error_seconds", "Kernel estimated clock error.", labels=lb),
-            "maxerror": GaugeMetricFamily(p + "maxerror_seconds", "Kernel maximum clock error.", labels=lb),
-            "freq": GaugeMetricFamily(
-                p + "frequency_adjustment_ratio", "Local clock frequency adjustment.", labels=lb
-            ),
-        }
+        return {key: spec.family(labels=list(self._const)) for key, spec in TIMEX.items()}
 
     def collect(self) -> Iterator:
         try:

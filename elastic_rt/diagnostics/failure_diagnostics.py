@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from elastic_rt.diagnostics import flight_recorder as fr
+from elastic_rt.diagnostics.failure_metrics import FailureMetrics
 from elastic_rt.diagnostics.failures import ClassifiedFailure, classify, describe, read_error_file, signal_name, stderr_tail
 from elastic_rt.diagnostics.hang import SUSPECT_STATES, HangVerdict, first_stopped
 from elastic_rt.diagnostics.oom import OomEvidence
@@ -82,7 +83,7 @@ class FailureDiagnostics:
 
     log_dir: where stacks/ and flight_recorder/ go. reports_dir: the directory the workers
     share with the agent (heartbeats; their stack and dump channels live there too).
-    metrics: an elastic_rt.metrics.definitions.FailureMetrics, or None.
+    metrics: an elastic_rt.diagnostics.failure_metrics.FailureMetrics, or None.
     """
 
     def __init__(self, *, log_dir: str, reports_dir: str, metrics: Any = None, oom: OomEvidence | None = None,
@@ -239,3 +240,17 @@ class FailureDiagnostics:
     def close(self) -> None:
         if self._oom is not None:
             self._oom.close()
+
+
+def build_diagnostics(settings: DiagnosticsSettings, *, log_dir: str, reports_dir: str, registry: Any, run_id: str,
+                      node: str) -> FailureDiagnostics:
+    """This node's failure diagnostics from its settings, recording FailureMetrics in `registry`; exports the
+    variables every worker inherits (stack signal, flight recorder) into this process's environment."""
+    import torch
+
+    diagnostics = FailureDiagnostics(log_dir=log_dir, reports_dir=reports_dir, oom=OomEvidence(),
+                                     metrics=FailureMetrics(registry=registry, run_id=run_id, node=node),
+                                     stack_signal=settings.stack_signal,
+                                     flight_recorder=settings.recorder_on(cuda=torch.cuda.is_available()))
+    os.environ.update(diagnostics.worker_env(os.environ, torch_version=torch.__version__))
+    return diagnostics

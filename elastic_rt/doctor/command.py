@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, TextIO
 
-from elastic_rt.errors import ConfigError, ElasticRTError
+from elastic_rt.errors import ConfigError, ElasticRTError, HealthCheckError
 from elastic_rt.checks.model import CheckResult, Status, one_line, run_check
 from elastic_rt.doctor.checks import (
     GIB,
@@ -240,6 +240,14 @@ def first_failure(results: Iterable[CheckResult]) -> str | None:
         f"pre-flight check {first.name!r} failed: {one_line(first.detail)}{more}; "
         "run `elastic-rt doctor` for all checks"
     )
+
+
+def refuse_an_unfit_node(*, sysfs_root: str = "/sys") -> None:
+    """The launch's hard pre-flight checks (`elastic-rt doctor` runs them all): HealthCheckError, one line, when
+    one fails. etcd reachability is left to the rendezvous, which retries until the join timeout."""
+    failure = first_failure(hard_checks(etcd_client=None, sysfs_root=sysfs_root))
+    if failure:
+        raise HealthCheckError(f"{failure}; not joining the rendezvous")
 
 
 def render_table(results: Iterable[CheckResult]) -> str:

@@ -19,6 +19,7 @@ from enum import Enum
 from typing import Any, Callable
 
 from elastic_rt.doctor.bench import ComputeResult, local_devices, run_local
+from elastic_rt.doctor.preflight_metrics import PreflightMetrics
 from elastic_rt.errors import ConfigError, HealthCheckError, NodeExcludedError, RoundRejectedError
 from elastic_rt.sections import option, positive
 
@@ -295,3 +296,14 @@ class Preflight:
             raise RoundRejectedError(f"pre-flight excluded {', '.join(verdict.excluded)}", verdict.excluded)
         for x in me:
             log.warning("%s pre-flight: this node is slow (%s: %s)", prefix, x.finding.value, x.detail)
+
+
+def build_node_test(settings: PreflightSettings, *, node: str, nproc: int, min_nodes: int, backend: str | None,
+                    registry: Any, run_id: str) -> Preflight:
+    """This node's pre-flight test (--preflight; auto: report where CUDA is available, else off), recording
+    PreflightMetrics in `registry`."""
+    import torch
+
+    return Preflight(node=node, settings=settings.resolved(cuda=torch.cuda.is_available(), min_nodes=min_nodes),
+                     nproc=nproc, metrics=PreflightMetrics(registry=registry, run_id=run_id, node=node),
+                     backend=backend)

@@ -18,7 +18,7 @@ from elastic_rt.interfaces import AgentObserver, RestartPolicy
 from elastic_rt.goodput.ledger import GoodputLedger, LostProgress
 from elastic_rt.goodput.steptime import StepTimer
 from elastic_rt.goodput.stragglers import NodeWindow, Signal, SpeedExchange, StragglerBoard, StragglerSettings, Verdict
-from elastic_rt.metrics.definitions import GoodputMetrics
+from elastic_rt.goodput.goodput_metrics import GoodputMetrics
 from elastic_rt.worker_reports.checkpoint import CheckpointReportReader
 from elastic_rt.worker_reports.heartbeat import Heartbeat
 from elastic_rt.worker_reports.inbox import WorkerReports

@@ -3,13 +3,14 @@ source it is given, so tests drive them with their own."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Callable, Iterable, Mapping, Protocol
 
 from elastic_rt.collectors.clock import SkewEstimate, skew_warning
-from elastic_rt.collectors.rdma import PortReading
-from elastic_rt.collectors.timex import TimexStatus
+from elastic_rt.collectors.rdma import PortReading, RdmaCollector
+from elastic_rt.collectors.timex import TimexStatus, read_timex
 from elastic_rt.checks.model import CheckResult, Status
 from elastic_rt.checks.rdma import rdma_verdict
 
@@ -140,3 +141,11 @@ def etcd_check(status: Callable[[], tuple[bool, str]]) -> Callable[[], CheckResu
         return CheckResult.of(bool(ok), reason)
 
     return check
+
+
+def add_readiness_checks(readiness, round_checks, *, sysfs_root: str, probe_enabled: bool) -> None:
+    """/readyz: this node's fitness for the job, each check on its own data source. (`etcd` is the
+    observer's own, fed by on_etcd; /livez holds the monitor-loop check.)"""
+    readiness.add("probe", probe_check(round_checks, enabled=probe_enabled))
+    readiness.add("rdma", rdma_check(RdmaCollector(sysfs_root=sysfs_root).read_ports, os.environ))
+    readiness.add("clock", clock_check(lambda: round_checks.last_skew, read_timex))

@@ -1,4 +1,4 @@
-"""Per-worker resource and step-heartbeat metrics, read at scrape time (psutil, heartbeat files)."""
+"""Per-worker resource and step-heartbeat metrics (WORKERS), read at scrape time (psutil, heartbeat files)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,31 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from elastic_rt.metric_spec import Kind, MetricSpec
 from elastic_rt.worker_reports.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
+
+WORKERS = (
+    MetricSpec(name="elastic_rt_worker_resident_memory_bytes", kind=Kind.GAUGE, labels=("local_rank",),
+               help="Resident set size of the worker process (and its live descendants).",
+               doc="Resident set size of the worker process plus its live descendants (DataLoader workers); pages "
+                   "shared between them are counted once per process."),
+    MetricSpec(name="elastic_rt_worker_cpu_seconds_total", kind=Kind.COUNTER, labels=("local_rank",),
+               help="User+system CPU time of the worker process (and its descendants); resets when the worker "
+                    "restarts.",
+               doc="User + system CPU time of the worker, its reaped children and its live descendants. Resets "
+                   "when the worker restarts (`rate()` handles resets)."),
+    MetricSpec(name="elastic_rt_worker_last_step", kind=Kind.GAUGE, labels=("local_rank",),
+               help="Last training step the worker reported with elastic_rt.report_step(), else its optimizer "
+                    "steps.",
+               doc="Last step the worker reported with `report_step()`, else the number of its optimizer steps "
+                   "(every `optimizer.step()` is progress, see [failures.md](failures.md)). Absent for a worker "
+                   "that never stepped."),
+    MetricSpec(name="elastic_rt_worker_last_step_age_seconds", kind=Kind.GAUGE, labels=("local_rank",),
+               help="Seconds since the worker's last step (optimizer step or report_step).",
+               doc="Seconds since that step."),
+)
 
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
 
@@ -57,29 +79,7 @@ class WorkerCollector(Collector):
 
     @staticmethod
     def _families() -> tuple[GaugeMetricFamily, CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
-        labels = ["run_id", "node", "local_rank"]
-        return (
-            GaugeMetricFamily(
-                "elastic_rt_worker_resident_memory_bytes",
-                "Resident set size of the worker process (and its live descendants).",
-                labels=labels,
-            ),
-            CounterMetricFamily(
-                "elastic_rt_worker_cpu_seconds",
-                "User+system CPU time of the worker process (and its descendants); resets when the worker restarts.",
-                labels=labels,
-            ),
-            GaugeMetricFamily(
-                "elastic_rt_worker_last_step",
-                "Last training step the worker reported with elastic_rt.report_step(), else its optimizer steps.",
-                labels=labels,
-            ),
-            GaugeMetricFamily(
-                "elastic_rt_worker_last_step_age_seconds",
-                "Seconds since the worker's last step (optimizer step or report_step).",
-                labels=labels,
-            ),
-        )
+        return tuple(spec.family() for spec in WORKERS)
 
     def _children_from_proc(self, pid: int) -> list[int]:
         task_dir = os.path.join(self._proc, str(pid), "task")

@@ -18,7 +18,8 @@ SAME_EVENT_S = 10.0
 # what the other nodes see of a failure elsewhere).
 REASON_ORDER = (RestartReason.WORKER_FAILURE, RestartReason.HANG, RestartReason.PROBE_FAILURE,
                 RestartReason.PEER_LOST, RestartReason.SCALE_UP, RestartReason.ROUND_ADVANCED)
-LOCAL_REASONS = (RestartReason.WORKER_FAILURE, RestartReason.HANG)  # a node's own workers failed: name it
+# a node's own workers failed (the reasons counted against --max-restarts): name that node
+LOCAL_REASONS = tuple(r for r in RestartReason if r.counted)
 
 
 class NodeState(str, Enum):

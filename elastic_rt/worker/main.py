@@ -100,7 +100,10 @@ def main(argv: list[str]) -> None:
     hb_dir = os.environ.get(ENV_HEARTBEAT_DIR)
     if hb_dir:
         local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-        os.environ[ENV_HEARTBEAT_FILE] = os.path.join(hb_dir, f"worker-{local_rank}")
+        os.environ[ENV_HEARTBEAT_FILE] = os.path.join(hb_dir, f"worker-{local_rank}")  # for its forked children
+        from elastic_rt.worker_reports.heartbeat import report_to
+
+        report_to(os.environ[ENV_HEARTBEAT_FILE])
         _install_diagnostics(hb_dir, local_rank)
     if not argv:
         sys.exit("elastic-rt worker: no training script given")

@@ -162,14 +162,14 @@ _writer: HeartbeatWriter | _NullWriter | None = None
 _writer_lock = threading.Lock()
 
 
-def _open_writer(env: WorkerEnvironment) -> HeartbeatWriter | _NullWriter:
-    if not env.heartbeat_file:
+def _open_writer(path: str | None) -> HeartbeatWriter | _NullWriter:
+    if not path:
         return _NullWriter()
     try:
-        return HeartbeatWriter(env.heartbeat_file)
+        return HeartbeatWriter(path)
     except OSError as exc:
         # The worker must keep training even if the agent's heartbeat dir is gone or its disk is full.
-        log.warning("heartbeat file %s cannot be opened (%s); step heartbeats are off", env.heartbeat_file, exc)
+        log.warning("heartbeat file %s cannot be opened (%s); step heartbeats are off", path, exc)
         return _NullWriter()
 
 
@@ -179,7 +179,7 @@ def _get_writer() -> HeartbeatWriter | _NullWriter:
     if writer is None:
         with _writer_lock:
             if _writer is None:
-                _writer = _open_writer(WorkerEnvironment.from_env())
+                _writer = _open_writer(WorkerEnvironment.from_env().heartbeat_file)
             writer = _writer
     return writer
 
@@ -243,13 +243,16 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def _reset_writer_for_tests() -> None:
-    """Forget the process-wide writer so the next report_step re-reads the environment."""
+def report_to(path: str | None) -> None:
+    """Send this process's step reports to the heartbeat file `path` from now on, or, with None, to the file
+    ELASTIC_RT_HEARTBEAT_FILE names at the next report (none: reports go nowhere). The file reported to before
+    is closed and the optimizer step count starts over. The worker entry point calls it once it knows its file;
+    a file that cannot be opened is one warning and no heartbeats, as at the first report."""
     global _writer, _counted_optimizer
     with _writer_lock:
         if _writer is not None:
             _writer.close()
-        _writer = None
+        _writer = None if path is None else _open_writer(path)
         _counted_optimizer = None
 
 

@@ -121,7 +121,7 @@ def exported_names(tmp: Path) -> set[str]:
     obs = MetricsObserver(run_id="job", node="a", reports=WorkerReports(str(tmp)), sysfs_root=None)
     obs.on_workers_started({0: os.getpid()})
     obs.on_tick()
-    from elastic_rt.metrics.definitions import GoodputMetrics  # goodput and stragglers
+    from elastic_rt.goodput.goodput_metrics import GoodputMetrics  # goodput and stragglers
 
     g = GoodputMetrics(registry=reg, run_id="job", node="a")
     g.on_totals({"productive": 1.0}, uncommitted_s=0.5, ratio=0.9)

@@ -11,7 +11,8 @@ import pytest
 
 import elastic_rt
 from elastic_rt.decisions import DetectionAction, FailureCause, Response, RestartReason
-from elastic_rt.metrics.definitions import FAILURE_CAUSES, RESTART_REASONS
+from elastic_rt.diagnostics.failure_metrics import FAILURE_CAUSES
+from elastic_rt.metrics.definitions import RESTART_REASONS
 
 PACKAGE = pathlib.Path(elastic_rt.__file__).parent
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from elastic_rt.diagnostics.failure_diagnostics import FailureDiagnostics
 from elastic_rt.diagnostics.hang import HangVerdict, RankStall
 from elastic_rt.worker.main import record_error
-from elastic_rt.metrics.definitions import FailureMetrics
+from elastic_rt.diagnostics.failure_metrics import FailureMetrics
 
 BASE = {"run_id": "r", "node": "n"}
 

@@ -20,7 +20,7 @@ from elastic_rt.diagnostics.failures import (
 )
 from elastic_rt.diagnostics.oom import CgroupOomCounters, KernelLog, OomEvidence
 from elastic_rt.worker.main import record_error
-from elastic_rt.metrics.definitions import FailureMetrics
+from elastic_rt.diagnostics.failure_metrics import FailureMetrics
 
 LIBS = ("/usr/lib/python3.11/", "/venv/site-packages/", "/src/elastic_rt/")
 CALLSTACK = '''Traceback (most recent call last):

@@ -164,7 +164,7 @@ def test_rdma_check_on_the_fixture_sysfs(tmp_path):
 def test_readyz_rdma_honours_nccl_ib_hca_on_an_injected_sysfs(monkeypatch, env, ok, words):
     """/readyz's rdma check as the launcher registers it (its sysfs root injected, the agent's environment read
     by the composition root) judges only the ports NCCL would use, and agrees with doctor's rdma row."""
-    from elastic_rt.launch import add_readiness_checks
+    from elastic_rt.metrics.readiness import add_readiness_checks
     from elastic_rt.doctor.net import check_rdma
 
     for var in ("NCCL_IB_HCA", "NCCL_IB_DISABLE"):

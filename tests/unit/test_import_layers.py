@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 # areas of lower layers only; areas of one layer do not import each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),  # the one error hierarchy
-    ("decisions", "worker_env", "torchrun_compat", "sections", "torch_seams"),  # vocabulary, syntax, torch's seams
+    # vocabulary, syntax, torch's seams, what a metric is
+    ("decisions", "worker_env", "torchrun_compat", "sections", "torch_seams", "metric_spec"),
     ("checks", "collectors", "data", "checkpoint", "worker_reports", "interfaces"),  # leaves on their data sources
     ("elastic_rt", "rendezvous", "metrics", "diagnostics"),  # elastic_rt: the package root, the training script's API
     ("goodput", "doctor", "status"),

@@ -173,7 +173,7 @@ def test_every_metric_is_documented():
 
 
 def test_failure_metrics_are_documented():
-    from elastic_rt.metrics.definitions import FailureMetrics
+    from elastic_rt.diagnostics.failure_metrics import FailureMetrics
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     reg = CollectorRegistry()

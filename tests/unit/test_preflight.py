@@ -23,7 +23,7 @@ from elastic_rt.doctor.preflight import (
     judge,
 )
 from elastic_rt.errors import HealthCheckError, NodeExcludedError, RoundRejectedError
-from elastic_rt.metrics.definitions import PreflightMetrics
+from elastic_rt.doctor.preflight_metrics import PreflightMetrics
 
 
 def _report(node: str, compute: dict[int, float], link: float | None = 0.01, error: str = "") -> NodeReport:

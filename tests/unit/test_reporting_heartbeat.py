@@ -22,9 +22,9 @@ class FakeNs:
 
 @pytest.fixture(autouse=True)
 def _fresh_writer():
-    hb._reset_writer_for_tests()
+    hb.report_to(None)
     yield
-    hb._reset_writer_for_tests()
+    hb.report_to(None)
 
 
 def test_writer_reader_round_trip_with_age(tmp_path):
@@ -93,6 +93,28 @@ def test_report_step_writes_the_file_named_by_the_agent(monkeypatch, tmp_path):
     hb.report_step(11)
     beat = hb.read_heartbeat(str(path))
     assert (beat.step, beat.seq) == (11, 2)
+
+
+def test_report_to_moves_the_reports_to_another_file_and_counts_steps_over(monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV_HEARTBEAT_FILE, raising=False)
+    first, second = str(tmp_path / "first.hb"), str(tmp_path / "second.hb")
+    for path in (first, second):
+        hb.prepare_heartbeat_file(path)
+    hb.report_to(first)
+    for _ in range(3):
+        hb.optimizer_step_hook(object, (), {})  # an optimizer step without a step number
+    hb.report_to(second)
+    hb.optimizer_step_hook(object, (), {})
+    assert (hb.read_heartbeat(first).step, hb.read_heartbeat(second).step) == (3, 1)
+    hb.report_to(None)  # back to the environment, which names no file: reports go nowhere
+    hb.report_step(50)
+    assert hb.read_heartbeat(second).step == 1
+
+
+def test_report_to_a_file_that_cannot_be_opened_warns_and_training_goes_on(tmp_path, caplog):
+    hb.report_to(str(tmp_path / "no-such-dir" / "w0.hb"))
+    hb.report_step(1)
+    assert "step heartbeats are off" in caplog.text
 
 
 def test_prepare_removes_a_stale_record(tmp_path):

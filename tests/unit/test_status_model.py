@@ -10,7 +10,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from elastic_rt.errors import ConfigError
-from elastic_rt.metrics.definitions import AgentMetrics, FailureMetrics, GoodputMetrics
+from elastic_rt.diagnostics.failure_metrics import FailureMetrics
+from elastic_rt.goodput.goodput_metrics import GoodputMetrics
+from elastic_rt.metrics.definitions import AgentMetrics
 from elastic_rt.checks.model import CheckResult
 from elastic_rt.metrics.health_endpoints import render
 from elastic_rt.rendezvous.handler import alive_info
