@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--switch-interval-ms", type=float, default=50.0)
     p.add_argument("--top", type=int, default=25, help="functions listed (by own CPU)")
     args = p.parse_args(argv)
+    if args.nodes < 2 or args.rounds < 1 or args.rounds > args.nodes - 1 or args.etcd_members < 1:
+        p.error("--nodes must be >= 2, --rounds between 1 and --nodes - 1, --etcd-members >= 1")
     sys.setswitchinterval(args.switch_interval_ms / 1000.0)
     sys.path.insert(0, REPO)
     import logging
@@ -126,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def thread_cpu_s(before: dict) -> dict:
-    """CPU seconds of this process's live threads by thread name (digits dropped: one kind per name), from
-    /proc/self/task/*/schedstat, minus what `before` (an earlier call's per-thread-id figures, kept under key None) held."""
+    """CPU seconds of this process's live threads by thread kind (its name without digits), from
+    /proc/self/task/*/schedstat. With `before` empty: also each thread's figure, under the key None; with an
+    earlier call's result: the CPU since then."""
     names = {t.native_id: ("elastic-rt-etcd" if t.name.startswith("elastic-rt-etcd") else
                            "".join(c for c in t.name if not c.isdigit()).split(" (")[0].rstrip("-"))
              for t in threading.enumerate()}
