@@ -5,6 +5,7 @@ profiled per function across every thread (yappi, CPU clock), summed into the ro
     pip install yappi
     python benchmarks/round_profile.py --nodes 32                 # a first round of 32 nodes, 3-member etcd
     python benchmarks/round_profile.py --nodes 32 --no-profile    # the process's CPU only (no profiler cost)
+    python benchmarks/round_profile.py --nodes 128 --src /tmp/parent   # another checkout's elastic_rt (a baseline)
 
 Prints the process's CPU per node per round (os.times, every thread) and, with the profiler, the CPU per node
 per round of each part (thread start and stop, connections, watch, view, lease, etcd calls, decisions, logging,
@@ -15,6 +16,7 @@ shares are what it is for, the unprofiled CPU is the figure. benchmarks/rendezvo
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import resource
 import sys
@@ -58,11 +60,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--switch-interval-ms", type=float, default=50.0)
     p.add_argument("--top", type=int, default=25, help="functions listed (by own CPU)")
+    p.add_argument("--src", default=REPO, help="the git checkout whose elastic_rt is profiled (default: this one); "
+                                               "its commit and whether it is clean are recorded")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
+    p.add_argument("--allow-dirty", action="store_true", help="profile a tree with uncommitted changes")
     args = p.parse_args(argv)
     if args.nodes < 2 or args.rounds < 1 or args.rounds > args.nodes - 1 or args.etcd_members < 1:
         p.error("--nodes must be >= 2, --rounds between 1 and --nodes - 1, --etcd-members >= 1")
     sys.setswitchinterval(args.switch_interval_ms / 1000.0)
     sys.path.insert(0, REPO)
+    from provenance import provenance  # benchmarks/provenance.py: benchmarks/ is sys.path[0]
+    from results_file import write_results
+
+    src = os.path.abspath(args.src)
+    git = provenance(args.allow_dirty, repo=src)
+    sys.path.insert(0, src)  # its elastic_rt before any installed one
     import logging
 
     logging.basicConfig(level=logging.WARNING)
@@ -79,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
             print("round_profile: yappi is not installed (pip install yappi), or run with --no-profile", file=sys.stderr)
             return 2
     register()
+    import elastic_rt
+
+    lines: list[str] = [f"round profile {datetime.date.today().isoformat()}: elastic_rt of {src} at code "
+                        f"{git['commit']}{' (dirty)' if git['dirty'] else ''} ({os.path.dirname(elastic_rt.__file__)}); "
+                        f"{os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.1f} at the start, "
+                        f"{args.nodes} nodes in this one process, {args.etcd_members}-member etcd, GIL switch interval "
+                        f"{args.switch_interval_ms:g} ms, {'no profiler' if yappi is None else 'yappi CPU clock'}"]
+    print(lines[0])
+    say = lambda line: (print(line), lines.append(line))  # noqa: E731
     with EtcdCluster(args.etcd_members, binary=args.etcd_binary) as cluster:
         run_id = f"profile-{uuid.uuid4().hex[:6]}"
         n = args.nodes
@@ -109,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 yappi.stop()
             cpu = (t1.user - t0.user) + (t1.system - t0.system)
             ok = sum(1 for x in results if x.world_size == len(live))
-            print(f"round {r}: {ok} of {len(live)} met in {wall:.2f} s; process CPU {1000 * cpu / len(live):.2f} "
+            say(f"round {r}: {ok} of {len(live)} met in {wall:.2f} s; process CPU {1000 * cpu / len(live):.2f} "
                   f"ms/node/round (user {1000 * (t1.user - t0.user) / len(live):.2f}, system "
                   f"{1000 * (t1.system - t0.system) / len(live):.2f}); context switches per node: "
                   f"{(ru1.ru_nvcsw - ru0.ru_nvcsw) / len(live):.0f} voluntary, "
@@ -117,13 +138,18 @@ def main(argv: list[str] | None = None) -> int:
             by_thread = thread_cpu_s(before)
             by_thread.pop(None, None)
             by_thread["the threads that called next_rendezvous() (exited)"] = cpu - sum(by_thread.values())
-            print("  CPU by thread kind (us/node/round): " + ", ".join(
+            say("  CPU by thread kind (us/node/round): " + ", ".join(
                 f"{name} {1e6 * t / len(live):.0f}" for name, t in sorted(by_thread.items(), key=lambda kv: -kv[1])))
             if yappi is not None:
-                report(yappi, len(live), args.top)
+                report(yappi, len(live), args.top, say)
         for h in live:
             h.leave()
             h.close()
+    stamp = datetime.date.today().isoformat()
+    write_results(args.out, "round-profile", stamp, {
+        "benchmark": "round-profile", "date": stamp, "provenance": git, "src": src,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"}, "lines": lines,
+        "loadavg_at_end": list(os.getloadavg())}, "\n".join(lines) + "\n")
     return 0
 
 
@@ -148,7 +174,7 @@ def thread_cpu_s(before: dict) -> dict:
     return {**out, None: now} if not before else out
 
 
-def report(yappi, nodes: int, top: int) -> None:
+def report(yappi, nodes: int, top: int, say) -> None:
     """Own CPU of each function, summed into PARTS by its owner: the function itself when it is elastic_rt's
     (or threading's), else the owner of its heaviest caller (pstats' call graph, as converted from yappi's)."""
     import pstats
@@ -178,17 +204,17 @@ def report(yappi, nodes: int, top: int) -> None:
     for func, v in st.items():
         part = part_of(owner(func))
         parts[part] = parts.get(part, 0.0) + v[2]
-    print(f"  profiled CPU {1000 * total / nodes:.2f} ms/node/round; by part (us/node/round):")
+    say(f"  profiled CPU {1000 * total / nodes:.2f} ms/node/round; by part (us/node/round):")
     for name, t in sorted(parts.items(), key=lambda kv: -kv[1]):
-        print(f"    {name:<34} {1e6 * t / nodes:8.0f}  {100 * t / total:5.1f} %")
-    print("  inclusive CPU of the round's steps (us/node/round):")
+        say(f"    {name:<34} {1e6 * t / nodes:8.0f}  {100 * t / total:5.1f} %")
+    say("  inclusive CPU of the round's steps (us/node/round):")
     for func, v in sorted(st.items(), key=lambda kv: -kv[1][3]):
         if any(x in func[0] for x in ("handler.py", "rounds.py", "lease.py", "view.py", "claim.py", "liveness.py",
                                       "run_lease.py", "store.py", "decide.py", "monitor.py")) and v[3] / nodes > 40e-6:
-            print(f"    {1e6 * v[3] / nodes:8.0f}  {label(func)} ({v[1]} calls)")
-    print(f"  top {top} functions by own CPU (us/node/round), with their owner:")
+            say(f"    {1e6 * v[3] / nodes:8.0f}  {label(func)} ({v[1]} calls)")
+    say(f"  top {top} functions by own CPU (us/node/round), with their owner:")
     for func, v in sorted(st.items(), key=lambda kv: -kv[1][2])[:top]:
-        print(f"    {1e6 * v[2] / nodes:8.0f}  {label(func)} ({v[1]} calls) <- {owner(func)}")
+        say(f"    {1e6 * v[2] / nodes:8.0f}  {label(func)} ({v[1]} calls) <- {owner(func)}")
 
 
 if __name__ == "__main__":
