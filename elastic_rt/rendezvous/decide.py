@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from functools import lru_cache
 from typing import Callable, Collection, Mapping
 
 from elastic_rt.errors import RendezvousDataError
@@ -301,8 +302,12 @@ def membership(rnd: int, node_id: str, final: KeyValue) -> Membership | None:
     master = data.get("master")
     master = (str(master[0]), int(master[1])) if isinstance(master, list) and len(master) == 2 else None
     incs = data.get("incarnations")
-    incs = tuple(i if isinstance(i, str) else None for i in incs) \
-        if isinstance(incs, list) and len(incs) == len(nodes) else (None,) * len(nodes)
+    if not isinstance(incs, list) or len(incs) != len(nodes):
+        incs = (None,) * len(nodes)
+    elif _all_str(incs):
+        incs = tuple(incs)
+    else:
+        incs = tuple(i if isinstance(i, str) else None for i in incs)
     return Membership(rnd, nodes, nodes.index(node_id), master, incs, final.mod_revision)
 
 
@@ -326,17 +331,30 @@ def malformed(final: KeyValue) -> str | None:
     rnd = final.key.rsplit("/", 2)[-2]
     if data.get("round") != (int(rnd) if rnd.isdigit() else None):
         return "names another round"
-    if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
+    if not isinstance(nodes, list) or not nodes or not _all_str(nodes):
         return "lists no members"
     if not isinstance(incs, list) or len(incs) != len(nodes):
         return "has no incarnation for each member"
     return None
 
 
+def _all_str(items: list) -> bool:
+    """Every item is a str (JSON's strings are exactly str): one pass in C, where a round's final lists N."""
+    return not set(map(type, items)) - {str}
+
+
+@lru_cache(maxsize=8)
+def _parsed(value: bytes) -> object:
+    """The JSON in a final's value, parsed once: decide() reads the same final several times per node (its form,
+    its members, rank 0's address) and it lists every member. Callers only read what it returns."""
+    return json.loads(value.decode())
+
+
 def decode_final(kv: KeyValue) -> dict:
-    """A round's final as a dict; RendezvousDataError (one line saying what to do) when it is not elastic-rt's."""
+    """A round's final as a dict (shared: read it, never change it); RendezvousDataError (one line saying what to
+    do) when it is not elastic-rt's."""
     try:
-        value = json.loads(kv.value.decode())
+        value = _parsed(kv.value)
         if not isinstance(value, dict):
             raise ValueError("not an object")
         return value

@@ -296,10 +296,9 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
                                             (k.stores_prefix, k.round_store(before))])
             except EtcdUnavailableError as exc:
                 log.info("node %s: old rounds not cleaned up now: %s", self.settings.node_id, exc)
-        log.info(
-            "node %s round %d: rank %d of %d nodes (%s) in %.2f s",
-            self.settings.node_id, m.round, m.rank, len(m.nodes), ",".join(m.nodes), self._clock() - t0,
-        )
+        if log.isEnabledFor(logging.INFO):  # the member list is N names: built only when it is logged
+            log.info("node %s round %d: rank %d of %d nodes (%s) in %.2f s", self.settings.node_id, m.round, m.rank,
+                     len(m.nodes), ",".join(m.nodes), self._clock() - t0)
         return RendezvousInfo(store, m.rank, len(m.nodes), bootstrap)
 
     # ---- etcd reachability (used by the agent) ----------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from elastic_rt.errors import ConfigError, RendezvousDataError
 from elastic_rt.rendezvous.etcd_client import prefix_end
@@ -23,14 +24,15 @@ def validate_run_id(run_id: str) -> str:
 
 @dataclass(frozen=True)
 class RunKeys:
-    """Names of every key one run uses. Rounds are zero-padded so they sort by number."""
+    """Names of every key one run uses. Rounds are zero-padded so they sort by number. The prefixes are built
+    once per instance (every node names each member's alive/ key when a round forms)."""
 
     run_id: str
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
 
-    @property
+    @cached_property
     def base(self) -> str:
         return f"{ROOT}{self.run_id}/"
 
@@ -58,15 +60,15 @@ class RunKeys:
     def run_lease(self) -> str:  # the id of the run's lease, which the workers' stores are put on (run_lease.py)
         return self.base + "lease"
 
-    @property
+    @cached_property
     def alive_prefix(self) -> str:
         return self.base + "alive/"
 
-    @property
+    @cached_property
     def waiting_prefix(self) -> str:
         return self.base + "waiting/"
 
-    @property
+    @cached_property
     def rounds_prefix(self) -> str:
         return self.base + "rounds/"
 
@@ -79,7 +81,7 @@ class RunKeys:
     def round_prefix(self, rnd: int) -> str:
         return f"{self.rounds_prefix}{rnd:010d}/"
 
-    @property
+    @cached_property
     def joins_prefix(self) -> str:
         """The joins of every round: only the node closing a round watches them, outside the membership watch."""
         return self.base + "joins/"
@@ -96,7 +98,7 @@ class RunKeys:
     def final(self, rnd: int) -> str:
         return self.round_prefix(rnd) + "final"
 
-    @property
+    @cached_property
     def stores_prefix(self) -> str:
         """The worker c10d stores, one per round: bulk traffic, outside the membership watch."""
         return self.base + "stores/"

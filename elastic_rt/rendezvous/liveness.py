@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import selectors
 import socket
 import threading
@@ -30,11 +31,19 @@ def _format(host: str, port: int) -> str:
 
 
 class _Waker:
-    """A socketpair whose read end sits in a selector: wake() interrupts a blocking select() from another
-    thread (a stop, a new peer to connect), so the loops below block without a timeout instead of
-    waking every fraction of a second to look (an idle agent, or a thousand simulated ones, costs nothing)."""
+    """An eventfd (a socketpair where there is none) in a selector: wake() interrupts a blocking select() from
+    another thread (a stop, a new peer to connect), so the loops below block without a timeout instead of
+    waking every fraction of a second to look (an idle agent, or a thousand simulated ones, costs nothing).
+    An eventfd is one descriptor and one system call to make; a socketpair was the largest single cost of a
+    node's first round (two sockets, created as every node of a job forms its first round at once)."""
 
     def __init__(self, sel: selectors.BaseSelector) -> None:
+        self._fd: int | None = None
+        self._lock = threading.Lock()  # a wake() never writes to a descriptor close() gave back (and reused)
+        if hasattr(os, "eventfd"):
+            self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            sel.register(self._fd, selectors.EVENT_READ, self)
+            return
         self._r, self._w = socket.socketpair()
         self._r.setblocking(False)
         self._w.setblocking(False)
@@ -42,18 +51,32 @@ class _Waker:
 
     def wake(self) -> None:
         try:
-            self._w.send(b"x")
+            if self._fd is not None:
+                with self._lock:
+                    if self._fd >= 0:
+                        os.eventfd_write(self._fd, 1)
+            else:
+                self._w.send(b"x")
         except (BlockingIOError, OSError):  # full (a wake-up is already pending) or closed
             pass
 
     def drain(self) -> None:
         try:
+            if self._fd is not None:
+                os.eventfd_read(self._fd)
+                return
             while self._r.recv(512):
                 pass
         except (BlockingIOError, OSError):
             pass
 
     def close(self) -> None:
+        if self._fd is not None:
+            with self._lock:
+                fd, self._fd = self._fd, -1
+            if fd >= 0:
+                os.close(fd)
+            return
         self._r.close()
         self._w.close()
 

@@ -59,7 +59,7 @@ class MembershipMonitor:
         the first alive/ value seen counts). The view's lock must not be held. Costs no JSON decoding
         per member: an alive/ value is decoded only when it changes."""
         with self._view.lock:
-            self._seen = {n: self._view.alive.get(n) for n in nodes}
+            self._seen = dict(zip(nodes, map(self._view.alive.get, nodes)))
         self._incarnations = {n: i for n, i in zip(nodes, incarnations) if i is not None}
         self._restarted = set()
         self._round, self._nodes = rnd, nodes

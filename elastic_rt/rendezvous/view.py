@@ -133,16 +133,22 @@ class MembershipView:
         (its join, on its lease, was). The view counts each member alive unless it saw the member's alive
         key deleted after that revision, and, if it watched deletions only, follows every alive/ change
         from revision + 1 on, on the same stream: a watch request, no read (etcd replays what changed
-        since the final). A member the view never read has an empty value in `alive` (the members'
-        incarnations come with the final)."""
+        since the final). A member the view never read has, in `alive`, one shared placeholder with no key and
+        no value (the members' incarnations come with the final): no per-member object, key name or event."""
         index = self._alive_index
         with self.lock:
-            for node in nodes:
-                if self._departed_rev.get(node, revision + 1) <= revision:  # left, and was back to join
-                    self.departed.pop(node, None)
-                    self._departed_rev.pop(node, None)
-                if node not in self.alive and node not in self.departed:
-                    self._set_alive(node, KeyValue(self._keys.alive(node), b"", revision, revision, 0))
+            if self._departed_rev:
+                members = set(nodes)
+                for node in [n for n, rev in self._departed_rev.items() if rev <= revision and n in members]:
+                    self.departed.pop(node, None)  # left, and was back to join
+                    del self._departed_rev[node]
+            alive, departed = self.alive, self.departed
+            unread = [n for n in nodes if n not in alive and n not in departed]
+            if unread:
+                alive.update(dict.fromkeys(unread, KeyValue("", b"", revision, revision, 0)))
+                least = min(unread)
+                if self.smallest_alive is None or least < self.smallest_alive:
+                    self.smallest_alive = least
             if not self.alive_puts and index is not None:
                 stream = self._stream
                 if stream is not None:
