@@ -58,6 +58,9 @@ SEAMS: tuple[Seam, ...] = (
          kind="attribute", used_by="agent/warm_start.py (a handler around a running process sets it)"),
     Seam(owner="torch.distributed.elastic.agent.server.local_elastic_agent", name="start_processes", kind="name",
          used_by="agent/warm_start.py (replaced while a group starts warm: patched_start_processes)"),
+    Seam(owner="torch.distributed.elastic.multiprocessing.tail_log", name="tail_logfile", kind="name",
+         params=("header", "file", "dst", "finished", "interval_sec", "log_line_filter"),
+         used_by="agent/console_tee.py (replaced while a group starts: patched_tail_logfile)"),
     # point accesses, made here
     Seam(owner="torch.numa.binding", name="_get_validated_logical_cpus_to_bind_to", kind="name",
          params=("gpu_index", "numa_options"), used_by="worker/numa.py (logical_cpus_to_bind)"),
@@ -187,3 +190,20 @@ def patched_start_processes(make: Callable[[Callable[..., Any]], Callable[..., A
         yield True
     finally:
         local_elastic_agent.start_processes = original
+
+
+@contextlib.contextmanager
+def patched_tail_logfile(replacement: Callable[..., None]) -> Iterator[bool]:
+    """While the block runs, the TailLogs torch starts (its --tee) tail each file with `replacement` (called as
+    torch calls tail_logfile); yields False (nothing patched) where this torch has no such module-level name."""
+    from torch.distributed.elastic.multiprocessing import tail_log
+
+    original = getattr(tail_log, "tail_logfile", None)
+    if original is None:
+        yield False
+        return
+    tail_log.tail_logfile = replacement
+    try:
+        yield True
+    finally:
+        tail_log.tail_logfile = original

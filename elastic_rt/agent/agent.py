@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from elastic_rt.agent.console_tee import whole_line_tee
 from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, failure_record, hang_record
 from elastic_rt.diagnostics.failure_diagnostics import FailureDiagnostics
 from elastic_rt.diagnostics.exit_aborts import forgive_teardown_exits
@@ -135,7 +136,7 @@ class ElasticRTAgent(LocalElasticAgent):
             self._fence = FencePublisher(self._reports.directory, self._extras)
         if self._fence is not None:
             self._fence.start()  # the new round is in the file before a worker can read it
-        with warm_start(self._warm_pool, ready=self._workers_stepped):
+        with whole_line_tee(), warm_start(self._warm_pool, ready=self._workers_stepped):
             pids = super()._start_workers(worker_group)
         self.diagnostics.on_workers_started(
             [(w.local_rank, w.global_rank, pids[w.local_rank]) for w in worker_group.workers if w.local_rank in pids],

@@ -219,6 +219,12 @@ class SpeedExchange:
                 continue  # no new window here (workers starting, or not stepping): no requests
             published = sample[0]
             try:
+                # The others read the verdict before they publish: between two reads a node then adds one window
+                # to its streaks, so the first verdict naming its rank is the one that reached --straggler-windows.
+                # Read after publishing, a verdict could already count the window just published (rank 0's
+                # aggregation falling in between) and the one before it would never be seen.
+                verdict = Verdict.from_json(store.get(_VERDICT_KEY)) \
+                    if board is None and store.check([_VERDICT_KEY]) else None
                 store.set(_NODE_KEY.format(rank), json.dumps(
                     {"node": self._node, "seq": sample[0],
                      "signals": {s.value: {str(k): v for k, v in ranks.items()} for s, ranks in sample[1].items()}}))
@@ -226,10 +232,6 @@ class SpeedExchange:
                     verdict = board.update(self._read_nodes(store, world, present))
                     if verdict is not None:
                         store.set(_VERDICT_KEY, verdict.to_json())
-                elif store.check([_VERDICT_KEY]):
-                    verdict = Verdict.from_json(store.get(_VERDICT_KEY))
-                else:
-                    verdict = None
             except Exception as exc:  # noqa: BLE001 - etcd away for a while, or the round ended under us
                 if rnd == self.round and not failed:
                     log.info("[%s round %d] step-time exchange: %s; retrying every window", self._node, rnd, exc)

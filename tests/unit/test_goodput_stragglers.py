@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -149,6 +150,66 @@ def test_exchange_through_a_store_every_node_learns_the_verdict():
     for node, vs in verdicts.items():
         flagged = {(s.node, s.local_rank) for v in vs for s in v.stragglers}
         assert flagged == {("c", 0)}, (node, vs[-3:])
+
+
+class RankZeroAggregates:
+    """A c10d store between node b (group rank 1) and rank 0, whose board aggregates when this test says:
+    before each of b's windows (rank 0's window closed after b's last exchange) and, in b's `gap_window`-th,
+    the moment b's window is in the store (rank 0's window closing during b's exchange)."""
+
+    def __init__(self, board: StragglerBoard, gap_window: int) -> None:
+        self.store = dist.HashStore()
+        self._board = board
+        self._gap_window = gap_window
+        self.b_windows = 0
+
+    def aggregate(self) -> None:
+        entries = {"a": (self.b_windows + 1, {Signal.COMPUTE: {0: 0.01}})}
+        if self.store.check(["elastic-rt/speed/node/1"]):
+            data = json.loads(self.store.get("elastic-rt/speed/node/1"))
+            entries["b"] = (data["seq"], {Signal(k): {int(r): v for r, v in ranks.items()}
+                                          for k, ranks in data["signals"].items()})
+        verdict = self._board.update(entries)
+        if verdict is not None:
+            self.store.set("elastic-rt/speed/verdict", verdict.to_json())
+
+    def set(self, key, value):
+        self.store.set(key, value)
+        if key == "elastic-rt/speed/node/1" and self.b_windows == self._gap_window:
+            self.aggregate()
+
+    def check(self, keys):
+        return self.store.check(keys)
+
+    def get(self, key):
+        return self.store.get(key)
+
+
+def test_a_node_is_flagged_by_the_verdict_that_reached_the_streak_however_the_windows_interleave():
+    """Rank 0's aggregation lands between node b's publishing and its reading in b's 4th window, after
+    landing between b's windows before: b still learns of its flag from the verdict that counted 3 windows
+    (read after publishing, b saw only the next one, which counts 4)."""
+    settings = StragglerSettings(threshold=1.5, windows=3, window_s=0.001)
+    rank0 = RankZeroAggregates(StragglerBoard(threshold=settings.threshold, windows=settings.windows), gap_window=4)
+    stop = threading.Event()
+    flags: list = []
+
+    def latest():
+        if rank0.b_windows:
+            rank0.aggregate()  # rank 0's window closed since b's last exchange
+        rank0.b_windows += 1
+        return rank0.b_windows, {Signal.COMPUTE: {0: 0.1}}
+
+    def on_verdict(rnd, verdict):
+        if verdict.stragglers:
+            flags.append(verdict.stragglers[0])
+            stop.set()
+
+    b = SpeedExchange(node="b", settings=settings, latest=latest, on_verdict=on_verdict,
+                      on_new_round=lambda rnd: None, stop=stop)
+    b.on_round(round=1, store=rank0, group_rank=1, group_world_size=2)
+    assert stop.wait(30) and flags
+    assert (flags[0].node, flags[0].local_rank, flags[0].windows) == ("b", 0, 3)
 
 
 def test_exchange_is_off_without_a_threshold():
