@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from elastic_rt.agent import stop_signal
 from elastic_rt.agent.agent import ElasticRTAgent
 from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, CrashLoopSettings
 from elastic_rt.diagnostics.failure_diagnostics import DiagnosticsSettings, build_diagnostics
@@ -127,7 +127,7 @@ def launch(cfg: AgentConfig) -> int:
     if not cfg.no_python and not cfg.run_as_module and not os.path.isfile(cfg.script):
         raise ConfigError(f"training script {cfg.script!r} not found")
     bound = check_binding(cfg.numa_binding, cfg.nproc_per_node) if cfg.numa_binding else {}
-    install_signal_handlers()
+    stop_signal.install()
     refuse_an_unfit_node(sysfs_root=cfg.sysfs_root)
     raise_open_files_limit(needed_open_files(max_nodes=cfg.max_nodes, nproc_per_node=cfg.nproc_per_node))
     apply_worker_env(cfg)
@@ -317,14 +317,3 @@ def _recorded_run(agent, event_log_handler: str):
         raise
     events.record(agent.get_event_succeeded(), event_log_handler)
     return result
-
-
-def _raise_signal(signum: int, _frame) -> None:
-    raise SignalException(f"received signal {signum}", sigval=signal.Signals(signum))
-
-
-def install_signal_handlers() -> None:
-    """SIGTERM/SIGINT/SIGHUP raise SignalException in the agent, so that a signal that arrives
-    during rendezvous (before torch installs its own handlers) also stops and leaves cleanly."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, _raise_signal)

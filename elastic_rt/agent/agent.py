@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from elastic_rt.agent import stop_signal
 from elastic_rt.agent.console_tee import whole_line_tee
 from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, failure_record, hang_record
 from elastic_rt.diagnostics.failure_diagnostics import FailureDiagnostics
@@ -240,6 +241,7 @@ class ElasticRTAgent(LocalElasticAgent):
         self._initialize_workers(self._worker_group)
         while True:
             time.sleep(spec.monitor_interval)
+            stop_signal.raise_if_received()
             result = self._monitor_workers(self._worker_group)
             state = result.state
             self._worker_group.state = state

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
 from elastic_rt.diagnostics.hang import HangVerdict
 from elastic_rt.decisions import RestartReason
 from elastic_rt.interfaces import AgentObserver, RestartPolicy
@@ -25,6 +27,8 @@ class ObserverGroup(AgentObserver):
         for observer in self.observers:
             try:
                 call(observer)
+            except SignalException:
+                raise  # the agent was told to stop while an observer ran: not the observer's bug
             except Exception:  # noqa: BLE001 - an observer's bug must not take the agent down
                 log.exception("observer %s.%s failed", type(observer).__name__, event)
 
