@@ -50,12 +50,14 @@ class FailureMetrics:
     def on_failure(self, cause: FailureCause, collective: tuple[str, str] | None = None) -> None:
         if cause not in FAILURE_CAUSES:
             raise ValueError(f"unknown failure cause {str(cause)!r}; expected one of {', '.join(FAILURE_CAUSES)}")
-        self.failures.labels(*self._base, cause).inc()
-        self.last_failure.labels(*self._base, cause).set(self._wall_clock())
+        self._count(cause)
         if collective is not None:
             self.collective_errors.labels(*self._base, *collective).inc()
 
     def on_hang(self, local_rank: int, process_state: str) -> None:
-        self.failures.labels(*self._base, FailureCause.HANG).inc()
-        self.last_failure.labels(*self._base, FailureCause.HANG).set(self._wall_clock())
+        self._count(FailureCause.HANG)
         self.hangs.labels(*self._base, str(local_rank), process_state).inc()
+
+    def _count(self, cause: FailureCause) -> None:
+        self.failures.labels(*self._base, cause).inc()
+        self.last_failure.labels(*self._base, cause).set(self._wall_clock())

@@ -127,17 +127,18 @@ class GoodputMetrics:
         self.lost_steps.labels(*self._base).inc(max(0, steps))
 
     def on_step_times(self, medians: Mapping[int, float], *, job_median_s: float | None = None) -> None:
-        for rank, value in medians.items():
-            self.step_time.labels(*self._base, str(rank)).set(value)
-            if job_median_s:
-                self.step_time_ratio.labels(*self._base, str(rank)).set(value / job_median_s)
-            self._ranks.add(rank)
+        self._per_rank(self.step_time, self.step_time_ratio, medians, job_median_s)
+        self._ranks.update(medians)
 
     def on_compute_times(self, medians: Mapping[int, float], *, job_median_s: float | None = None) -> None:
+        self._per_rank(self.compute_time, self.compute_time_ratio, medians, job_median_s)
+
+    def _per_rank(self, gauge, ratio, medians: Mapping[int, float], job_median_s: float | None) -> None:
+        """Each rank's median, and its ratio to the job's median when there is one."""
         for rank, value in medians.items():
-            self.compute_time.labels(*self._base, str(rank)).set(value)
+            gauge.labels(*self._base, str(rank)).set(value)
             if job_median_s:
-                self.compute_time_ratio.labels(*self._base, str(rank)).set(value / job_median_s)
+                ratio.labels(*self._base, str(rank)).set(value / job_median_s)
 
     def on_stragglers(self, flagged: set[int], local_ranks: set[int]) -> None:
         """Set the flag of every local rank (1: flagged)."""
