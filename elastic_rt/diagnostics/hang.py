@@ -99,7 +99,7 @@ class HangVerdict:
     stuck: tuple[int, ...] = ()  # local ranks judged hung, sorted
     stalled_s: float = 0.0  # the longest time without progress among the stuck
     reason: str = ""
-    stalls: tuple[RankStall, ...] = ()  # one per stuck rank, in local-rank order
+    stalls: tuple[RankStall, ...] = ()  # one per rank without progress for half the timeout, in local-rank order
     timeout_s: float = 0.0
 
 
@@ -218,18 +218,21 @@ class HangDetector:
                 stalled = now - max(self._started_at, self._first_report_at)
             else:
                 continue
-            if stalled >= timeout_s:
-                stalls[rank] = stalled
-        if not stalls:
+            stalls[rank] = stalled
+        stuck = tuple(sorted(r for r, stalled in stalls.items() if stalled >= timeout_s))
+        if not stuck:
             return HangVerdict(hung=False, timeout_s=timeout_s)
-        stuck = tuple(sorted(stalls))
-        worst = max(stalls.values())
+        # Who stopped first is chosen among every rank without progress for half the timeout, not only those
+        # past it: the ranks of a lock-step group stop within a monitor tick of each other, and the one past
+        # the timeout first is merely the one whose last step this agent happened to see first.
+        candidates = tuple(sorted(r for r, stalled in stalls.items() if stalled >= timeout_s / 2))
+        worst = max(stalls[r] for r in stuck)
         silent = [r for r in stuck if self._workers[r].last_progress_at is None]
         detail = f"; never reported: {silent}" if silent else ""
         reason = (f"local rank(s) {list(stuck)} made no step progress for {worst:.1f} s "
                   f"({self.timeout.describe()}){detail}")
         details = []
-        for rank in stuck:
+        for rank in candidates:
             beat = self._workers[rank].last_beat
             details.append(RankStall(local_rank=rank, pid=beat.pid if beat else None,
                                      last_step=beat.step if beat else None,

@@ -56,7 +56,7 @@ def test_exception_names_the_frame_without_record(nodes, tmp_path):  # noqa: F81
 
 
 def test_a_rank_that_raised_and_is_still_tearing_down_is_the_root_cause(nodes, tmp_path):  # noqa: F811
-    # rank 1 raises, then lingers in an atexit handler: rank 0's all-reduce times out first (15 s); the
+    # rank 1 raises, then lingers in an atexit handler: rank 0's all-reduce times out first (5 s); the
     # agent must still name rank 1's exception, not only rank 0's symptom
     n = start(nodes, tmp_path, "--steps", "30", "--fault", "raise-linger", "--fault-rank", "1")
     n.wait_for(FAILED.format(rank=1, pid=r"\d+", cause="exception")

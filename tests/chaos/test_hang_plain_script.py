@@ -24,7 +24,9 @@ def test_sigstopped_worker_of_a_plain_script_restarts_both_nodes(etcd_endpoint, 
         args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id,
                 "--node-id", name, "--local-addr", "127.0.0.1", "--metrics-port", "0", "--tee", "3",
                 "--rdzv-conf", "last_call_timeout=3", "--log-dir", str(tmp_path / name), "--hang-timeout", "5",
-                SCRIPT, "--steps", "200", "--step-sleep", "0.1"]
+                # the first attempt's 20 s of steps leave the SIGSTOP after step 5 time to land; the restarted
+                # group only has to finish
+                SCRIPT, "--steps", "200", "--step-sleep", "0.1", "--restart-step-sleep", "0"]
         started.append(Node(args, name=name))
     nodes.extend(started)
     leader, other = _rank0(*started)

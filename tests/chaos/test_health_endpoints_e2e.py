@@ -3,7 +3,9 @@ monitor loop fails liveness within its threshold and recovers when the loop does
 
 from __future__ import annotations
 
+import signal
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 from etcd_testbed.server import free_port
 from tests.chaos.harness import Node, launch_args
 from tests.chaos.test_health_e2e import poll, scrape, value
-from tests.chaos.test_launch_e2e import nodes  # noqa: F401 - fixture
+from tests.chaos.test_launch_e2e import _rank0, nodes  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +40,7 @@ def test_failed_probe_fails_readyz_and_keeps_livez(etcd_endpoint, run_id, nodes)
     ports = [free_port(), free_port()]
     started = []
     for name, port in zip("ab", ports):
-        args = launch_args(etcd_endpoint, run_id, name, nnodes="2", nproc=1, steps=150, step_sleep=0.1,
+        args = launch_args(etcd_endpoint, run_id, name, nnodes="2", nproc=1, steps=100_000, step_sleep=0.1,
                            extra=["--probe-timeout", "0.01"])
         started.append(Node(with_metrics_port(args, port), name=name))
     nodes.extend(started)
@@ -62,18 +64,24 @@ def test_failed_probe_fails_readyz_and_keeps_livez(etcd_endpoint, run_id, nodes)
         assert value(s, "elastic_rt_health_check", kind="readiness", check="rdma") == 1
         assert (value(s, "elastic_rt_probe_failures_total") or 0) >= 1
         assert value(s, "elastic_rt_agent_last_tick_age_seconds") is not None
+    # the job trains on (steps after all of the above), never restarted for the probe (--probe-failure-action
+    # report), until the test stops it as a preemption would
+    checked = time.monotonic()
+    _rank0(*started)[0].wait_for(r"\]:step=\d+ ", 120, after=checked)
     for n in started:
-        assert n.wait_exit(240) == 0, n.output[-3000:]
-    assert sum(len(n.matches(r"done steps=150 world_size=2")) for n in started) == 1
-    for n in started:  # never restarted for it (--probe-failure-action report)
         assert not n.matches(r"restarting the worker group"), n.output[-3000:]
+    for n in started:
+        n.proc.send_signal(signal.SIGTERM)
+    for n in started:
+        assert n.wait_exit(120) == 128 + signal.SIGTERM, n.output[-3000:]
+    assert sum(len(n.matches(r"stopped steps=\d+ world_size=2")) for n in started) == 1
 
 
 def test_wedged_monitor_loop_fails_livez_within_its_threshold(etcd_endpoint, run_id, nodes, tmp_path):  # noqa: F811
     """The test hook (tests/chaos/wedged_agent.py) stops the monitor loop; the HTTP thread and the worker
     go on. Threshold: max(2 s floor set by the test, 50 x 0.1 s) = 5 s."""
     port, wedge = free_port(), tmp_path / "wedge"
-    args = with_metrics_port(launch_args(etcd_endpoint, run_id, "a", nnodes="1", nproc=1, steps=300,
+    args = with_metrics_port(launch_args(etcd_endpoint, run_id, "a", nnodes="1", nproc=1, steps=100_000,
                                          step_sleep=0.05), port)
     n = Node(args, name="a", cmd=[sys.executable, WEDGED_AGENT, *args],
              env={"ELASTIC_RT_TEST_WEDGE_FILE": str(wedge), "ELASTIC_RT_TEST_LIVENESS_MIN_S": "2"})
@@ -93,5 +101,8 @@ def test_wedged_monitor_loop_fails_livez_within_its_threshold(etcd_endpoint, run
     assert value(s, "elastic_rt_agent_last_tick_age_seconds") > 5
     wedge.unlink()
     poll(lambda: get(port, "/livez")[0] == 200, 30, "/livez 200 once the loop ticks again")
-    assert n.wait_exit(240) == 0, n.output[-3000:]
-    assert n.matches(r"done steps=300 world_size=1")
+    resumed = time.monotonic()
+    n.wait_for(r"\]:step=\d+ ", 60, after=resumed)  # the job trained through it and trains on
+    n.proc.send_signal(signal.SIGTERM)  # the loop that ticks again is the one that handles the stop
+    assert n.wait_exit(120) == 128 + signal.SIGTERM, n.output[-3000:]
+    assert n.matches(r"stopped steps=\d+ world_size=1")

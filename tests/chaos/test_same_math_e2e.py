@@ -41,7 +41,7 @@ LAUNCH = ["--rdzv-conf", "last_call_timeout=60", "--warm-workers", "off", "--pro
 
 
 def _start(nodes: list, endpoint: str, run_id: str, node_id: str, nproc: int, job: list[str]) -> Node:
-    args = launch_args(endpoint, run_id, node_id, nnodes="1:3", nproc=nproc, steps=100_000, step_sleep=0.5,
+    args = launch_args(endpoint, run_id, node_id, nnodes="1:3", nproc=nproc, steps=100_000, step_sleep=0.25,
                        extra=LAUNCH, job_args=job)
     args[args.index(EXAMPLE)] = PAIR
     node = Node(args, name=node_id, env={"OMP_NUM_THREADS": "1"})
@@ -49,8 +49,9 @@ def _start(nodes: list, endpoint: str, run_id: str, node_id: str, nproc: int, jo
     return node
 
 
-def resized_run(nodes: list, endpoint: str, run_id: str, job: list[str]) -> Node:
-    """Run the pair through 4 -> 2 -> 3 -> 4 workers and stop it with SIGTERM; node a (rank 0, it logs)."""
+def resized_run(nodes: list, endpoint: str, run_id: str, job: list[str]) -> tuple[Node, list[Node], float]:
+    """Run the pair through 4 -> 2 -> 3 -> 4 workers and send SIGTERM to every agent: (node a (rank 0, it logs),
+    the three nodes, the monotonic time of the SIGTERMs)."""
     a = _start(nodes, endpoint, run_id, "a", 2, job)  # node ids order the ranks: a holds rank 0
     b = _start(nodes, endpoint, run_id, "b", 1, job)
     c = _start(nodes, endpoint, run_id, "c", 1, job)
@@ -64,11 +65,10 @@ def resized_run(nodes: list, endpoint: str, run_id: str, job: list[str]) -> Node
             _start(nodes, endpoint, run_id, late, 1, job)
     live = [n for n in nodes if n.proc.poll() is None]
     assert [n.name for n in live] == ["a", "b", "c"]
+    sigterm_at = time.monotonic()
     for n in live:
         n.proc.send_signal(signal.SIGTERM)  # preemption: every rank stops at the same step and saves
-    for n in live:
-        assert n.wait_exit(120) == 128 + signal.SIGTERM, n.output[-3000:]
-    return a
+    return a, live, sigterm_at
 
 
 def logged(node: Node, pattern: str) -> list[tuple[int, float, int]]:
@@ -100,8 +100,10 @@ def test_resized_job_trains_the_same_model_as_the_uninterrupted_one(etcd_endpoin
     planned_pt, per_rank_pt, reference_pt = (tmp_path / f"{k}.pt" for k in ("planned", "per_rank", "reference"))
     job = [*JOB, "--save-every", "6", "--ckpt-url", f"file://{tmp_path}/ck",
            "--final-params", str(planned_pt), "--per-rank-final-params", str(per_rank_pt)]
-    a = resized_run(nodes, etcd_endpoint, run_id, job)
-    stopped = int(a.matches(r"\]:stopped steps=(\d+) world_size=4$")[-1].group(1))
+    a, live, sigterm_at = resized_run(nodes, etcd_endpoint, run_id, job)
+    # rank 0 prints the step every rank stopped at once it saved and wrote the final parameters: the reference
+    # run starts then, beside the agents' teardown
+    stopped = int(a.wait_for(r"\]:stopped steps=(\d+) world_size=4$", 120, after=sigterm_at).group(1))
     planned, per_rank = logged(a, STEP), logged(a, PER_RANK_STEP)
     assert worlds_in_order(planned) == [4, 2, 3, 4]
     restarts = [int(m.group(1)) for m in a.matches(r"\]:start step=(\d+) ")]
@@ -111,6 +113,8 @@ def test_resized_job_trains_the_same_model_as_the_uninterrupted_one(etcd_endpoin
                 *JOB, "--steps", str(stopped), "--final-params", str(reference_pt)],
                name="reference", env={"OMP_NUM_THREADS": "1"})
     nodes.append(ref)
+    for n in live:
+        assert n.wait_exit(120) == 128 + signal.SIGTERM, n.output[-3000:]
     assert ref.wait_exit(240) == 0, ref.output[-3000:]
     reference = {step: loss for step, loss, _ in logged(ref, STEP)}
     assert sorted(reference) == list(range(1, stopped + 1))

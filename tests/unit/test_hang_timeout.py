@@ -148,3 +148,24 @@ def test_a_finished_worker_is_not_judged_while_it_exits(tmp_path):
     clock.now += 60
     assert det.check().stuck == (1,)  # rank 1 is still judged
     writer.close()
+
+
+def test_the_rank_seen_stopping_a_tick_later_is_still_a_candidate_for_first_stopped():
+    # a lock-step group: rank 1 is SIGSTOPped after step 5, rank 0 blocks in step 6's all-reduce; the agent
+    # happened to see rank 0's step 5 one look before rank 1's. When rank 0 passes the timeout, rank 1 is
+    # 0.3 s short of it: it is not stuck yet, but it must be among those who may have stopped first.
+    clock = FakeClock()
+    det = HangDetector(hang_timeout_s=5, clock=clock)
+    det.start([0, 1, 2])
+    det.observe_all({0: beat(5, ts=50.0, pid=10), 1: beat(4, ts=49.9, pid=11), 2: beat(1, ts=46.0, pid=12)})
+    clock.now += 0.3
+    det.observe_all({0: beat(5, ts=50.0, pid=10), 1: beat(5, ts=50.01, pid=11), 2: beat(1, ts=46.0, pid=12)})
+    clock.now += 2.7
+    det.observe(2, beat(2, ts=52.7, pid=12))  # rank 2 (not in lock-step with them) still progresses
+    clock.now += 2.0
+    verdict = det.check()
+    assert verdict.hung and verdict.stuck == (0,) and "local rank(s) [0] made no step progress for 5.0 s" in verdict.reason
+    assert [s.local_rank for s in verdict.stalls] == [0, 1]  # rank 2 progressed 2 s ago: below half the timeout
+    first = first_stopped(verdict.stalls, {0: "sleeping", 1: "stopped", 2: "running"})
+    assert first.local_rank == 1 and first.last_step == 5
+    assert first_stopped(verdict.stalls, {0: "sleeping", 1: "sleeping"}).local_rank == 0  # its last step was earlier
