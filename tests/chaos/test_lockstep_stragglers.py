@@ -8,9 +8,10 @@ What a rank computes is timed by the wall clock, so on this machine CPU contenti
 per node, each on one thread (OMP_NUM_THREADS=1: torch would start a thread per core in each, and with
 two workers' threads on two cores the healthy ranks' compute times differed up to 2.9x, 3 windows in a row
 over 1.5x, under a load of 25-30), and a threshold of THRESHOLD x the job median, above the 2.1x by which
-the two one-thread healthy workers still differed in single windows under a load of 21 (measured). The slowed rank's factor is its own, not a CPU quota's:
-a quota caps a rank at a fixed share, which is no slowdown at all once the load leaves the others no more
-(a 5% quota against the 10% each worker gets at load 20: 2x)."""
+the two one-thread healthy workers still differed in single windows under a load of 21 (measured). The
+slowed rank's factor is its own, not a CPU quota's: a quota caps a rank at a fixed share, which is no
+slowdown at all once the load leaves the others no more (a 5% quota against the 10% each worker gets at
+load 20: 2x)."""
 
 from __future__ import annotations
 
