@@ -63,7 +63,10 @@ KEYS: tuple[ConfKey, ...] = (
     ConfKey(key="insecure_state", backends=(ETCD_V3_TORCH,),
             meaning="`1`: run `etcd-v3-torch` without `secret_file` (whoever writes its etcd key runs code in the "
                     "agents); refused otherwise"),
-    ConfKey(key="close_timeout", backends=(ETCD_V3_TORCH,), meaning="torch's handler: seconds to close the rendezvous"),
+    ConfKey(key="close_timeout", field="close_timeout_s",
+            meaning="seconds a node whose job ended tries to mark the run closed (`etcd-v3`: retried while etcd does "
+                    "not answer; then one warning line, the job's exit code unchanged); torch's handler: seconds to "
+                    "close the rendezvous"),
     ConfKey(key="heartbeat_timeout", backends=(ETCD_V3_TORCH,),
             meaning="torch's handler: seconds a keep-alive heartbeat may take"),
     ConfKey(key="keep_alive_interval", backends=(ETCD_V3_TORCH,),

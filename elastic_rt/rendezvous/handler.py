@@ -176,9 +176,10 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         kv, _ = self._io(self._client.get, self.keys.closed)
         return kv is not None and self._signer.refuses(kv) is None
 
-    def set_closed(self, *, timeout_s: float = 30.0) -> None:
+    def set_closed(self) -> None:
         """Mark the job over: the `closed` marker (signed with the job's secret, with the job's fingerprint), on a
-        lease of closed_ttl_s, unless a trusted one is there; retried while etcd does not answer, up to timeout_s."""
+        lease of closed_ttl_s, unless a trusted one is there; retried while etcd does not answer, up to
+        close_timeout_s."""
         key = self.keys.closed
         value = self._signer.seal(key, {"by": self.settings.node_id, "fingerprint": self.settings.fingerprint})
 
@@ -193,7 +194,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
                 self._client.revoke_lease(lease)
                 raise EtcdUnavailableError(f"etcd key {key} changed while this node marked the run closed; again")
 
-        self._retrying(put, self._clock() + timeout_s)
+        self._retrying(put, self._clock() + self.settings.close_timeout_s)
 
     def closed_by_this_launch(self) -> bool:
         """The run's trusted `closed` marker was written by a node of this very launch: the same job fingerprint,

@@ -175,6 +175,7 @@ def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
         last_call_timeout_s=_float(params, "last_call_timeout", 10.0),
         store_timeout_s=_float(params, "store_timeout", 300.0),
         closed_ttl_s=_float(params, "closed_ttl", 3600.0),
+        close_timeout_s=_float(params, "close_timeout", 30.0),
         fingerprint=str(params.get("fingerprint") or ""),
         accept_closed=rdzv_conf.flag(conf, "accept_closed"),
         metrics_addr=advertised_metrics_addr(local_addr, params.get(METRICS_HOST_KEY), params.get(METRICS_PORT_KEY)),

@@ -33,6 +33,7 @@ class RendezvousSettings:
     last_call_timeout_s: float = 10.0
     store_timeout_s: float = 300.0
     closed_ttl_s: float = 3600.0  # how long a finished run's `closed` marker outlives its other keys
+    close_timeout_s: float = 30.0  # how long a node whose job ended retries writing `closed` while etcd is gone
     fingerprint: str = ""  # the job's (JobFingerprint.encode()); "" : not checked (torchrun's entry point)
     accept_closed: bool = False  # a run found finished is not an error
     metrics_addr: str | None = None  # host:port of the agent's /metrics, advertised in alive/ (None: not served)

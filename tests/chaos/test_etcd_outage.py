@@ -201,8 +201,10 @@ def test_etcd_leader_killed_in_training_then_in_a_reformation(etcd3, run_id, tmp
 def test_a_job_that_finishes_while_etcd_is_gone_exits_0_with_no_traceback(etcd1, run_id, nodes):  # noqa: F811
     """The workers succeeded: that is the job's result. The exit barrier and the closing of the run need
     etcd; without it each is one warning line, never a traceback (torch's exit barrier logs one) and
-    never a failed exit (set_closed's failure after its 30 s of retries is logged, not raised)."""
-    a = Node(node_args(etcd1.endpoints, run_id, "a", nnodes="1", steps=100, step_sleep=0.05), name="a")
+    never a failed exit (set_closed's failure after its close_timeout of retries is logged, not raised)."""
+    args = node_args(etcd1.endpoints, run_id, "a", nnodes="1", steps=100, step_sleep=0.05)
+    args[args.index("--rdzv-conf") + 1] += ",close_timeout=5"
+    a = Node(args, name="a")
     nodes.append(a)
     a.wait_for(r"\]:step=5 ", 120)
     etcd1.kill_member(etcd1.members[0])

@@ -51,6 +51,17 @@ def test_known_keys_and_aliases_pass_and_torch_backends_are_not_checked():
         _launch("cacert=/a", "ca_cert=/b")
 
 
+def test_close_timeout_bounds_how_long_a_finished_job_tries_to_mark_the_run_closed():
+    def settings(**conf):
+        return registration.settings_from_params(RendezvousParameters(
+            backend="etcd-v3", endpoint="127.0.0.1:1", run_id="job", min_nodes=1, max_nodes=1, **conf))
+
+    assert settings().close_timeout_s == 30.0
+    assert settings(close_timeout="5").close_timeout_s == 5.0
+    with pytest.raises(ConfigError, match=r"^--rdzv-conf close_timeout='0' must be > 0$"):
+        settings(close_timeout="0")
+
+
 def test_the_handler_factory_checks_the_keys_too():
     """torchrun reaches the handler through the entry point, without elastic-rt's config."""
     params = RendezvousParameters(backend="etcd-v3", endpoint="127.0.0.1:1", run_id="job", min_nodes=1,
