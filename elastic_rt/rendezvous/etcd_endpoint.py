@@ -137,22 +137,25 @@ class _KeepAliveStream:
         self._conn = ep.connection(timeout_s)
         self._stream = self._conn.open(_PATHS["Lease/LeaseKeepAlive"], ep.metadata or ())
         self._unanswered: collections.deque[float] = collections.deque()  # send times, oldest first
+        self._owed_since = 0.0  # when the oldest unanswered keep-alive was sent to a member that owed nothing
 
     def beat(self, lease_id: int, timeout_s: float, silent_s: float) -> Renewal | None:
         self._stream.send(etcdrpc.LeaseKeepAliveRequest(ID=lease_id).SerializeToString())
         sent = self._stream.sent_at
+        if not self._unanswered:
+            self._owed_since = sent
         self._unanswered.append(sent)
         deadline = sent + timeout_s
         newest: Renewal | None = None
         while True:
-            until = min(deadline, max(self._conn.heard_at, sent) + silent_s)
+            until = min(deadline, max(self._conn.heard_at, self._owed_since) + silent_s)
             try:
                 reply = self._stream.next(max(0.0, until - time.monotonic()))
             except CallError as exc:
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise
                 now = time.monotonic()
-                silent = now - max(self._conn.heard_at, sent) >= silent_s
+                silent = now - max(self._conn.heard_at, self._owed_since) >= silent_s
                 if silent and newest is None:
                     raise
                 if silent or now >= deadline:

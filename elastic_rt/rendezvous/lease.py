@@ -17,6 +17,7 @@ from elastic_rt.rendezvous.liveness import LivenessListener, parse_peer, probe
 from elastic_rt.rendezvous.monitor import incarnation
 
 log = logging.getLogger(__name__)
+SILENT_BEATS = 1.5  # a member that owes a keep-alive answer and sent nothing for this many beats is given up
 
 
 
@@ -24,8 +25,8 @@ class NodeLease:
     """Grants a lease of `ttl_s` and keeps it alive: a beat every ttl_s/3, a message on the client's long-lived
     keep-alive stream sent on schedule whether or not earlier beats were answered. An answer renews from its
     own request's send time, however late it came; a busy etcd (late answers, "request timed out") costs no
-    beat, no failover and no backoff. Only a member that sent nothing for two beats while one waited is given
-    up: the next beat goes to the next endpoint, with jittered exponential backoff while etcd does not answer.
+    beat, no failover and no backoff. Only a member that owed an answer and sent nothing for 1.5 beats is given
+    up (a member that died just after answering: as before, with half a beat left to renew elsewhere): the next beat goes to the next endpoint, with jittered exponential backoff while etcd does not answer.
 
     Keys put with `lease_id` vanish `ttl_s` after this process stops refreshing (SIGKILL,
     partition, hang): that is how peers learn of a dead node, with no dependence on anybody's
@@ -126,6 +127,10 @@ class NodeLease:
         sent = self._clock()
         self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=timeout_s)
         self._registered = False
+        try:  # the first keep-alive goes out now, not after the put: a busy etcd may take a TTL to answer both
+            self._client.keep_alive(self._lease_id, every_s=0.0, silent_s=SILENT_BEATS * self.beat_s)
+        except EtcdUnavailableError:
+            pass  # the put below says whether etcd answers
         key = self._keys.alive(self._node_id)
         ok, held = self._client.compare_and_put(key, self._info, expected_mod_revision=None, lease=self._lease_id,
                                                 timeout_s=timeout_s)
@@ -146,10 +151,10 @@ class NodeLease:
         sent = self._clock()
         with self._lock:
             if not self._registered:  # the last grant's put failed: the lease may be gone too, start over
-                self._grant(self.beat_s)
+                self._grant(None)
                 return True
             self._next_beat = sent + self.beat_s
-            renewal = self._client.keep_alive(self._lease_id, every_s=self.beat_s, silent_s=2 * self.beat_s)
+            renewal = self._client.keep_alive(self._lease_id, every_s=self.beat_s, silent_s=SILENT_BEATS * self.beat_s)
             if renewal is None:
                 return False
             if renewal.ttl > 0:  # renewed from its request's send time, on this process's clock
@@ -159,7 +164,7 @@ class NodeLease:
             self.lost_at = sent
             log.warning("node %s: liveness lease %x is gone (expired during an outage or revoked); "
                         "registering again", self._node_id, self._lease_id)
-            self._grant(self.beat_s)
+            self._grant(None)  # the client's request deadline: a busy etcd answers grants late too
             return True
 
     def check_now(self) -> None:
@@ -171,7 +176,7 @@ class NodeLease:
         self._beat()
 
     def _run(self) -> None:
-        wait = self.beat_s
+        wait = max(0.0, self._next_beat - self._clock())  # a slow start (grant, put) may have used the first beat
         while not self._stop.wait(wait):
             try:
                 confirmed = self._beat()
