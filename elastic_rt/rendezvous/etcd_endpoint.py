@@ -73,12 +73,12 @@ class Endpoint:
 
     def keep_alive(self, lease_id: int, timeout_s: float, silent_s: float | None = None) -> Renewal | None:
         """One keep-alive on this member's long-lived LeaseKeepAlive stream (opened on first use and again after
-        it broke or the auth token changed), and the answers etcd sent meanwhile, to this one or to earlier ones
-        that came late: the newest renewal, or None when none came within timeout_s but the member is not silent
-        (it sent this connection something within `silent_s`, default timeout_s) or said that it timed out
-        (etcd busy: the next keep-alive tries again). A member silent for `silent_s` fails the call with
-        DEADLINE_EXCEEDED and the stream stays: its requests may still reach etcd and renew the lease, and
-        their late answers are matched to them here. A stream that broke is dropped."""
+        it broke or the auth token changed), and the answers etcd sent until timeout_s after it, to it or to earlier
+        ones that came late: the newest renewal, or None when none came (or etcd said that it timed out: its
+        leader is busy, and every member forwards to that leader). With `silent_s`, a member that owed an answer
+        and sent this connection nothing for that long fails the call at once with DEADLINE_EXCEEDED; the stream
+        stays: its requests may still reach etcd and renew the lease, and their late answers are matched to them
+        here. A stream that broke is dropped."""
         with self.keepalive_lock:
             stream = self.keepalive
             if stream is None or stream.metadata is not self.metadata:
@@ -86,7 +86,7 @@ class Endpoint:
                     stream.close()
                 stream = self.keepalive = _KeepAliveStream(self, timeout_s)
             try:
-                return stream.beat(lease_id, timeout_s, timeout_s if silent_s is None else silent_s)
+                return stream.beat(lease_id, timeout_s, float("inf") if silent_s is None else silent_s)
             except BaseException as exc:
                 late = isinstance(exc, CallError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 if not late:  # the stream broke (or this call did): the next keep-alive opens a new one
