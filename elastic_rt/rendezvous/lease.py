@@ -25,8 +25,9 @@ class NodeLease:
     """Grants a lease of `ttl_s` and keeps it alive: a beat every ttl_s/3, a message on the client's long-lived
     keep-alive stream sent on schedule whether or not earlier beats were answered. An answer renews from its
     own request's send time, however late it came; a busy etcd (late answers, "request timed out") costs no
-    beat, no failover and no backoff. Only a member that owed an answer and sent nothing for 1.5 beats is given
-    up (a member that died just after answering: as before, with half a beat left to renew elsewhere): the next beat goes to the next endpoint, with jittered exponential backoff while etcd does not answer.
+    beat, no failover and no backoff. Only a member that owed an answer and sent nothing for 1.5 beats is
+    given up (one that died just after answering a beat: half a beat before the lease it renewed last can run
+    out): the next beat goes to the next endpoint, with jittered exponential backoff while etcd does not answer.
 
     Keys put with `lease_id` vanish `ttl_s` after this process stops refreshing (SIGKILL,
     partition, hang): that is how peers learn of a dead node, with no dependence on anybody's
