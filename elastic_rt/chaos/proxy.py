@@ -87,7 +87,7 @@ class _Connection:
                     break
                 if not self.proxy._wait_forwarding(self):
                     return
-                delay = self.proxy.delay_s
+                delay = self.proxy.delay_s if dst is self.client or not self.proxy.delay_answers_only else 0.0
                 if delay > 0:
                     time.sleep(delay)
                 dst.sendall(data)
@@ -141,6 +141,7 @@ class TcpProxy:
         self._mode: str | None = None  # None = forwarding
         self._stopped = False
         self.delay_s = 0.0
+        self.delay_answers_only = False
         self.accepted = 0
 
     # ---- lifecycle ----------------------------------------------------------
@@ -229,10 +230,12 @@ class TcpProxy:
             self._cond.notify_all()
         log.info("proxy %s -> %s: healed", self.endpoint, format_hostport(*self.target))
 
-    def delay(self, seconds: float) -> None:
-        """Add `seconds` of latency to every chunk in each direction (0 = none)."""
+    def delay(self, seconds: float, *, answers_only: bool = False) -> None:
+        """Add `seconds` of latency to every chunk in each direction (0 = none); with answers_only, only to what
+        the target sends (a busy server: requests arrive on time, answers come late)."""
         if seconds < 0:
             raise ConfigError(f"proxy delay {seconds:g} s: must be >= 0")
+        self.delay_answers_only = answers_only
         self.delay_s = float(seconds)
 
     # ---- internals ----------------------------------------------------------

@@ -47,6 +47,7 @@ class Connection(StreamTable):
         self._lock = threading.Lock()
         self._blocks: dict[tuple, bytes] = {}  # (path, timeout_s, metadata) -> the request's header block
         self._tls: ssl.SSLObject | None = None
+        self.heard_at = time.monotonic()  # when the member last sent this connection anything (monotonic)
         self._sock = self._connect(host, port, ssl_context, timeout_s)
         self._reader = threading.Thread(target=self._run, name=f"elastic-rt-etcd-{name}", daemon=True)
         self._reader.start()
@@ -264,6 +265,7 @@ class Connection(StreamTable):
                 self._fail(CallError(_UNAVAILABLE, "Socket closed" if not self.answered
                                      else "etcd closed the connection"))
                 return
+            self.heard_at = time.monotonic()
             try:
                 self._receive(data)
             except CallError:

@@ -21,10 +21,10 @@ from pyetcd import etcdrpc
 
 from elastic_rt.errors import ConfigError, EtcdUnavailableError, LeaseGoneError
 from elastic_rt.rendezvous.etcd_access import access_error, check_tls, needs_tls_check, tls_context
-from elastic_rt.rendezvous.etcd_endpoint import Endpoint, WatchCompacted, WatchStream, label
+from elastic_rt.rendezvous.etcd_endpoint import Endpoint, Renewal, WatchCompacted, WatchStream, label
 from elastic_rt.rendezvous.wire import CallError
 
-__all__ = ["EtcdClient", "EtcdConfig", "KeyValue", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
+__all__ = ["EtcdClient", "EtcdConfig", "KeyValue", "Renewal", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
 
 log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -324,13 +324,23 @@ class EtcdClient:
         return int(resp.ID)
 
     def refresh_lease(self, lease_id: int, *, timeout_s: float | None = None, attempts: int | None = None) -> float:
-        """Send one keep-alive; returns the remaining TTL (0 or less: the lease is gone).
+        """Send one keep-alive; returns the remaining TTL (0 or less: the lease is gone). No answer to it within
+        the deadline is a failure (EtcdUnavailableError) and the next call starts at the next endpoint."""
+        def once(ep: Endpoint, t: float) -> float:
+            renewal = ep.keep_alive(lease_id, t)
+            if renewal is None or (renewal.ttl > 0 and not renewal.own):  # an earlier one's late "alive"
+                raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {t:g} s")
+            return renewal.ttl
 
-        A message on the endpoint's long-lived keep-alive stream. The lease thread passes a
-        deadline of at most a third of the TTL and one attempt, so a hung member costs one beat,
-        and the next beat goes to the next endpoint (on a stream of its own).
-        """
-        return self._call(lambda ep, t: ep.keep_alive(lease_id, t), timeout_s=timeout_s, attempts=attempts)
+        return self._call(once, timeout_s=timeout_s, attempts=attempts)
+
+    def keep_alive(self, lease_id: int, *, every_s: float, silent_s: float) -> Renewal | None:
+        """The lease thread's beat: one keep-alive on the current endpoint's long-lived keep-alive stream,
+        sent whether or not earlier ones were answered, and the answers that came until the next is due
+        (`every_s` after this one was sent): the newest renewal (its TTL and its request's send time), or None
+        when none came from a member that is there (etcd busy). Only a member silent for `silent_s` with a
+        keep-alive unanswered fails (EtcdUnavailableError; the next beat goes to the next endpoint)."""
+        return self._call(lambda ep, t: ep.keep_alive(lease_id, t, silent_s), timeout_s=every_s, attempts=1)
 
     def revoke_lease(self, lease_id: int) -> None:
         req = etcdrpc.LeaseRevokeRequest(ID=lease_id)

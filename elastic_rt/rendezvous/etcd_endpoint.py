@@ -8,6 +8,7 @@ import collections
 import ssl
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 from pyetcd import etcdrpc
@@ -70,11 +71,14 @@ class Endpoint:
     def stream(self, method: str, timeout_s: float, metadata: tuple = ()) -> Stream:
         return self.connection(timeout_s).open(_PATHS[method], metadata)
 
-    def keep_alive(self, lease_id: int, timeout_s: float) -> float:
+    def keep_alive(self, lease_id: int, timeout_s: float, silent_s: float | None = None) -> Renewal | None:
         """One keep-alive on this member's long-lived LeaseKeepAlive stream (opened on first use and again after
-        it broke or the auth token changed); returns the remaining TTL. A reply that does not come within
-        timeout_s fails this call, and the stream stays: the request may still reach etcd and renew the lease,
-        and its late reply is skipped by the next keep-alive here. A stream that broke is dropped."""
+        it broke or the auth token changed), and the answers etcd sent until timeout_s after it, to it or to earlier
+        ones that came late: the newest renewal, or None when none came (or etcd said that it timed out: its
+        leader is busy, and every member forwards to that leader). With `silent_s`, a member that owed an answer
+        and sent this connection nothing for that long fails the call at once with DEADLINE_EXCEEDED; the stream
+        stays: its requests may still reach etcd and renew the lease, and their late answers are matched to them
+        here. A stream that broke is dropped."""
         with self.keepalive_lock:
             stream = self.keepalive
             if stream is None or stream.metadata is not self.metadata:
@@ -82,12 +86,14 @@ class Endpoint:
                     stream.close()
                 stream = self.keepalive = _KeepAliveStream(self, timeout_s)
             try:
-                return stream.beat(lease_id, timeout_s)
+                return stream.beat(lease_id, timeout_s, float("inf") if silent_s is None else silent_s)
             except BaseException as exc:
                 late = isinstance(exc, CallError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 if not late:  # the stream broke (or this call did): the next keep-alive opens a new one
                     stream.close()
                     self.keepalive = None
+                    if isinstance(exc, CallError) and _busy(exc):
+                        return None
                 raise
 
     def close(self) -> None:
@@ -102,29 +108,70 @@ class Endpoint:
                 self._conn = None
 
 
+def _busy(exc: CallError) -> bool:
+    """etcd answered that it timed out (its leader busy: "etcdserver: request timed out, waiting for the applied
+    index took too long"): the member is there, another member would forward to the same leader."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith("etcdserver: request timed out")
+
+
+@dataclass(frozen=True)
+class Renewal:
+    """An answered keep-alive: the TTL etcd gave (0 or less: the lease is gone), when its request was sent, and
+    whether it answers the keep-alive just sent (else an earlier one's late answer)."""
+
+    ttl: float
+    sent_at: float  # monotonic
+    own: bool
+
+
 class _KeepAliveStream:
-    """One LeaseKeepAlive stream held open, as etcd's own clients do: a keep-alive is a message on it. One
-    keep-alive at a time (the caller holds the endpoint's lock). etcd answers every request on the stream
-    once, in order, so the reply to the n-th request is the n-th reply: replies to requests that timed out
-    earlier are skipped. A beat's deadline runs from when its request reached the kernel (Stream.next)."""
+    """One LeaseKeepAlive stream held open, as etcd's own clients do: a keep-alive is a message on it, sent on
+    schedule whether or not earlier ones were answered (the caller holds the endpoint's lock). etcd answers every
+    request on the stream once, in order, so the n-th answer is the n-th request's: each answer renews from
+    its own request's send time. Time is judged on the wire: a keep-alive's wait runs from when its request
+    reached the kernel, and the member's silence from the last bytes this connection read from it (Stream.next
+    reads what the kernel holds before a deadline fails)."""
 
     def __init__(self, ep: Endpoint, timeout_s: float) -> None:
         self.metadata = ep.metadata
-        self._stream = ep.stream("Lease/LeaseKeepAlive", timeout_s, ep.metadata or ())
-        self._sent = self._received = 0
+        self._conn = ep.connection(timeout_s)
+        self._stream = self._conn.open(_PATHS["Lease/LeaseKeepAlive"], ep.metadata or ())
+        self._unanswered: collections.deque[float] = collections.deque()  # send times, oldest first
+        self._owed_since = 0.0  # when the oldest unanswered keep-alive was sent to a member that owed nothing
 
-    def beat(self, lease_id: int, timeout_s: float) -> float:
+    def beat(self, lease_id: int, timeout_s: float, silent_s: float) -> Renewal | None:
         self._stream.send(etcdrpc.LeaseKeepAliveRequest(ID=lease_id).SerializeToString())
-        self._sent += 1
-        deadline = self._stream.sent_at + timeout_s
+        sent = self._stream.sent_at
+        if not self._unanswered:
+            self._owed_since = sent
+        self._unanswered.append(sent)
+        deadline = sent + timeout_s
+        newest: Renewal | None = None
         while True:
-            reply = self._stream.next(max(0.0, deadline - time.monotonic()))
+            until = min(deadline, max(self._conn.heard_at, self._owed_since) + silent_s)
+            try:
+                reply = self._stream.next(max(0.0, until - time.monotonic()))
+            except CallError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                now = time.monotonic()
+                silent = now - max(self._conn.heard_at, self._owed_since) >= silent_s
+                if silent and newest is None:
+                    raise
+                if silent or now >= deadline:
+                    return newest  # late answers to earlier keep-alives, or none yet from a member that is there
+                continue  # the member sent something meanwhile: wait on for this keep-alive's answer
             if reply is None:
                 raise CallError(grpc.StatusCode.UNAVAILABLE, "etcd ended the keep-alive stream")
-            self._received += 1
-            if self._received == self._sent:  # the reply to this request (earlier ones' came late)
-                resp = etcdrpc.LeaseKeepAliveResponse.FromString(reply)
-                return float(resp.TTL) if resp.ID == lease_id else 0.0
+            resp = etcdrpc.LeaseKeepAliveResponse.FromString(reply)
+            asked_at = self._unanswered.popleft() if self._unanswered else sent
+            if resp.ID != lease_id:
+                continue  # the answer to a keep-alive of a lease given up since
+            if resp.TTL <= 0:
+                return Renewal(0.0, asked_at, not self._unanswered)
+            newest = Renewal(float(resp.TTL), asked_at, not self._unanswered)
+            if newest.own:
+                return newest
 
     def close(self) -> None:
         self._stream.cancel()

@@ -17,13 +17,17 @@ from elastic_rt.rendezvous.liveness import LivenessListener, parse_peer, probe
 from elastic_rt.rendezvous.monitor import incarnation
 
 log = logging.getLogger(__name__)
+SILENT_BEATS = 1.5  # a member that owes a keep-alive answer and sent nothing for this many beats is given up
 
 
 
 class NodeLease:
-    """Grants a lease of `ttl_s` and keeps it alive: a beat every ttl_s/3 (a message on the client's
-    long-lived keep-alive stream), each with a deadline of ttl_s/3 on one endpoint (the next beat goes
-    to the next endpoint), jittered exponential backoff while etcd does not answer.
+    """Grants a lease of `ttl_s` and keeps it alive: a beat every ttl_s/3, a message on the client's long-lived
+    keep-alive stream sent on schedule whether or not earlier beats were answered. An answer renews from its
+    own request's send time, however late it came; a busy etcd (late answers, "request timed out") costs no
+    beat, no failover and no backoff. Only a member that owed an answer and sent nothing for 1.5 beats is
+    given up (one that died just after answering a beat: half a beat before the lease it renewed last can run
+    out): the next beat goes to the next endpoint, with jittered exponential backoff while etcd does not answer.
 
     Keys put with `lease_id` vanish `ttl_s` after this process stops refreshing (SIGKILL,
     partition, hang): that is how peers learn of a dead node, with no dependence on anybody's
@@ -56,6 +60,7 @@ class NodeLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_renewed = 0.0  # monotonic send time of the last beat etcd answered with the lease alive
+        self._next_beat = 0.0  # when the next beat is due: a beat_s after the last one (or the grant) was sent
         self.renewals_lost = 0  # times the lease was found gone (an outage, a pause, a partition, an eviction)
         self.lost_at: float | None = None  # when it was last found gone
         self.conflict: DuplicateNodeError | None = None  # another agent holds this node id: beats stopped
@@ -123,6 +128,10 @@ class NodeLease:
         sent = self._clock()
         self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=timeout_s)
         self._registered = False
+        try:  # the first keep-alive goes out now, not after the put: a busy etcd may take a TTL to answer both
+            self._client.keep_alive(self._lease_id, every_s=0.0, silent_s=SILENT_BEATS * self.beat_s)
+        except EtcdUnavailableError:
+            pass  # the put below says whether etcd answers
         key = self._keys.alive(self._node_id)
         ok, held = self._client.compare_and_put(key, self._info, expected_mod_revision=None, lease=self._lease_id,
                                                 timeout_s=timeout_s)
@@ -134,23 +143,30 @@ class NodeLease:
             self._client.put(key, self._info, lease=self._lease_id, timeout_s=timeout_s)
         self._registered = True
         self.last_renewed = sent
+        self._next_beat = sent + self.beat_s
         self._on_granted()
 
-    def _beat(self) -> None:
+    def _beat(self) -> bool:
+        """One beat; True when etcd confirmed the lease (or it was granted anew), False when no answer came yet
+        from a member that is there (the next beat is due at once)."""
         sent = self._clock()
         with self._lock:
             if not self._registered:  # the last grant's put failed: the lease may be gone too, start over
-                self._grant(self.beat_s)
-                return
-            ttl = self._client.refresh_lease(self._lease_id, timeout_s=self.beat_s, attempts=1)
-            if ttl > 0:
-                self.last_renewed = sent
-                return
+                self._grant(None)
+                return True
+            self._next_beat = sent + self.beat_s
+            renewal = self._client.keep_alive(self._lease_id, every_s=self.beat_s, silent_s=SILENT_BEATS * self.beat_s)
+            if renewal is None:
+                return False
+            if renewal.ttl > 0:  # renewed from its request's send time, on this process's clock
+                self.last_renewed = max(self.last_renewed, self._clock() - (time.monotonic() - renewal.sent_at))
+                return True
             self.renewals_lost += 1
             self.lost_at = sent
             log.warning("node %s: liveness lease %x is gone (expired during an outage or revoked); "
                         "registering again", self._node_id, self._lease_id)
-            self._grant(self.beat_s)
+            self._grant(None)  # the client's request deadline: a busy etcd answers grants late too
+            return True
 
     def check_now(self) -> None:
         """Another request found the lease gone: register again now, not at the next beat.
@@ -161,10 +177,10 @@ class NodeLease:
         self._beat()
 
     def _run(self) -> None:
-        wait = self.beat_s
+        wait = max(0.0, self._next_beat - self._clock())  # a slow start (grant, put) may have used the first beat
         while not self._stop.wait(wait):
             try:
-                self._beat()
+                confirmed = self._beat()
             except EtcdUnavailableError as exc:
                 self._health.failure(str(exc))
                 wait = self._backoff.next()
@@ -178,10 +194,11 @@ class NodeLease:
                 if self._stop.is_set():
                     return
                 raise
-            self._health.success()
-            self._backoff.reset()
-            self._on_beat()
-            wait = max(0.0, self.last_renewed + self.beat_s - self._clock())
+            if confirmed:
+                self._health.success()
+                self._backoff.reset()
+                self._on_beat()
+            wait = max(0.0, self._next_beat - self._clock())
 
     def stop(self, *, revoke: bool) -> None:
         """Stop refreshing; with revoke, peers see this node gone at once."""

@@ -1,0 +1,93 @@
+"""A node's lease against a busy etcd (answers late, or "request timed out") and against a silent member.
+
+A busy etcd still receives every keep-alive on time and renews the lease; only its answers come late. The
+lease thread must not take that for a dead member: no failed beat, no failover, no backoff, no new lease.
+A member that sends nothing at all is still given up, soon enough for the next member to renew the lease.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from elastic_rt.chaos.proxy import TcpProxy
+from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+from elastic_rt.rendezvous.etcd_reachability import EtcdHealth
+from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.lease import NodeLease
+
+TTL_S = 3.0  # the default lease_ttl: a beat every second
+LATE_S = 1.2  # every answer at least this late: past a beat's second, well inside the TTL
+
+
+class _Beats:
+    """Counts the beats etcd confirmed and records every reachability transition the lease reported."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.confirmed = 0
+        self.transitions: list[bool] = []
+
+    def on_beat(self) -> None:
+        with self.cond:
+            self.confirmed += 1
+            self.cond.notify_all()
+
+    def on_health(self, up: bool) -> None:
+        with self.cond:
+            self.transitions.append(up)
+
+    def wait_for(self, count: int, timeout_s: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.confirmed >= count, timeout_s)
+
+
+def _lease(endpoints: tuple[tuple[str, int], ...], run_id: str, beats: _Beats) -> tuple[NodeLease, EtcdClient]:
+    client = EtcdClient(EtcdConfig(endpoints=endpoints, request_timeout_s=10.0))
+    health = EtcdHealth(node_id="n0")
+    health.add_listener(beats.on_health)
+    lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=TTL_S, info={"addr": "127.0.0.1"}, health=health,
+                      local_addr="127.0.0.1", on_beat=beats.on_beat)
+    return lease, client
+
+
+def _hostport(endpoint: str) -> tuple[str, int]:
+    host, port = endpoint.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def test_a_lease_survives_keep_alives_answered_late_by_a_busy_etcd(etcd_server, etcd_client, run_id):
+    m = etcd_server.members[0]
+    beats = _Beats()
+    with TcpProxy(m.host, m.client_port) as proxy:
+        proxy.delay(LATE_S, answers_only=True)
+        lease, client = _lease((_hostport(proxy.endpoint),), run_id, beats)
+        try:
+            lease_id = lease.start()
+            assert beats.wait_for(8, 60), f"{beats.confirmed} beats confirmed in 60 s; reachability {beats.transitions}"
+            assert beats.transitions == [True], "a late answer was taken for an unreachable etcd"
+            assert lease.lease_id == lease_id and lease.renewals_lost == 0
+            kv, _ = etcd_client.get(RunKeys(run_id).alive("n0"))
+            assert kv is not None and kv.lease == lease_id
+        finally:
+            lease.stop(revoke=True)
+            client.close()
+
+
+def test_a_silent_member_is_given_up_and_the_next_one_keeps_the_lease(etcd_server, etcd_client, run_id):
+    m = etcd_server.members[0]
+    beats = _Beats()
+    with TcpProxy(m.host, m.client_port) as first, TcpProxy(m.host, m.client_port) as second:
+        lease, client = _lease((_hostport(first.endpoint), _hostport(second.endpoint)), run_id, beats)
+        try:
+            lease_id = lease.start()
+            assert beats.wait_for(2, 30)
+            first.cut("blackhole")  # the member sends nothing any more, and takes nothing
+            seen = beats.confirmed
+            assert beats.wait_for(seen + 4, 30), f"reachability {beats.transitions}"
+            assert client.current_endpoint == second.endpoint
+            assert lease.lease_id == lease_id and lease.renewals_lost == 0, "the lease lapsed before the failover"
+            kv, _ = etcd_client.get(RunKeys(run_id).alive("n0"))
+            assert kv is not None and kv.lease == lease_id
+        finally:
+            lease.stop(revoke=True)
+            client.close()
