@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Goodput under a storm of failures: kept / fault-free steps in the same wall time, torchrun beside elastic-rt (+ memory tier).
+"""Goodput under a storm of failures: kept / fault-free steps in the same time, torchrun beside elastic-rt (+ memory tier).
 
 K nodes (`--nodes`, one launcher process each: elastic-rt on one etcd started here, torchrun with
 `--rdzv-backend c10d`; `--nnodes K-1:K`; `--standalone` at K=1) of 2 workers of the example job
@@ -64,7 +64,8 @@ def run(name: str, args: argparse.Namespace, scratch: str, etcd_endpoint: str | 
         except TimeoutError as exc:
             print(exc, flush=True)
             return {"name": name, "error": str(exc).splitlines()[0], "steps_reached": 0, "kills": 0,
-                    "lost_per_failure": [], "restores_by_tier": {}, "no_training_s": 0, "missed_kills": 0,
+                    "lost_per_failure": [], "restores_by_tier": {}, "kills_without_restart": 0, "no_training_s": 0,
+                    "missed_kills": 0,
                     "tier_max_bytes": job.tier_max, "logs": [n.log_path for n in job.launched]}
         end = t0 + args.duration
         next_kill, victim = t0 + args.kill_every, 0
@@ -99,7 +100,8 @@ def _row(r: dict) -> str:
     tiers = ", ".join(f"{k} {v}" for k, v in sorted(r["restores_by_tier"].items())) or "-"
     tier_gib = (f"{r['tier_max_bytes']['own'] / 2**30:.3f} / {r['tier_max_bytes']['replicas'] / 2**30:.3f}"
                 if r["tier_max_bytes"]["own"] else "-")
-    return (f"| {r['name']} | {r['steps_reached']} | {r['kills']} | {r['goodput']:.3f} | "
+    return (f"| {r['name']} | {r['steps_reached']} | {r['kills']} | {r['kills_without_restart']} | "
+            f"{r['goodput']:.3f} | "
             f"{statistics.median(lost) if lost else '-'} | {max(lost) if lost else '-'} | {lost} | {tiers} | "
             f"{r['no_training_s']} | {tier_gib} |")
 
@@ -127,6 +129,8 @@ def main() -> None:
     prov = provenance(args.allow_dirty)
     load_before = list(os.getloadavg())
     scratch = tempfile.mkdtemp(prefix="elastic-rt-storm-")
+    os.makedirs(os.path.join(scratch, "tmp"))
+    os.environ["TMPDIR"] = os.path.join(scratch, "tmp")  # the launchers' own (a SIGKILLed agent leaves its folders)
     secret_file = os.path.join(scratch, "secret")
     with open(secret_file, "w") as f:
         f.write(os.urandom(16).hex())
@@ -152,6 +156,12 @@ def main() -> None:
     base = runs[0]["steps_reached"]
     for r in runs:
         r["goodput"] = r["steps_reached"] / base if base else 0.0
+        # where the fault-free run's steps went: time not training (at the fault-free pace), steps re-done,
+        # and the rest (slower steps: snapshots, the load, fewer nodes while shrunk)
+        idle = r["no_training_s"] * base / args.duration
+        redone = sum(r["lost_per_failure"])
+        r["shortfall"] = {"idle_steps": round(idle, 1), "redone_steps": redone,
+                          "slower_steps": round(base - r["steps_reached"] - idle - redone, 1)}
     load_after = list(os.getloadavg())
     state = STATE_BYTES_PER_HIDDEN * args.hidden
     text = "\n".join([
@@ -164,10 +174,21 @@ def main() -> None:
         f"tier every {args.memory_every}; commit {prov['commit'][:10]}{' (dirty)' if prov['dirty'] else ''}",
         f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (2 shared cores)",
         "",
-        "| run | steps kept | kills | goodput | median lost steps per failure | max | lost per failure | "
-        "restores by tier | s not training | tier GiB per node: own / replicas (max) |",
-        "|---|---:|---:|---:|---:|---:|---|---|---:|---|",
+        "| run | steps kept | kills | kills with no restart after | goodput | median lost steps per failure | max | "
+        "lost per failure | restores by tier | s not training | tier GiB per node: own / replicas (max) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|",
         *(_row(r) for r in runs),
+        "",
+        "Where the fault-free run's steps went: not training (restarts, at the fault-free pace), re-done after a "
+        "rollback, and the rest (slower steps: snapshots, the load, the smaller world while a node was away); "
+        "median worker start to rank 0's start line (process group, model, restore) per restart.",
+        "",
+        "| run | fault-free steps | kept | not training | re-done | slower | median worker init s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *(f"| {r['name']} | {base} | {r['steps_reached']} | {r['shortfall']['idle_steps']} | "
+          f"{r['shortfall']['redone_steps']} | {r['shortfall']['slower_steps']} | "
+          f"{r.get('median_worker_init_s') if r.get('median_worker_init_s') is not None else '-'} |"
+          for r in runs[1:]),
     ]) + "\n"
     write_results(args.out, "storm", date.today().isoformat(), {"args": vars(args), "runs": runs, "provenance": prov,
                                                                  "state_bytes_per_rank": state,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
+import statistics
 import sys
 import time
 import uuid
@@ -16,6 +18,8 @@ from elastic_rt.agent.host_memory import HOST_CACHE_OWNER
 from elastic_rt.agent.replica_server import tree_bytes
 
 STEP_RE = re.compile(r"\]:step=(\d+) loss=\S+ world_size=(\d+)")
+STARTED_RE = re.compile(r"\] started local rank\(s\)")  # an elastic-rt agent (re)started its workers
+SAVED_RE = re.compile(r"\]:checkpoint saved step=(\d+) ")
 START_RE = re.compile(r"\]:start step=(\d+) world_size=(\d+)(?:.* restored_from=(\w+))?")
 NPROC = 2
 SHM = "/dev/shm"
@@ -132,13 +136,19 @@ class StormJob:
                 self.tier_max[kind] = max(self.tier_max[kind], tree_bytes(os.path.join(path, "tier", kind)))
 
     def close(self) -> None:
+        """Kill every node and remove the memory tiers their SIGKILLed agents left in shared memory."""
         for n in self.nodes:
             n.kill()
+        for name in os.listdir(SHM):
+            if self.run_id in name:
+                shutil.rmtree(os.path.join(SHM, name), ignore_errors=True)
 
 
 def account(lines: list[tuple[float, str]], kills: list[tuple[float, str]], t0: float, end: float) -> dict:
     """What the lines say about a storm from t0 to end. Progress at a time is the value of the last step
-    line or restart line (`start step=K`: the step it restored) before it, so a rollback counts.
+    line or restart line (`start step=K`: the step it restored) before it, so a rollback counts; a job
+    killed after its last such line and not restarted by `end` counts its newest commit (`checkpoint saved
+    step=K`, storage or memory tier, since its last restart) or the step it last resumed from.
 
     Per restart after t0: `lost` (progress before it minus the step it resumed from), the tier it restored
     from (`memory`, `storage`, `none`: nothing to restore), `gap_s` (from the last step line before it to
@@ -147,16 +157,26 @@ def account(lines: list[tuple[float, str]], kills: list[tuple[float, str]], t0: 
     first restart after a node kill that restored from memory read the lost node's shards from a replica.
     Per kill: the sum of its restarts' lost steps."""
     events: list[tuple[float, str, int, re.Match]] = []
+    saved: list[tuple[float, int]] = []
+    restarts: list[dict] = []
+    idle: list[tuple[float, float]] = []
+    started: list[float] = []
     for t, line in lines:
-        if m := STEP_RE.search(line):
+        if STARTED_RE.search(line):
+            started.append(t)
+        elif m := STEP_RE.search(line):
             events.append((t, "step", int(m.group(1)), m))
         elif m := START_RE.search(line):
             events.append((t, "start", int(m.group(1)), m))
-    kept = 0
-    for t, _kind, value, _m in events:
-        if t <= end:
-            kept = value
-    restarts, idle = [], []
+        elif m := SAVED_RE.search(line):
+            saved.append((t, int(m.group(1))))
+    so_far = [e for e in events if e[0] <= end]
+    kept, t_last = (so_far[-1][2], so_far[-1][0]) if so_far else (0, t0)
+    if any(t_last < k <= end for k, _ in kills):  # down at the end: it resumes from its newest commit
+        t_run = max((e[0] for e in so_far if e[1] == "start"), default=float("-inf"))
+        run_start = next((e[2] for e in reversed(so_far) if e[1] == "start"), 0)
+        kept = max([run_start, *(s for t, s in saved if t_run <= t <= end and s <= kept)])
+        idle.append((max((e[0] for e in so_far if e[1] == "step"), default=t0), end))
     for i, (t, kind, value, m) in enumerate(events):
         if kind != "start" or t < t0 or t > end:
             continue
@@ -167,8 +187,12 @@ def account(lines: list[tuple[float, str]], kills: list[tuple[float, str]], t0: 
         tier = m.group(3) or ("none" if value == 0 else "unknown")
         gap_end = end if next_step is None else min(next_step, end)
         idle.append((last_step, gap_end))
+        agent = max((x for x in started if x <= t), default=None)
         restarts.append({"t_s": round(t - t0, 2), "resumed": value, "lost": before - value, "tier": tier,
-                         "world_size": int(m.group(2)), "kill": owner, "gap_s": round(gap_end - last_step, 2)})
+                         "world_size": int(m.group(2)), "kill": owner, "gap_s": round(gap_end - last_step, 2),
+                         # elastic-rt: from its agents' last start of the workers to rank 0's start line (the
+                         # process group, the model, the checkpoint manager and the restore)
+                         "worker_init_s": None if agent is None else round(t - agent, 2)})
     for j, (_k, kind) in enumerate(kills):
         mine = [r for r in restarts if r["kill"] == j]
         if mine and mine[0]["tier"] == "memory" and kind == "node":
@@ -179,7 +203,10 @@ def account(lines: list[tuple[float, str]], kills: list[tuple[float, str]], t0: 
     for r in restarts:
         by_tier[r["tier"]] = by_tier.get(r["tier"], 0) + 1
     return {"steps_reached": kept, "kills": len(kills), "lost_per_failure": per_kill, "restarts": restarts,
-            "restores_by_tier": by_tier, "no_training_s": round(_union_s(idle), 1)}
+            "kills_without_restart": sum(1 for j in range(len(kills)) if not any(r["kill"] == j for r in restarts)),
+            "restores_by_tier": by_tier, "no_training_s": round(_union_s(idle), 1),
+            "median_worker_init_s": (round(statistics.median(inits), 2) if (inits := [
+                r["worker_init_s"] for r in restarts if r["worker_init_s"] is not None]) else None)}
 
 
 def _union_s(intervals: list[tuple[float, float]]) -> float:

@@ -1,4 +1,4 @@
-"""benchmarks/storm_job.py's account: steps kept after rollbacks, lost steps per failure, restores by tier, idle time."""
+"""benchmarks/storm_job.py's account: steps kept after rollbacks, lost steps per failure, restores by tier, idle."""
 
 from __future__ import annotations
 
@@ -44,3 +44,12 @@ def test_a_restart_still_under_way_at_the_end_is_idle_until_the_end_and_later_li
     assert got["restores_by_tier"] == {"none": 1}
     assert got["no_training_s"] == 6.0  # from the last step (t=4) to the end
     assert got["lost_per_failure"] == [5]
+
+
+def test_a_job_down_at_the_end_keeps_only_its_newest_commit():
+    lines = [_start(-1.0, 0, 6), *_steps(1, 10, 0.0), (5.5, "[default0]:checkpoint saved step=6 world_size=6 "
+                                                          "blocked_s=0.0 save_s=0.1 tier=storage")]
+    got = account(lines, [(9.5, "worker"), (12.0, "worker")], t0=0.0, end=15.0)
+    assert got["steps_reached"] == 6  # step 10 was printed, but the restart still under way resumes from 6
+    assert got["kills_without_restart"] == 2 and got["lost_per_failure"] == []
+    assert got["no_training_s"] == 6.0  # the last step (t=9) to the end
