@@ -257,10 +257,16 @@ class CheckpointManager:
 
     def _run_job(self, job: SaveJob, ctx: SaveContext) -> SaveStats:
         stats = run_save(job, ctx)
+        report = True
         if ctx is self._mem_ctx:
-            self._tier.after_commit(job.step, self._groups, keep_from=self._snapshot_step)  # type: ignore[union-attr]
+            report = self._tier.after_commit(job.step, self._groups,  # type: ignore[union-attr]
+                                             keep_from=self._snapshot_step)
             self._snapshot_step = job.step
             stats = replace(stats, tier="memory")
+            if not report and self.rank == 0:
+                log.warning("snapshot step %d is in its nodes' memory but not replicated from every node: not "
+                            "reported as committed (the loss of a node whose push failed falls back to an older "
+                            "step)", job.step)
         elif self._host_cache is not None:
             self._host_cache.keep(self._store, job.step)
         if self.rank == 0 and ctx is self._ctx:  # deleting old checkpoints is off the training loop's path
@@ -269,7 +275,7 @@ class CheckpointManager:
                     self._gc_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rt-ckpt-gc")
                 self._retention = self._gc_executor.submit(self._apply_retention, job.step)
         self._last_stats = stats
-        if self._on_saved is not None:
+        if report and self._on_saved is not None:
             try:
                 self._on_saved(stats)
             except Exception as exc:  # a metrics hook must not fail a committed save

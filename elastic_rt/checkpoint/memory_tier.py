@@ -221,7 +221,10 @@ class MemoryTier:
         return cls(directory=directory, address=address, secret=secret, rank=rank, groups=groups)
 
     # ---- after a snapshot's commit (every rank, on the writer thread) --------------------------------
-    def after_commit(self, step: int, groups: coll.CheckpointGroups, keep_from: int | None) -> None:
+    def after_commit(self, step: int, groups: coll.CheckpointGroups, keep_from: int | None) -> bool:
+        """Push this rank's files of the committed snapshot `step` to the ring successor and prune. True on every
+        rank when every rank's push succeeded (or there is no peer to push to): the step survives the loss of any
+        one node; False on every rank otherwise (it is in its nodes' own memory only)."""
         files = None
         if self.rank == 0:
             entry = self.store.entry(step)
@@ -231,12 +234,15 @@ class MemoryTier:
                 files = ([(posixpath.join(data, f.path), f.crc32, f.rank) for f in m.files]
                          + [(posixpath.join(step_dirname(step), manifest_name(m.generation)), None, 0)])
         files = coll.broadcast(files, groups.io)
+        pushed = True
         if files and self.successor is not None:
-            self._push([(p, crc) for p, crc, r in files if r == self.rank], step)
+            pushed = self._push([(p, crc) for p, crc, r in files if r == self.rank], step)
+        replicated = not coll.any_true(not pushed, groups.io)
         if self.leader:
             self.prune(keep={s for s in (step, keep_from) if s is not None}, above=None)
+        return replicated
 
-    def _push(self, files: list[tuple[str, int | None]], step: int) -> None:
+    def _push(self, files: list[tuple[str, int | None]], step: int) -> bool:
         for rel, crc in files:
             local = os.path.join(self.storage.own, rel)
             try:
@@ -250,7 +256,8 @@ class MemoryTier:
                     log.warning("rank %d: snapshot step %d not replicated to %s (%s); a loss of this node "
                                 "falls back to storage for it", self.rank, step,
                                 self.successor.address, exc)  # type: ignore[union-attr]
-                return
+                return False
+        return True
 
     def prune(self, *, keep: set[int], above: int | None) -> None:
         """Remove this node's snapshot steps (own and replicas) outside `keep` (and, with `above`, every step

@@ -108,4 +108,6 @@ class SaveStats:
     bytes_written: int
     url: str
     fence_check_s: float = 0.0  # rank 0: checking the writer's token before the commit
-    tier: str = "storage"  # "memory": a snapshot in the memory tier (url memory-tier://<node>), reported after its push
+    tier: str = "storage"  # "memory": a snapshot in the memory tier (url memory-tier://<node>), reported once every
+    # rank's push to its peer succeeded (a snapshot a node could not replicate is not reported: it would not survive
+    # that node's loss)

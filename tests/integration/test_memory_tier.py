@@ -219,3 +219,35 @@ def test_a_snapshot_due_while_one_is_in_flight_is_skipped_on_every_rank_not_queu
         assert r["saved"] == [(1, "memory"), (4, "memory")], r
         # each node keeps its two newest snapshots, and the replicas of its peer's: never 2 or 3
         assert r["own"] == r["replicas"] == ["step_00000001", "step_00000004"], r
+
+
+def unreplicated(rank: int, world_size: int, url: str, secret_file: str, nodes: list[tuple[str, str]]) -> dict:
+    os.environ[ENV_MEMORY_TIER_DIR], os.environ[ENV_MEMORY_TIER_ADDR] = nodes[rank]
+    lines = LogLines()
+    logging.getLogger("elastic_rt.checkpoint").addHandler(lines)
+    saved = []
+    with CheckpointManager(url, collective_timeout_s=60.0, secret_file=secret_file, memory_every=1, persist_every=2,
+                           on_saved=lambda s: saved.append((s.step, s.tier))) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"model": _tensors(rank, step), "extra": {"step": step}})
+    return {"saved": saved, "lines": lines.lines}
+
+
+def test_a_snapshot_one_node_could_not_replicate_is_not_reported_as_committed(tmp_path):
+    """Node b's replica server is gone: rank 0 (node a) cannot push its snapshot of step 1, rank 1 can. Step 1
+    would not survive node a's loss, so no rank reports it (the goodput ledger counts reported commits as kept);
+    the storage save of step 2 is reported as usual."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+    servers = _servers([str(tmp_path / "tier-a"), str(tmp_path / "tier-b")])
+    nodes = [(s.config.directory, s.address) for s in servers]
+    servers[1].close()
+    try:
+        results = run_world(unreplicated, 2, f"file://{tmp_path / 'ckpt'}", str(secret_file), nodes)
+    finally:
+        servers[0].close()
+    for r in results:
+        assert r["saved"] == [(2, "storage")], r
+    assert any("snapshot step 1 not replicated to" in line for line in results[0]["lines"]), results[0]["lines"]
+    assert any("snapshot step 1 is in its nodes' memory but not replicated from every node" in line
+               for line in results[0]["lines"]), results[0]["lines"]
