@@ -63,10 +63,7 @@ def run(name: str, args: argparse.Namespace, scratch: str, etcd_endpoint: str | 
             t0 = job.wait_trained_together(args.startup_timeout)
         except TimeoutError as exc:
             print(exc, flush=True)
-            return {"name": name, "error": str(exc).splitlines()[0], "steps_reached": 0, "kills": 0,
-                    "lost_per_failure": [], "restores_by_tier": {}, "kills_without_restart": 0, "no_training_s": 0,
-                    "missed_kills": 0,
-                    "tier_max_bytes": job.tier_max, "logs": [n.log_path for n in job.launched]}
+            return {**_result(name, job, account([], [], 0.0, 0.0), missed), "error": str(exc).splitlines()[0]}
         end = t0 + args.duration
         next_kill, victim = t0 + args.kill_every, 0
         while time.monotonic() < end:
@@ -91,6 +88,11 @@ def run(name: str, args: argparse.Namespace, scratch: str, etcd_endpoint: str | 
     got = account(lines, kills, t0, end)
     print(f"{name}: {got['steps_reached']} steps, {got['kills']} kills, lost {got['lost_per_failure']}, "
           f"restores {got['restores_by_tier']}", flush=True)
+    return _result(name, job, got, missed)
+
+
+def _result(name: str, job: StormJob, got: dict, missed: int) -> dict:
+    """One run's entry in the results: what account() read from its lines, and the job's own figures."""
     return {"name": name, **got, "missed_kills": missed, "tier_max_bytes": job.tier_max,
             "logs": [n.log_path for n in job.launched]}
 
