@@ -120,6 +120,10 @@ class CheckpointManager:
             self._ctx, url=self._tier.store.url, store=self._tier.store, pool=BufferPool(), sync_files=False,
             before_prepare=lambda: None)
         self._snapshot_step: int | None = None  # the newest snapshot committed (or restored) in the memory tier
+        # a step restored from the memory tier is on the old world's nodes and their replicas, not replicated along
+        # the new ring: the first save() after the restore snapshots whatever memory_every says, so that a second
+        # node loss before the next due snapshot does not fall back to storage
+        self._replicate_restored = False
         self.restored_from: str | None = None  # the tier the last load_latest() read: "memory", "storage" or None
         self._executor: ThreadPoolExecutor | None = None
         self._gc_executor: ThreadPoolExecutor | None = None
@@ -147,7 +151,9 @@ class CheckpointManager:
         staged (or at once when guard_optimizer() is used); False when skipped (if_busy='skip').
         With memory_every/persist_every, call it every step: it snapshots to the memory tier or
         persists to storage when the step is due (persist=True: to storage now, e.g. on SIGTERM),
-        and returns False for a step that is neither. With async_save, a snapshot due while any save is
+        and returns False for a step that is neither. The first call after load_latest() restored a
+        snapshot from the memory tier of a multi-node job snapshots whatever memory_every says: the
+        restored step's shards are not yet replicated along the new world's ring. With async_save, a snapshot due while any save is
         in flight is skipped on every rank (False): snapshots coalesce, never queue."""
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -157,7 +163,8 @@ class CheckpointManager:
         if every or mem_every:
             to_storage = persist if persist is not None else bool(every and step % every == 0)
             if not to_storage:
-                if self._mem_ctx is None or not mem_every or step % mem_every:
+                due = bool(mem_every) and step % mem_every == 0
+                if self._mem_ctx is None or not (due or self._replicate_restored):
                     return False
                 ctx = self._mem_ctx
         entered = time.monotonic()
@@ -172,6 +179,7 @@ class CheckpointManager:
                 else:
                     log.info("checkpoint step %d skipped: the previous save is still being written", step)
                 return False
+        self._replicate_restored = False
         self._wait_inflight()
         global_part, per_rank = split_state(state, self.options.per_rank_keys)
         protected = frozenset(optimizer_storage_ptrs(self._guarded))
@@ -357,6 +365,7 @@ class CheckpointManager:
         if tier.leader:
             tier.prune(keep=set(), above=step)
         self._snapshot_step = step
+        self._replicate_restored = tier.successor is not None
         return step
 
     # --------------------------------------------------------------- inspection / lifecycle

@@ -251,3 +251,64 @@ def test_a_snapshot_one_node_could_not_replicate_is_not_reported_as_committed(tm
     assert any("snapshot step 1 not replicated to" in line for line in results[0]["lines"]), results[0]["lines"]
     assert any("snapshot step 1 is in its nodes' memory but not replicated from every node" in line
                for line in results[0]["lines"]), results[0]["lines"]
+
+
+def _all_ranks(step: int, ranks: int = 3) -> dict[str, torch.Tensor]:
+    return {k: v for r in range(ranks) for k, v in _tensors(r, step).items()}
+
+
+def continue_after_loss(rank: int, world_size: int, url: str, secret_file: str,
+                        nodes: list[tuple[str, str]]) -> dict:
+    """The survivors of a 3-node job restore, train one more step (7, not a due snapshot step) and stop."""
+    os.environ[ENV_MEMORY_TIER_DIR], os.environ[ENV_MEMORY_TIER_ADDR] = nodes[rank]
+    saved = []
+    state = {"model": {k: torch.zeros_like(v) for k, v in _all_ranks(0).items()}, "extra": {"step": -1}}
+    with CheckpointManager(url, collective_timeout_s=60.0, secret_file=secret_file, memory_every=2, persist_every=4,
+                           on_saved=lambda s: saved.append((s.step, s.tier))) as mgr:
+        restored = (mgr.load_latest(state), mgr.restored_from)
+        returned = [mgr.save(7, {"model": _all_ranks(7), "extra": {"step": 7}})]
+    return {"restored": restored, "returned": returned, "saved": saved}
+
+
+def restore_all(rank: int, world_size: int, url: str, secret_file: str, nodes: list[tuple[str, str]]) -> dict:
+    os.environ[ENV_MEMORY_TIER_DIR], os.environ[ENV_MEMORY_TIER_ADDR] = nodes[rank]
+    state = {"model": {k: torch.zeros_like(v) for k, v in _all_ranks(0).items()}, "extra": {"step": -1}}
+    with _manager(url, secret_file) as mgr:
+        step = mgr.load_latest(state)
+        tier = mgr.restored_from
+    equal = all(torch.equal(state["model"][k], v) for k, v in _all_ranks(step).items())
+    return {"step": step, "tier": tier, "equal": equal, "extra": state["extra"]["step"]}
+
+
+def train3(rank: int, world_size: int, url: str, secret_file: str, nodes: list[tuple[str, str]]) -> None:
+    os.environ[ENV_MEMORY_TIER_DIR], os.environ[ENV_MEMORY_TIER_ADDR] = nodes[rank]
+    with _manager(url, secret_file) as mgr:
+        for step in range(1, LAST + 1):
+            mgr.save(step, {"model": _all_ranks(step), "extra": {"step": step}})
+
+
+def test_a_step_restored_from_a_replica_is_replicated_again_before_a_second_node_loss(tmp_path):
+    """Three nodes a -> b -> c -> a snapshot step 6 (memory_every=2). Node a is lost: b and c restore step 6 (a's
+    shards from b's replicas) and train step 7, not a due snapshot step. Step 6's copy of a's shards lives only on
+    b, so the survivors snapshot step 7 at once, along their own ring. Node b is then lost too: c alone restores
+    step 7 from the memory tier, not storage's step 4."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+    url = f"file://{tmp_path / 'ckpt'}"
+    dirs = [str(tmp_path / f"tier-{n}") for n in "abc"]
+    servers = _servers(dirs)
+    nodes = [(s.config.directory, s.address) for s in servers]
+    try:
+        run_world(train3, 3, url, str(secret_file), nodes)
+        _lose_node_a(servers, nodes)
+        for r in run_world(continue_after_loss, 2, url, str(secret_file), nodes[1:]):
+            assert r["restored"] == (6, "memory"), r
+            assert (r["returned"], r["saved"]) == ([True], [(7, "memory")]), r
+        servers[1].close()
+        shutil.rmtree(nodes[1][0])
+        (r,) = run_world(restore_all, 1, url, str(secret_file), nodes[2:])
+        assert (r["step"], r["tier"], r["equal"], r["extra"]) == (7, "memory", True, 7), r
+    finally:
+        for s in servers:
+            s.close()
+
