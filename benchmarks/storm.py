@@ -47,7 +47,7 @@ from datetime import date
 from checkpoint_restart import REPO
 from provenance import provenance
 from results_file import write_results
-from storm_job import NPROC, StormJob, account
+from storm_job import NPROC, StormJob, account, learning_rate
 
 STATE_BYTES_PER_HIDDEN = 144  # the example's parameters and SGD momentum, float32: 2 x (16h + h + h + 1) x 4
 CONFIGS = ("torchrun", "elastic-rt persist", "elastic-rt memory")
@@ -169,7 +169,7 @@ def main() -> None:
     text = "\n".join([
         f"{args.storm} storm: {args.nodes} node(s) x {NPROC} workers, example job (--step-sleep {args.step_sleep}, "
         f"--hidden {args.hidden}: {state / 2**30:.3g} GiB of model state per rank, parameters and momentum, "
-        f"replicated by DDP), "
+        f"replicated by DDP, --lr {learning_rate(args.hidden):g}), "
         + ("local rank 1 of the last node SIGKILLed" if args.storm == "worker" else
            "a node (n1..n{K-1} in turn) SIGKILLed and started again".replace("{K-1}", str(args.nodes - 1)))
         + f" every {args.kill_every:g} s for {args.duration:g} s; persist every {args.persist_every} steps, memory "

@@ -31,6 +31,13 @@ def free_port() -> int:
     return _free_port()
 
 
+
+def learning_rate(hidden: int) -> float:
+    """The example's SGD learning rate scaled to its width: its output sums `hidden` units, so the default 0.05
+    makes a wide model's loss NaN within steps (the same arithmetic, but not a model a user would train)."""
+    return min(0.05, 0.32 / hidden)
+
+
 class StormJob:
     """The K nodes of one configuration (`n0`..`n{K-1}`, 2 workers each). A replaced node's lines stay counted.
 
@@ -57,7 +64,8 @@ class StormJob:
     def _command(self, i: int) -> tuple[list[str], tuple[str, ...]]:
         a = self.args
         job = [SCRIPT, "--steps", "100000000", "--save-every", str(a.persist_every), "--step-sleep",
-               str(a.step_sleep), "--hidden", str(a.hidden), "--ckpt-url", f"file://{self.scratch}/{self.slug}",
+               str(a.step_sleep), "--hidden", str(a.hidden), "--lr", str(learning_rate(a.hidden)),
+               "--ckpt-url", f"file://{self.scratch}/{self.slug}",
                *(["--memory-every", str(a.memory_every), "--async-save"] if self.memory else [])]
         common = ["--nproc-per-node", str(NPROC), "--max-restarts", "1000", "--tee", "3"]
         nnodes = f"{a.nodes - 1}:{a.nodes}"
