@@ -212,6 +212,7 @@ def launch(cfg: AgentConfig) -> int:
            if host_cache is not None else ()),
         diagnostics=diagnostics,
         warm_pool=warm_pool,
+        scale_up_wait_s=cfg.section(WarmSettings).scale_up_wait_s,
         crash_loop=CrashLoopJudge(cfg.section(CrashLoopSettings), checkpoints=CheckpointReportReader(reports.directory)),
     )
     try:

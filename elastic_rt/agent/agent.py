@@ -18,6 +18,7 @@ from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, failure_
 from elastic_rt.diagnostics.failure_diagnostics import FailureDiagnostics
 from elastic_rt.diagnostics.exit_aborts import forgive_teardown_exits
 from elastic_rt.agent.process_tree import stop_tree
+from elastic_rt.agent.scale_up import SCALE_UP_WAIT_S, ScaleUpGate
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.agent.warm_start import warm_start
 from elastic_rt.checkpoint.fence import FencePublisher
@@ -55,6 +56,7 @@ class ElasticRTAgent(LocalElasticAgent):
         diagnostics: FailureDiagnostics | None = None,
         warm_pool: WarmPool | None = None,
         crash_loop: CrashLoopJudge | None = None,
+        scale_up_wait_s: float = SCALE_UP_WAIT_S,
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout_s,
@@ -78,6 +80,7 @@ class ElasticRTAgent(LocalElasticAgent):
             self._extras.add_etcd_listener(self.observer.on_etcd)
         self.crash_loop = crash_loop
         self._warm_pool = warm_pool
+        self._scale_up_gate = ScaleUpGate(warm_pool, max_wait_s=scale_up_wait_s, log_prefix=self._prefix)
         self._fence: FencePublisher | None = None  # the round, for the workers' checkpoint commits
         if warm_pool is not None:
             warm_pool.log_prefix = self._prefix
@@ -178,6 +181,7 @@ class ElasticRTAgent(LocalElasticAgent):
         self.restarts[reason] = self.restarts.get(reason, 0) + 1
         self.observer.on_restart(reason)
         log.warning("%s restarting the worker group: %s", self._prefix(), reason.words)
+        self._scale_up_gate.reset()
         before = self._membership()
         self._broken_group = reason.broken
         try:
@@ -273,7 +277,10 @@ class ElasticRTAgent(LocalElasticAgent):
                     return result
             elif state == WorkerState.HEALTHY:
                 self.observer.on_tick()
-                change = self._membership_change() or self.policy.check()
+                change = self._membership_change()
+                if change is RestartReason.SCALE_UP and self._scale_up_gate.hold():
+                    change = None  # the group trains on while this node's warm workers import
+                change = change or self.policy.check()
                 if change is not None and change.response is Response.LEAVE:
                     log.error("%s %s: leaving the job so that the others re-form without this node (%s)",
                               self._prefix(), change.summary, change.hint)

@@ -31,7 +31,8 @@ from typing import Callable, Mapping, Sequence
 
 from elastic_rt.worker.warm_child import ENV_PAD, FLAG_FD, FLAG_IMPORTS, FLAG_NICE
 from elastic_rt.errors import ConfigError
-from elastic_rt.sections import on_off, option
+from elastic_rt.agent.scale_up import SCALE_UP_WAIT_S
+from elastic_rt.sections import on_off, option, positive
 from elastic_rt.torchrun_compat import virtual_local_rank_env
 from elastic_rt.worker_env import (
     ENV_HEARTBEAT_DIR,
@@ -69,6 +70,11 @@ class WarmSettings:
         "--warm-imports", default=",".join(DEFAULT_WARM_IMPORTS), parse=_modules,
         help="modules a warm worker imports ahead (comma-separated; library modules only: they run before the "
              "worker knows its rank)")
+    scale_up_wait_s: float = option(
+        "--warm-scale-up-wait", type=float, default=SCALE_UP_WAIT_S,
+        parse=positive("--warm-scale-up-wait", zero_ok=True),
+        help="seconds a running node holds the restart that admits a joining node while its own warm workers are "
+             "still importing; the group trains meanwhile (default 60; 0: restart at once)")
 
 
 WORKER_MODULE = "elastic_rt.worker.main"
@@ -158,6 +164,7 @@ class WarmPool:
         self._wake = threading.Condition(self._lock)
         self._request: tuple[int, Callable[[], bool] | None] | None = None
         self._generation = 0
+        self._done = 0  # the last refill generation the spawning thread carried out
         self._closed = False
         self._thread: threading.Thread | None = None
         self.spawned = 0
@@ -176,6 +183,15 @@ class WarmPool:
             self._generation += 1
             self._request = (self._generation, ready)
             self._wake.notify_all()
+
+    def warming(self) -> bool:
+        """A warm worker is on its way: a refill is requested and not yet carried out, or one is still importing."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self._request is not None and self._request[0] != self._done:
+                return True
+            return any(not w.ready.is_set() and w.proc.poll() is None for w in self._idle.values())
 
     def idle_pids(self, *, ready_only: bool = False) -> dict[int, int]:
         with self._lock:
@@ -238,6 +254,8 @@ class WarmPool:
                 continue
             done = generation
             self._spawn_missing()
+            with self._lock:
+                self._done = generation
 
     def _superseded(self, generation: int) -> bool:
         with self._lock:

@@ -151,3 +151,57 @@ def _poll_one(candidates: dict[str, Node], pattern: str, timeout_s: float) -> No
             return hits[0]
         time.sleep(0.2)
     raise TimeoutError("no node waited as a spare:\n" + "\n----\n".join(n.output[-1500:] for n in candidates.values()))
+
+
+# The first warm worker of a node imports at once; later ones (the refills) wait while `hold` exists in its folder.
+SLOTTED_IMPORT = """
+import os, time
+folder = os.environ["SLOTTED_IMPORT_DIR"]
+try:
+    os.close(os.open(os.path.join(folder, "first"), os.O_CREAT | os.O_EXCL))
+except FileExistsError:
+    deadline = time.monotonic() + 300
+    while os.path.exists(os.path.join(folder, "hold")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+PLAIN = str(ROOT / "tests" / "chaos" / "scripts" / "plain_ddp_steps.py")
+
+
+def test_a_joining_node_waits_for_the_running_nodes_warm_workers_while_the_group_trains(
+        etcd_endpoint, run_id, tmp_path, nodes):  # noqa: F811
+    """Node a trains alone; its refilled warm worker is held inside its imports. Node b joins: a holds the
+    scale-up and its group goes on training; once a's warm worker has imported, the group restarts with b."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "slotted_import.py").write_text(SLOTTED_IMPORT)
+    folders = {name: tmp_path / f"imports-{name}" for name in "ab"}
+    for folder in folders.values():
+        folder.mkdir()
+    (folders["a"] / "hold").touch()
+
+    def start(name: str) -> Node:
+        args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id,
+                "--node-id", name, "--local-addr", "127.0.0.1", "--metrics-port", "0", "--tee", "3",
+                "--rdzv-conf", "last_call_timeout=1", "--probe-bytes", "0", "--preflight", "off",
+                "--warm-imports", "slotted_import,torch", "--warm-scale-up-wait", "240",
+                PLAIN, "--steps", "100000", "--step-sleep", "0.1", "--print-every", "5"]
+        n = Node(args, name=name, env={"PYTHONPATH": f"{ROOT}{os.pathsep}{mods}",
+                                       "SLOTTED_IMPORT_DIR": str(folders[name])})
+        nodes.append(n)
+        return n
+
+    a = start("a")
+    a.wait_for(r"\]:step=5 world_size=1", 240)
+    b = start("b")
+    held = a.wait_for(r"\[a round 0\] a node waits to join: the scale-up waits for this node's warm workers", 120)
+    t_held = min(t for t, line in a.lines if held.group(0) in line)
+    a.wait_for(r"\]:step=\d+ world_size=1", 120, after=t_held)  # the group trains on
+    assert not a.matches(r"restarting the worker group: scale up")
+    (folders["a"] / "hold").unlink()
+    a.wait_for(r"\[a round 0\] scale-up after \d+\.\d s held: warm workers ready", 240)
+    a.wait_for(r"\[a round 0\] restarting the worker group: scale up", 60)
+    a.wait_for(r"node a round 1: rank \d of 2 nodes", 120)
+    deadline = time.monotonic() + 180
+    while not any(n.matches(r"\]:step=\d+ world_size=2") for n in (a, b)):
+        assert time.monotonic() < deadline, a.output[-3000:] + b.output[-3000:]
+        time.sleep(0.2)

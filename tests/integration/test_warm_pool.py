@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -106,14 +107,20 @@ HELD_IMPORT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("redirected", [True, False], ids=["to-log-files", "not-redirected"])
-def test_output_of_a_worker_started_while_importing_goes_where_a_cold_workers_would(job, capfd, redirected):
-    make, script, environ, tmp_path = job
+def _held_pool(job) -> WarmPool:
+    """A pool whose warm worker stays inside its imports until `imported` exists in the job's folder."""
+    make, _, environ, tmp_path = job
     mods = tmp_path / "mods"
     mods.mkdir()
     (mods / "held_import.py").write_text(HELD_IMPORT)
     environ.update(PYTHONPATH=f"{ROOT}{os.pathsep}{mods}", HELD_IMPORT_GO=str(tmp_path / "imported"))
-    pool = make(imports=("held_import",), ready=False)
+    return make(imports=("held_import",), ready=False)
+
+
+@pytest.mark.parametrize("redirected", [True, False], ids=["to-log-files", "not-redirected"])
+def test_output_of_a_worker_started_while_importing_goes_where_a_cold_workers_would(job, capfd, redirected):
+    make, script, environ, tmp_path = job
+    pool = _held_pool(job)
     warm_pid = pool.idle_pids()[0]
     out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
     proc, why = pool.take(0, entrypoint=sys.executable,
@@ -199,3 +206,24 @@ def test_warm_workers_die_with_a_sigkilled_agent(tmp_path):
         assert not alive
     finally:
         agent.kill()
+
+
+def test_the_pool_is_warming_from_a_refill_request_until_its_worker_has_imported(job):
+    """What a running node's scale-up waits for (agent/scale_up.py): a requested refill, then a warm worker
+    still inside its imports; not a ready warm worker, and not a pool whose refill waits on nothing."""
+    make, script, environ, tmp_path = job
+    pool = _held_pool(job)
+    assert pool.warming()  # held inside its imports
+    (tmp_path / "imported").touch()
+    _poll(lambda: pool.idle_pids(ready_only=True), 60, "ready warm worker")
+    assert not pool.warming()
+    proc, why, _ = _take(pool, script, tmp_path, {"RANK": "0"})
+    assert why == ""
+    gate = threading.Event()
+    pool.refill(ready=gate.is_set)  # the refill waits for the new workers (up to refill_wait_s)
+    assert pool.warming()
+    gate.set()
+    _poll(lambda: pool.idle_pids(ready_only=True), 60, "ready refilled warm worker")
+    assert not pool.warming()
+    (tmp_path / "go").touch()
+    assert proc.wait(timeout=30) == 0
