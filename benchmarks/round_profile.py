@@ -178,23 +178,30 @@ def _kind(thread: threading.Thread) -> str:
             "".join(c for c in thread.name if not c.isdigit()).split(" (")[0].rstrip("-"))
 
 
-def thread_switches(before: dict) -> dict:
-    """Voluntary context switches (each a wait: a blocking call, a lock or the GIL) of this process's live threads
-    by thread kind, from /proc/self/task/*/status; with `before` empty also each thread's count under None, with an
-    earlier call's result the switches since then."""
+def _per_thread(before: dict, read) -> dict:
+    """read(tid) of this process's live threads, summed by thread kind. With `before` empty: also each thread's
+    figure, under the key None; with an earlier call's result: the change since then."""
     names = {t.native_id: _kind(t) for t in threading.enumerate()}
     seen = before.get(None, {})
     now, out = {}, {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/status") as f:
-                n = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+            value = read(tid)
         except (OSError, StopIteration):
             continue
-        now[int(tid)] = n
+        now[int(tid)] = value
         name = names.get(int(tid), "other")
-        out[name] = out.get(name, 0) + n - seen.get(int(tid), 0)
+        out[name] = out.get(name, 0) + value - seen.get(int(tid), 0)
     return {**out, None: now} if not before else out
+
+
+def thread_switches(before: dict) -> dict:
+    """Voluntary context switches (each a wait: a blocking call, a lock or the GIL) by thread kind, from
+    /proc/self/task/*/status (see _per_thread)."""
+    def read(tid: str) -> int:
+        with open(f"/proc/self/task/{tid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+    return _per_thread(before, read)
 
 
 class Counts:
@@ -234,22 +241,11 @@ class Counts:
 
 
 def thread_cpu_s(before: dict) -> dict:
-    """CPU seconds of this process's live threads by thread kind (its name without digits), from
-    /proc/self/task/*/schedstat. With `before` empty: also each thread's figure, under the key None; with an
-    earlier call's result: the CPU since then."""
-    names = {t.native_id: _kind(t) for t in threading.enumerate()}
-    seen = before.get(None, {})
-    now, out = {}, {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                cpu = int(f.read().split()[0]) / 1e9  # ns on a CPU
-        except OSError:
-            continue
-        now[int(tid)] = cpu
-        name = names.get(int(tid), "other")
-        out[name] = out.get(name, 0.0) + cpu - seen.get(int(tid), 0.0)
-    return {**out, None: now} if not before else out
+    """CPU seconds by thread kind (its name without digits), from /proc/self/task/*/schedstat (see _per_thread)."""
+    def read(tid: str) -> float:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9  # ns on a CPU
+    return _per_thread(before, read)
 
 
 def report(yappi, nodes: int, top: int, say) -> None:
