@@ -6,8 +6,10 @@ profiled per function across every thread (yappi, CPU clock), summed into the ro
     python benchmarks/round_profile.py --nodes 32                 # a first round of 32 nodes, 3-member etcd
     python benchmarks/round_profile.py --nodes 32 --no-profile    # the process's CPU only (no profiler cost)
     python benchmarks/round_profile.py --nodes 128 --src /tmp/parent   # another checkout's elastic_rt (a baseline)
+    python benchmarks/round_profile.py --nodes 128 --no-profile --counts   # and what the round is made of
 
-Prints the process's CPU per node per round (os.times, every thread) and, with the profiler, the CPU per node
+Prints the process's CPU per node per round (os.times, every thread), its voluntary context switches by thread
+kind, with --counts the round's writes, reads, frames, streams, threads and sockets, and, with the profiler, the CPU per node
 per round of each part (thread start and stop, connections, watch, view, lease, etcd calls, decisions, logging,
 the rest) by the innermost elastic_rt/ frame of each sample's call stack. The profiler slows the round; its
 shares are what it is for, the unprofiled CPU is the figure. benchmarks/rendezvous_scale.py is the benchmark.
@@ -16,9 +18,11 @@ shares are what it is for, the unprofiled CPU is the figure. benchmarks/rendezvo
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import os
 import resource
+import socket
 import sys
 import threading
 import time
@@ -58,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--etcd-binary", default=None)
     p.add_argument("--rounds", type=int, default=1, help="first round, then this many - 1 re-forms (one leaves)")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--counts", action="store_true", help="also count, per node per round, what the round's CPU is "
+                                                          "made of: connection writes, reader wake-ups, frames read "
+                                                          "by type, threads and sockets started (adds a little CPU)")
     p.add_argument("--switch-interval-ms", type=float, default=50.0)
     p.add_argument("--top", type=int, default=25, help="functions listed (by own CPU)")
     p.add_argument("--src", default=REPO, help="the git checkout whose elastic_rt is profiled (default: this one); "
@@ -93,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     register()
     import elastic_rt
 
+    counts = Counts() if args.counts else None
+
     lines: list[str] = [f"round profile {datetime.date.today().isoformat()}: elastic_rt of {src} at code "
                         f"{git['commit']}{' (dirty)' if git['dirty'] else ''} ({os.path.dirname(elastic_rt.__file__)}); "
                         f"{os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.1f} at the start, "
@@ -119,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                 yappi.clear_stats()
                 yappi.start(builtins=True, profile_threads=True)
             before = thread_cpu_s({})
+            switches = thread_switches({})
+            if counts is not None:
+                counts.reset()
             t0, wall0, ru0 = os.times(), time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
             threads = [threading.Thread(target=lambda h=h: results.append(h.next_rendezvous())) for h in live]
             for t in threads:
@@ -135,11 +147,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{1000 * (t1.system - t0.system) / len(live):.2f}); context switches per node: "
                   f"{(ru1.ru_nvcsw - ru0.ru_nvcsw) / len(live):.0f} voluntary, "
                   f"{(ru1.ru_nivcsw - ru0.ru_nivcsw) / len(live):.0f} involuntary; load {os.getloadavg()[0]:.1f}")
+            counted = counts.snapshot() if counts is not None else {}
             by_thread = thread_cpu_s(before)
+            by_kind = thread_switches(switches)
+            by_kind["the threads that called next_rendezvous() (exited)"] = \
+                (ru1.ru_nvcsw - ru0.ru_nvcsw) - sum(by_kind.values())
             by_thread.pop(None, None)
             by_thread["the threads that called next_rendezvous() (exited)"] = cpu - sum(by_thread.values())
             say("  CPU by thread kind (us/node/round): " + ", ".join(
                 f"{name} {1e6 * t / len(live):.0f}" for name, t in sorted(by_thread.items(), key=lambda kv: -kv[1])))
+            say("  voluntary context switches by thread kind (per node/round): " + ", ".join(
+                f"{name} {v / len(live):.1f}" for name, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
+            if counted:
+                say("  counts per node/round: " + ", ".join(f"{k} {v / len(live):.2f}" for k, v in sorted(counted.items())))
             if yappi is not None:
                 report(yappi, len(live), args.top, say)
         for h in live:
@@ -153,25 +173,79 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def thread_cpu_s(before: dict) -> dict:
-    """CPU seconds of this process's live threads by thread kind (its name without digits), from
-    /proc/self/task/*/schedstat. With `before` empty: also each thread's figure, under the key None; with an
-    earlier call's result: the CPU since then."""
-    names = {t.native_id: ("elastic-rt-etcd" if t.name.startswith("elastic-rt-etcd") else
-                           "".join(c for c in t.name if not c.isdigit()).split(" (")[0].rstrip("-"))
-             for t in threading.enumerate()}
+def _kind(thread: threading.Thread) -> str:
+    return ("elastic-rt-etcd" if thread.name.startswith("elastic-rt-etcd") else
+            "".join(c for c in thread.name if not c.isdigit()).split(" (")[0].rstrip("-"))
+
+
+def _per_thread(before: dict, read) -> dict:
+    """read(tid) of this process's live threads, summed by thread kind. With `before` empty: also each thread's
+    figure, under the key None; with an earlier call's result: the change since then."""
+    names = {t.native_id: _kind(t) for t in threading.enumerate()}
     seen = before.get(None, {})
     now, out = {}, {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                cpu = int(f.read().split()[0]) / 1e9  # ns on a CPU
-        except OSError:
+            value = read(tid)
+        except (OSError, StopIteration):
             continue
-        now[int(tid)] = cpu
+        now[int(tid)] = value
         name = names.get(int(tid), "other")
-        out[name] = out.get(name, 0.0) + cpu - seen.get(int(tid), 0.0)
+        out[name] = out.get(name, 0) + value - seen.get(int(tid), 0)
     return {**out, None: now} if not before else out
+
+
+def thread_switches(before: dict) -> dict:
+    """Voluntary context switches (each a wait: a blocking call, a lock or the GIL) by thread kind, from
+    /proc/self/task/*/status (see _per_thread)."""
+    def read(tid: str) -> int:
+        with open(f"/proc/self/task/{tid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+    return _per_thread(before, read)
+
+
+class Counts:
+    """Counters wrapped around elastic_rt's connection and thread start (the harness's, not the product's): writes
+    to etcd (each a sendall), reader wake-ups, frames read by type, requests and streams opened, threads and
+    sockets started."""
+
+    FRAMES = {0: "DATA", 1: "HEADERS", 3: "RST_STREAM", 4: "SETTINGS", 6: "PING", 7: "GOAWAY", 8: "WINDOW_UPDATE",
+              9: "CONTINUATION"}
+
+    def __init__(self) -> None:
+        from elastic_rt.rendezvous import connection, frames
+
+        self.c: collections.Counter = collections.Counter()
+        c = self.c
+
+        def counting(cls, name, key):
+            orig = getattr(cls, name)
+
+            def wrapper(*a, **k):
+                c[key(*a, **k) if callable(key) else key] += 1
+                return orig(*a, **k)
+            setattr(cls, name, wrapper)
+
+        counting(connection.Connection, "_write", "writes to etcd")
+        counting(connection.Connection, "_receive", "reads from etcd")
+        counting(connection.Connection, "open", lambda self, path, *a, **k: "opened " + path.rsplit("/", 1)[-1])
+        counting(frames.StreamTable, "_frame", lambda self, ftype, *a: "frames read " + Counts.FRAMES.get(ftype, str(ftype)))
+        counting(threading.Thread, "start", lambda self: "threads started " + _kind(self))
+        counting(socket.socket, "__init__", "sockets")
+
+    def reset(self) -> None:
+        self.c.clear()
+
+    def snapshot(self) -> dict:
+        return dict(self.c)
+
+
+def thread_cpu_s(before: dict) -> dict:
+    """CPU seconds by thread kind (its name without digits), from /proc/self/task/*/schedstat (see _per_thread)."""
+    def read(tid: str) -> float:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9  # ns on a CPU
+    return _per_thread(before, read)
 
 
 def report(yappi, nodes: int, top: int, say) -> None:

@@ -26,7 +26,7 @@ import time
 
 import grpc
 
-from elastic_rt.rendezvous.frames import Stream, StreamTable
+from elastic_rt.rendezvous.frames import ACK_DELAY_S, Stream, StreamTable
 from elastic_rt.rendezvous.wire import (
     MAX_WINDOW, PREFACE, CallError, client_settings, literal, message, request_prefix, rst_stream, timeout_field,
 )
@@ -115,9 +115,10 @@ class Connection(StreamTable):
 
     # ---- calls ----------------------------------------------------------------------------------------
     def open(self, path: str, metadata: tuple = (), *, timeout_s: float | None = None,
-             body: bytes | None = None) -> Stream:
+             body: bytes | None = None, first: tuple[bytes, ...] = ()) -> Stream:
         """Start a call: a unary one with `body` (its only request, sent with the headers), else a streaming one
-        (messages follow with Stream.send). `timeout_s` goes to etcd as grpc-timeout."""
+        whose `first` requests go with the headers, in the same write (more follow with Stream.send).
+        `timeout_s` goes to etcd as grpc-timeout."""
         key = (path, timeout_s, metadata)
         fields = self._blocks.get(key)
         if fields is None:  # a call's header block depends on these alone: encoded once per connection
@@ -138,6 +139,8 @@ class Connection(StreamTable):
             out = self._header_frames(stream.id, fields)
             if body is not None:
                 out += self._data(stream, message(body), end=True)
+            elif first:
+                out += self._data(stream, b"".join(map(message, first)), end=False)
             self._write(out)
             stream.sent_at = time.monotonic()
         return stream
@@ -177,6 +180,9 @@ class Connection(StreamTable):
                     pass
 
     def _write(self, data: bytes) -> None:
+        if self._acks:  # the answers to etcd's BDP pings (frames.py) go with this write
+            data = bytes(self._acks) + data
+            self._acks.clear()
         try:
             if self._tls is not None:
                 self._tls.write(data)
@@ -244,10 +250,22 @@ class Connection(StreamTable):
         poller.register(self._sock.fileno(), select.POLLIN)
         try:
             while self.error is None:
-                poller.poll()
-                self.pump()
+                due = self._acks_at + ACK_DELAY_S - time.monotonic() if self._acks else None
+                if poller.poll(None if due is None else max(0, int(1000 * due) + 1)):
+                    self.pump()
+                if self._acks and time.monotonic() - self._acks_at >= ACK_DELAY_S:
+                    self._send_acks()
         finally:
             self._sock.close()
+
+    def _send_acks(self) -> None:
+        """Answer etcd's pending BDP pings now: nothing was written for ACK_DELAY_S that could take them."""
+        with self._lock:
+            if self._acks and self.error is None:
+                try:
+                    self._write(b"")
+                except CallError:
+                    pass  # the connection failed (every call was told)
 
     def pump(self) -> None:
         """Read what the kernel holds for this connection and handle every complete frame in it."""

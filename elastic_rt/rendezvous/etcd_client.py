@@ -404,14 +404,12 @@ class EtcdClient:
         creates = [etcdrpc.WatchCreateRequest(key=k.encode(), start_revision=after_revision + 1) for k in keys]
         creates += [etcdrpc.WatchCreateRequest(key=p.encode(), range_end=prefix_end(p), start_revision=after_revision + 1)
                     for p in prefixes]
-        requests = [etcdrpc.WatchRequest(create_request=c) for c in creates]
+        requests = tuple(etcdrpc.WatchRequest(create_request=c).SerializeToString() for c in creates)
 
         def watch(ep: Endpoint, t: float) -> bool:
-            stream = ep.stream("Watch/Watch", t, ep.metadata or ())
+            stream = ep.stream("Watch/Watch", t, ep.metadata or (), first=requests)  # watchers and headers: one write
             deadline = time.monotonic() + t
             try:
-                for request in requests:
-                    stream.send(request.SerializeToString())
                 while (left := deadline - time.monotonic()) > 0:
                     try:
                         body = stream.next(left)

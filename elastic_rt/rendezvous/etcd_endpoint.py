@@ -68,8 +68,9 @@ class Endpoint:
                                                 self.metadata or () if metadata is None else metadata)
         return _REPLIES[method].FromString(body)
 
-    def stream(self, method: str, timeout_s: float, metadata: tuple = ()) -> Stream:
-        return self.connection(timeout_s).open(_PATHS[method], metadata)
+    def stream(self, method: str, timeout_s: float, metadata: tuple = (), first: tuple[bytes, ...] = ()) -> Stream:
+        """A streaming call; its `first` requests are written with its headers, in one write."""
+        return self.connection(timeout_s).open(_PATHS[method], metadata, first=first)
 
     def keep_alive(self, lease_id: int, timeout_s: float, silent_s: float | None = None) -> Renewal | None:
         """One keep-alive on this member's long-lived LeaseKeepAlive stream (opened on first use and again after
@@ -135,12 +136,16 @@ class _KeepAliveStream:
     def __init__(self, ep: Endpoint, timeout_s: float) -> None:
         self.metadata = ep.metadata
         self._conn = ep.connection(timeout_s)
-        self._stream = self._conn.open(_PATHS["Lease/LeaseKeepAlive"], ep.metadata or ())
+        self._stream: Stream | None = None  # opened by the first beat, which goes with its headers (one write)
         self._unanswered: collections.deque[float] = collections.deque()  # send times, oldest first
         self._owed_since = 0.0  # when the oldest unanswered keep-alive was sent to a member that owed nothing
 
     def beat(self, lease_id: int, timeout_s: float, silent_s: float) -> Renewal | None:
-        self._stream.send(etcdrpc.LeaseKeepAliveRequest(ID=lease_id).SerializeToString())
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id).SerializeToString()
+        if self._stream is None:
+            self._stream = self._conn.open(_PATHS["Lease/LeaseKeepAlive"], self.metadata or (), first=(request,))
+        else:
+            self._stream.send(request)
         sent = self._stream.sent_at
         if not self._unanswered:
             self._owed_since = sent
@@ -174,11 +179,19 @@ class _KeepAliveStream:
                 return newest
 
     def close(self) -> None:
-        self._stream.cancel()
+        if self._stream is not None:
+            self._stream.cancel()
 
 
 class WatchCompacted(Exception):
     """A watch's start revision was compacted away: re-read, then watch from the new revision."""
+
+
+def _create(key_range: tuple[str, bytes], start_revision: int, deletes_only: bool) -> bytes:
+    """A WatchRequest that creates a watcher of `key_range` from `start_revision` (only its deletions, if so)."""
+    create = etcdrpc.WatchCreateRequest(key=key_range[0].encode(), range_end=key_range[1], start_revision=start_revision,
+                                        filters=[etcdrpc.WatchCreateRequest.NOPUT] if deletes_only else [])
+    return etcdrpc.WatchRequest(create_request=create).SerializeToString()
 
 
 class WatchStream:
@@ -198,21 +211,22 @@ class WatchStream:
         self._index: dict[int, int] = {}  # etcd's watch id -> range index
         self._pending: collections.deque[int] = collections.deque()  # range indexes of creates not yet answered
         self._closed = False
+        creates = [_create(r, rev, i in deletes_only) for i, (r, rev) in enumerate(zip(ranges, start_revisions))]
+        self._pending.extend(range(len(creates)))  # the watchers go with the stream's headers, in one write
         try:
-            self._stream = ep.stream("Watch/Watch", timeout_s, tuple(ep.metadata or ()) + (("hasleader", "true"),))
+            self._stream = ep.stream("Watch/Watch", timeout_s, tuple(ep.metadata or ()) + (("hasleader", "true"),),
+                                     first=tuple(creates))
         except CallError as exc:
             raise EtcdUnavailableError(f"etcd at {ep.label}: cannot open the watch: {exc.details()}") from exc
-        for i, ((start, end), rev) in enumerate(zip(ranges, start_revisions)):
-            self.add(i, (start, end), rev, deletes_only=i in deletes_only)
 
     def add(self, index: int, key_range: tuple[str, bytes], start_revision: int, *, deletes_only: bool = False) -> None:
         """One more watcher on this stream; its events come as range `index`."""
-        filters = [etcdrpc.WatchCreateRequest.NOPUT] if deletes_only else []
-        create = etcdrpc.WatchCreateRequest(key=key_range[0].encode(), range_end=key_range[1],
-                                            start_revision=start_revision, filters=filters)
         with self._lock:
             self._pending.append(index)
-            self._send(etcdrpc.WatchRequest(create_request=create))
+            try:
+                self._stream.send(_create(key_range, start_revision, deletes_only))
+            except CallError:
+                pass  # the stream broke: its iteration says so
 
     def forget(self, index: int) -> None:
         """Ignore the events of range `index`'s watchers from now on, and ask etcd to cancel them."""

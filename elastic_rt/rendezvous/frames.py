@@ -8,6 +8,7 @@ broken). A stream's messages, and then its end, go to the stream through `_put`.
 from __future__ import annotations
 
 import queue
+import time
 
 import grpc
 
@@ -19,6 +20,11 @@ from elastic_rt.rendezvous.wire import (
 )
 
 _REPLENISH = 1 << 30  # consumed receive window given back once this much arrived (the windows are 2^31 - 1)
+# grpc-go's bandwidth-delay probe: etcd sends it after the request data that follows each answered one, so about
+# once per request. Its answer travels with this connection's next write (the connection sends it on its own
+# ACK_DELAY_S after it came, when nothing was written); any other PING is answered at once.
+BDP_PING = bytes([2, 4, 16, 16, 9, 14, 7, 7])
+ACK_DELAY_S = 2.0
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
@@ -70,6 +76,8 @@ class StreamTable:
         self._buf = bytearray()
         self._block: tuple[int, int, bytearray] | None = None  # a header block waiting for its CONTINUATION
         self._decoder = HeaderDecoder()
+        self._acks = bytearray()  # PING ACK frames that go with the next write
+        self._acks_at = 0.0  # when the oldest of them was due (monotonic)
         self.error: CallError | None = None
         self.goaway = False
         self.answered = False  # the member sent its SETTINGS
@@ -175,7 +183,12 @@ class StreamTable:
                 stream.send_window += u32(payload)
             self._unblock()
         elif ftype == PING and not flags & ACK:
-            self._write(frame(PING, ACK, 0, payload))
+            if payload != BDP_PING:
+                self._write(frame(PING, ACK, 0, payload))
+            else:
+                if not self._acks:
+                    self._acks_at = time.monotonic()
+                self._acks += frame(PING, ACK, 0, payload)
         elif ftype == SETTINGS and not flags & ACK:
             self._on_settings(payload)
         elif ftype == RST_STREAM:

@@ -1,22 +1,31 @@
 """What a node's round must not cost per member (benchmarks/round_profile.py found each of these in a profile):
 an object and a key name per member when a round forms, a JSON parse of the final per look at it, a socketpair per
-liveness loop. Pure logic: the view, decide() and the waker without etcd."""
+liveness loop, a write per watcher of a watch or per answer to etcd's BDP ping. The view, decide() and the waker
+without etcd; the connection's writes against a loopback peer that speaks the server side of HTTP/2."""
 
 from __future__ import annotations
 
 import json
 import selectors
+import socket
+import time
 
 import pytest
 
 from elastic_rt.errors import RendezvousDataError
+from elastic_rt.rendezvous import connection as connection_mod
 from elastic_rt.rendezvous import decide as decide_mod
+from elastic_rt.rendezvous.connection import Connection
 from elastic_rt.rendezvous.decide import decode_final, malformed, membership
 from elastic_rt.rendezvous.etcd_client import KeyValue
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import _Waker
 from elastic_rt.rendezvous.monitor import incarnation
 from elastic_rt.rendezvous.view import MembershipView
+from elastic_rt.rendezvous.wire import (
+    ACK, DATA, END_HEADERS, END_STREAM, HEAD_SIZE, HEADERS, PING, PREFACE, SETTINGS, WINDOW_UPDATE, frame, frame_head,
+    split_messages,
+)
 
 
 def test_a_formed_round_shares_one_placeholder_for_the_members_the_view_never_read():
@@ -80,3 +89,111 @@ def test_the_waker_wakes_a_select_once_drained_sleeps_and_is_harmless_after_clos
         waker.close()
     waker.wake()  # after close: writes nowhere, raises nothing
     waker.close()
+
+
+# ---- writes on the etcd connection: each sendall is a system call and a GIL hand-off, per node per round -------
+BDP_PING = bytes([2, 4, 16, 16, 9, 14, 7, 7])  # grpc-go's bandwidth-delay probe (etcd 3.4 and 3.5)
+
+class _Member:
+    """A loopback peer that speaks just enough HTTP/2 server side (reads frames, sends what the test says)."""
+
+    def __init__(self) -> None:
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self._srv.getsockname()[1]
+        self.sock: socket.socket | None = None
+        self._buf = bytearray()
+
+    def accept(self) -> None:
+        self.sock, _ = self._srv.accept()
+        self.sock.settimeout(10)
+        self.read_exactly(len(PREFACE))
+
+    def read_exactly(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise AssertionError("the client closed the connection")
+            self._buf += chunk
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    def next_frame(self) -> tuple[int, int, int, bytes]:
+        length, ftype, flags, sid = frame_head(self.read_exactly(HEAD_SIZE), 0)
+        return ftype, flags, sid, self.read_exactly(length)
+
+    def close(self) -> None:
+        for s in (self.sock, self._srv):
+            if s is not None:
+                s.close()
+
+
+class _CountingSocket:
+    """The connection's socket, with every sendall's bytes recorded."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock, self.sent = sock, []
+
+    def sendall(self, data) -> None:
+        self.sent.append(bytes(data))
+        self._sock.sendall(data)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+@pytest.fixture
+def member_and_connection():
+    member = _Member()
+    conn = Connection("127.0.0.1", member.port, authority="m", ssl_context=None, timeout_s=5, name="test")
+    member.accept()
+    conn._sock = counted = _CountingSocket(conn._sock)  # noqa: SLF001 - count what the connection writes from now
+    try:
+        yield member, conn, counted
+    finally:
+        conn.close()
+        member.close()
+
+
+def test_a_streaming_call_sends_its_first_requests_with_its_headers_in_one_write(member_and_connection):
+    member, conn, counted = member_and_connection
+    while member.next_frame()[0] != WINDOW_UPDATE:  # the client's SETTINGS, then its window
+        pass
+    conn.open("/etcdserverpb.Watch/Watch", first=(b"a", b"bb", b"ccc"))
+    assert len(counted.sent) == 1  # headers and three requests (the watch's watchers): one system call
+    ftype, flags, sid, _ = member.next_frame()
+    assert (ftype, flags & END_HEADERS, sid) == (HEADERS, END_HEADERS, 1)
+    ftype, flags, sid, payload = member.next_frame()
+    assert (ftype, flags & END_STREAM, sid) == (DATA, 0, 1)  # the stream stays open for more
+    assert split_messages(bytearray(payload)) == [b"a", b"bb", b"ccc"]
+
+
+def test_etcds_bdp_ping_is_answered_with_the_next_write_and_any_other_ping_at_once(member_and_connection):
+    member, conn, counted = member_and_connection
+    member.sock.sendall(frame(SETTINGS, 0, 0))
+    while member.next_frame()[:2] != (SETTINGS, ACK):  # the reader answered the SETTINGS
+        pass
+    sent = len(counted.sent)
+    member.sock.sendall(frame(PING, 0, 0, BDP_PING))
+    deadline = time.monotonic() + 10
+    while not conn._acks:  # noqa: SLF001 - the reader thread took the ping (it writes nothing to say so)
+        assert time.monotonic() < deadline, "the reader thread never handled the ping"
+        time.sleep(0.005)
+    conn.open("/etcdserverpb.KV/Range", timeout_s=5, body=b"q")
+    assert len(counted.sent) == sent + 1  # the BDP ping's answer cost no write of its own
+    assert counted.sent[-1].startswith(frame(PING, ACK, 0, BDP_PING))
+    assert member.next_frame() == (PING, ACK, 0, BDP_PING)
+    assert [member.next_frame()[0] for _ in range(2)] == [HEADERS, DATA]  # the request
+    member.sock.sendall(frame(PING, 0, 0, b"keepaliv"))
+    assert member.next_frame() == (PING, ACK, 0, b"keepaliv")  # at once, alone: grpc-go times keep-alive pings
+    assert counted.sent[-1] == frame(PING, ACK, 0, b"keepaliv")
+
+
+def test_a_bdp_pings_answer_goes_alone_when_nothing_is_written_for_a_while(member_and_connection, monkeypatch):
+    monkeypatch.setattr(connection_mod, "ACK_DELAY_S", 0.05)
+    member, conn, counted = member_and_connection
+    member.sock.sendall(frame(SETTINGS, 0, 0) + frame(PING, 0, 0, BDP_PING))
+    while (got := member.next_frame())[0] != PING:  # member.sock's timeout bounds the wait
+        pass
+    assert got == (PING, ACK, 0, BDP_PING)
+    assert counted.sent[-1] == frame(PING, ACK, 0, BDP_PING)
