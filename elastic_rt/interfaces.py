@@ -45,6 +45,11 @@ class MembershipHandler(ABC):
     def leave(self) -> None:
         """Give up this node's place now, so that the others re-form without waiting for its lease to expire."""
 
+    def round_running(self) -> bool:
+        """A round has formed and the run is not closed: a node joining now makes its members restart (a
+        scale-up). Best effort (False when it cannot tell); it decides only whether a joining node waits first."""
+        return False
+
     def closed_by_this_launch(self) -> bool:
         """The run was closed by a node of this very launch (the same job fingerprint and launch id)."""
         return False

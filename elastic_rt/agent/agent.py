@@ -18,7 +18,7 @@ from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, failure_
 from elastic_rt.diagnostics.failure_diagnostics import FailureDiagnostics
 from elastic_rt.diagnostics.exit_aborts import forgive_teardown_exits
 from elastic_rt.agent.process_tree import stop_tree
-from elastic_rt.agent.scale_up import SCALE_UP_WAIT_S, ScaleUpGate
+from elastic_rt.agent.scale_up import SCALE_UP_WAIT_S, ScaleUpGate, join_when_warm
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.agent.warm_start import warm_start
 from elastic_rt.checkpoint.fence import FencePublisher
@@ -80,6 +80,7 @@ class ElasticRTAgent(LocalElasticAgent):
             self._extras.add_etcd_listener(self.observer.on_etcd)
         self.crash_loop = crash_loop
         self._warm_pool = warm_pool
+        self._joined = False  # the first rendezvous of this agent is behind it
         self._scale_up_gate = ScaleUpGate(warm_pool, max_wait_s=scale_up_wait_s, log_prefix=self._prefix)
         self._fence: FencePublisher | None = None  # the round, for the workers' checkpoint commits
         if warm_pool is not None:
@@ -97,12 +98,21 @@ class ElasticRTAgent(LocalElasticAgent):
             return self._extras.membership_change()
         return RestartReason.SCALE_UP if self._handler().num_nodes_waiting() > 0 else None
 
+    @staticmethod
+    def _sleep(seconds: float) -> None:
+        stop_signal.raise_if_received()  # SIGTERM while waiting to join: the launcher's shutdown
+        time.sleep(seconds)
+
     def _prefix(self) -> str:
         m = self._membership()
         return f"[{self._node_id} round {m.round if m else '-'}]"
 
     # ---- worker lifecycle --------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if not self._joined and self._extras is not None:
+            join_when_warm(self._warm_pool, running=self._extras.round_running,
+                           max_wait_s=self._scale_up_gate.max_wait_s, sleep=self._sleep, log_prefix=self._prefix)
+        self._joined = True
         while True:
             t0 = time.monotonic()
             self.observer.on_rendezvous_started()

@@ -1,4 +1,4 @@
-"""When a scale-up restarts the group: not while this node's warm workers are still on their way.
+"""When a scale-up restarts the group: not while a node's warm workers are still on their way.
 
 A node waiting to join makes every running node restart its workers (the scale-up). The workers a
 restart starts are the pool's warm ones; right after a restart (a node lost, the group re-formed
@@ -7,6 +7,10 @@ imports. So a running node holds the scale-up while its pool is warming (a refil
 warm worker importing), for at most `max_wait_s` from the moment it first saw the waiting node; the
 group trains meanwhile. Every other reason to restart (a lost peer, a failed worker, a hang, a new
 round) acts at once, and a held scale-up is taken as soon as the pool is ready.
+
+The joining node does the same from its side (join_when_warm): when the job is already running, it
+asks for a place only once its own warm workers have imported (at most `max_wait_s`), so that the
+restart it causes does not wait for its imports either.
 """
 
 from __future__ import annotations
@@ -55,3 +59,21 @@ class ScaleUpGate:
     def reset(self) -> None:
         """The group restarted (for any reason): a later waiting node is a new scale-up."""
         self._seen_at = None
+
+
+def join_when_warm(pool: Warming | None, *, running: Callable[[], bool], max_wait_s: float = SCALE_UP_WAIT_S,
+                   clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                   log_prefix: Callable[[], str] = lambda: "") -> float:
+    """Before a node's first rendezvous: while the job runs without it (`running()`) and its warm workers are
+    on their way, wait for them, at most max_wait_s. Returns the seconds waited."""
+    if pool is None or max_wait_s <= 0 or not pool.warming() or not running():
+        return 0.0
+    started = clock()
+    log.info("%s the job is running: this node asks to join once its warm workers have imported (at most %.0f s)",
+             log_prefix(), max_wait_s)
+    while pool.warming() and clock() - started < max_wait_s:
+        sleep(0.2)
+    waited = clock() - started
+    log.info("%s joining after %.1f s: %s", log_prefix(), waited,
+             "warm workers ready" if not pool.warming() else f"still importing after {max_wait_s:.0f} s")
+    return waited

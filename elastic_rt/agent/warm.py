@@ -74,7 +74,8 @@ class WarmSettings:
         "--warm-scale-up-wait", type=float, default=SCALE_UP_WAIT_S,
         parse=positive("--warm-scale-up-wait", zero_ok=True),
         help="seconds a running node holds the restart that admits a joining node while its own warm workers are "
-             "still importing; the group trains meanwhile (default 60; 0: restart at once)")
+             "still importing (the group trains meanwhile), and a node joining a running job waits for its own "
+             "(default 60; 0: at once)")
 
 
 WORKER_MODULE = "elastic_rt.worker.main"

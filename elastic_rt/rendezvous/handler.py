@@ -97,7 +97,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elastic_rt.decisions import RestartReason
-from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError, RunInUseError
+from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError, RendezvousDataError, RunInUseError
 from elastic_rt.interfaces import MembershipHandler
 from elastic_rt.rendezvous.claim import claim_run, remove_run_keys
 from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
@@ -195,6 +195,19 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
                 raise EtcdUnavailableError(f"etcd key {key} changed while this node marked the run closed; again")
 
         self._retrying(put, self._clock() + self.settings.close_timeout_s)
+
+    def round_running(self) -> bool:
+        """A round has formed (its final is written) and the run is not closed; False when etcd does not
+        answer or the keys do not read (the caller only decides whether to wait before joining)."""
+        k = self.keys
+        try:
+            (current, closed), _, _ = self._client.read_many([k.round, k.closed], [])
+            if current is None or closed is not None:
+                return False
+            final, _ = self._client.get(k.final(k.decode_round(current)))
+        except (EtcdUnavailableError, RendezvousDataError):
+            return False
+        return final is not None
 
     def closed_by_this_launch(self) -> bool:
         """The run's trusted `closed` marker was written by a node of this very launch: the same job fingerprint,

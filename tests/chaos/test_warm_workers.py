@@ -167,17 +167,19 @@ except FileExistsError:
 PLAIN = str(ROOT / "tests" / "chaos" / "scripts" / "plain_ddp_steps.py")
 
 
-def test_a_joining_node_waits_for_the_running_nodes_warm_workers_while_the_group_trains(
+def test_a_scale_up_waits_for_both_nodes_warm_workers_while_the_group_trains(
         etcd_endpoint, run_id, tmp_path, nodes):  # noqa: F811
-    """Node a trains alone; its refilled warm worker is held inside its imports. Node b joins: a holds the
-    scale-up and its group goes on training; once a's warm worker has imported, the group restarts with b."""
+    """Node a trains alone; its refilled warm worker is held inside its imports. Node b starts with its own
+    warm worker held: it does not ask to join yet, and a trains on. Released, b asks; a holds the scale-up
+    while its own refill imports, training on. Once that is released too, the group restarts with b."""
     mods = tmp_path / "mods"
     mods.mkdir()
     (mods / "slotted_import.py").write_text(SLOTTED_IMPORT)
     folders = {name: tmp_path / f"imports-{name}" for name in "ab"}
     for folder in folders.values():
         folder.mkdir()
-    (folders["a"] / "hold").touch()
+        (folder / "hold").touch()
+    (folders["b"] / "first").touch()  # b's first warm worker is held too
 
     def start(name: str) -> Node:
         args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id,
@@ -190,12 +192,20 @@ def test_a_joining_node_waits_for_the_running_nodes_warm_workers_while_the_group
         nodes.append(n)
         return n
 
+    def trains_on(n: Node, pattern: str) -> None:
+        """A step of a's group after the line `pattern` of node n."""
+        held = n.wait_for(pattern, 120)
+        since = min(t for t, line in n.lines if held.group(0) in line)
+        a.wait_for(r"\]:step=\d+ world_size=1", 120, after=since)
+
     a = start("a")
     a.wait_for(r"\]:step=5 world_size=1", 240)
     b = start("b")
-    held = a.wait_for(r"\[a round 0\] a node waits to join: the scale-up waits for this node's warm workers", 120)
-    t_held = min(t for t, line in a.lines if held.group(0) in line)
-    a.wait_for(r"\]:step=\d+ world_size=1", 120, after=t_held)  # the group trains on
+    trains_on(b, r"\[b round -\] the job is running: this node asks to join once its warm workers have imported")
+    assert not a.matches(r"a node waits to join")
+    (folders["b"] / "hold").unlink()
+    b.wait_for(r"\[b round -\] joining after \d+\.\d s: warm workers ready", 240)
+    trains_on(a, r"\[a round 0\] a node waits to join: the scale-up waits for this node's warm workers")
     assert not a.matches(r"restarting the worker group: scale up")
     (folders["a"] / "hold").unlink()
     a.wait_for(r"\[a round 0\] scale-up after \d+\.\d s held: warm workers ready", 240)

@@ -41,9 +41,11 @@ def _together(handlers):
 
 def test_round_forms_then_scale_up_then_leave(etcd_endpoint, run_id):
     a, b, c = (_handler(etcd_endpoint, run_id, n, 2, 3) for n in "abc")
+    assert not c.round_running()  # nothing formed yet: a node starting now waits for nothing before joining
     first = _together([a, b])
     assert sorted(first.values()) == [(0, 2), (1, 2)]
     assert a.membership_change() is None
+    assert c.round_running()  # c joining now makes a and b restart (a scale-up)
     waiter = threading.Thread(target=lambda: c.next_rendezvous())
     waiter.start()
     assert _poll(lambda: a.membership_change() == "scale_up")
@@ -55,6 +57,7 @@ def test_round_forms_then_scale_up_then_leave(etcd_endpoint, run_id):
     assert _poll(lambda: a.membership_change() == "peer_lost")
     assert sorted(_together([a, b]).values()) == [(0, 2), (1, 2)]
     a.shutdown()
+    assert not c.round_running()  # closed
     with pytest.raises(RendezvousClosedError):
         b.next_rendezvous()
 

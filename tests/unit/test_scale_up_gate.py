@@ -3,7 +3,7 @@ warm workers import, for at most max_wait_s; pure logic, a fake clock and pool."
 
 from __future__ import annotations
 
-from elastic_rt.agent.scale_up import ScaleUpGate
+from elastic_rt.agent.scale_up import ScaleUpGate, join_when_warm
 
 
 class Pool:
@@ -57,3 +57,39 @@ def test_no_pool_or_zero_wait_never_holds():
     clock = Clock()
     assert not ScaleUpGate(None, clock=clock).hold()
     assert not ScaleUpGate(Pool(), max_wait_s=0, clock=clock).hold()
+
+
+class ReadyAfter(Pool):
+    """A pool that finishes warming once the clock reaches `at`."""
+
+    def __init__(self, clock: Clock, at: float) -> None:
+        super().__init__()
+        self.clock, self.at = clock, at
+
+    def warming(self) -> bool:
+        return self.clock.now < self.at
+
+
+def _join(pool, clock: Clock, *, running: bool, max_wait_s: float = 60) -> float:
+    def sleep(seconds: float) -> None:
+        clock.now += seconds
+
+    return join_when_warm(pool, running=lambda: running, max_wait_s=max_wait_s, clock=clock, sleep=sleep)
+
+
+def test_a_node_joining_a_running_job_waits_for_its_warm_workers():
+    clock = Clock()
+    assert abs(_join(ReadyAfter(clock, clock.now + 7), clock, running=True) - 7) < 0.3
+
+
+def test_a_node_joins_at_once_when_no_round_runs_or_its_pool_is_ready_or_off():
+    clock = Clock()
+    assert _join(ReadyAfter(clock, clock.now + 7), clock, running=False) == 0
+    assert _join(ReadyAfter(clock, clock.now), clock, running=True) == 0
+    assert _join(None, clock, running=True) == 0
+    assert _join(Pool(), clock, running=True, max_wait_s=0) == 0
+
+
+def test_a_joining_node_waits_at_most_max_wait():
+    clock = Clock()
+    assert abs(_join(Pool(), clock, running=True, max_wait_s=30) - 30) < 0.3
