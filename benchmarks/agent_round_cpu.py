@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""The client CPU of one agent's rendezvous round, as an agent runs it: one handler in this process, a job of
+one node (`--nnodes 1`), on a real etcd. Each run is a new run id: a first round (the handler's start-up
+included: connection, lease, view, liveness) and then a second round of the same handler (a restart).
+The CPU is getrusage's (every thread of this process, microseconds; etcd runs in child processes and is
+not counted); the handler is created before the clock starts and left 0.3 s to settle around each round.
+
+    python benchmarks/agent_round_cpu.py                          # this checkout, 25 runs, 3-member etcd
+    python benchmarks/agent_round_cpu.py --src /tmp/other-clone   # another checkout's elastic_rt (a baseline)
+
+Another checkout is imported from --src before any installed elastic_rt, so run it with an interpreter that
+has that checkout's dependencies (e.g. its own venv). Prints and writes the median, min and max per round.
+benchmarks/rendezvous_scale.py measures the same per node at scale (many nodes per process).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=25)
+    p.add_argument("--etcd-members", type=int, default=3)
+    p.add_argument("--etcd-binary", default=None)
+    p.add_argument("--src", default=REPO, help="the git checkout whose elastic_rt is measured (default: this one)")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
+    p.add_argument("--allow-dirty", action="store_true", help="measure a tree with uncommitted changes")
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.etcd_members < 1:
+        p.error("--runs and --etcd-members must be >= 1")
+    from provenance import provenance  # benchmarks/provenance.py: benchmarks/ is sys.path[0]
+    from results_file import write_results
+
+    src = os.path.abspath(args.src)
+    git = provenance(args.allow_dirty, repo=src)
+    sys.path.insert(0, src)  # its elastic_rt before any installed one
+    sys.path.append(REPO)  # etcd_testbed, from this checkout
+    logging.basicConfig(level=logging.WARNING)
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+
+    import elastic_rt
+    from elastic_rt.rendezvous.registration import register
+    from etcd_testbed.server import EtcdCluster
+
+    register()
+    load_start = os.getloadavg()
+    first: list[float] = []
+    second: list[float] = []
+    with EtcdCluster(args.etcd_members, binary=args.etcd_binary) as cluster:
+        version = subprocess.run([cluster.binary, "--version"], capture_output=True, text=True).stdout.splitlines()
+        for _ in range(args.runs):
+            h = rendezvous_handler_registry.create_handler(RendezvousParameters(
+                "etcd-v3", cluster.endpoints, f"agent-cpu-{uuid.uuid4().hex[:6]}", 1, 1, local_addr="127.0.0.1",
+                node_id="n0"))
+            for series in (first, second):
+                time.sleep(0.3)
+                c0 = cpu_s()
+                h.next_rendezvous()
+                series.append(1000 * (cpu_s() - c0))
+            time.sleep(0.3)
+            h.shutdown()
+    load_end = os.getloadavg()
+
+    def summary(xs: list[float]) -> dict:
+        return {"median_ms": statistics.median(xs), "min_ms": min(xs), "max_ms": max(xs), "runs_ms": xs}
+
+    result = {"first_round": summary(first), "second_round": summary(second)}
+    head = (f"agent round CPU {datetime.date.today().isoformat()}: elastic_rt of {src} at code {git['commit']}"
+            f"{' (dirty)' if git['dirty'] else ''} ({os.path.dirname(elastic_rt.__file__)}); one handler in this "
+            f"process, a 1-node job, {args.runs} runs; {os.cpu_count()} CPU(s), load average {load_start[0]:.1f} at "
+            f"the start and {load_end[0]:.1f} at the end; etcd {version[0] if version else '?'} "
+            f"({args.etcd_members} members on loopback, {cluster.binary})")
+    lines = [head, "", "| round | median CPU ms | min | max |", "|---|---|---|---|"]
+    for name, key in (("first (start-up included)", "first_round"), ("second (a restart)", "second_round")):
+        r = result[key]
+        lines.append(f"| {name} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    stamp = datetime.date.today().isoformat()
+    path = write_results(args.out, "agent-round-cpu", stamp, {
+        "benchmark": "agent_round_cpu", "date": stamp, "provenance": git, "src": src, "runs": args.runs,
+        "etcd": {"binary": cluster.binary, "version": version[:1], "members": args.etcd_members},
+        "cpus": os.cpu_count(), "loadavg_start": list(load_start), "loadavg_end": list(load_end), **result}, text)
+    print(f"written: {path}.json, {path}.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
