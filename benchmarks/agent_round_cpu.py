@@ -91,13 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         r = result[key]
         lines.append(f"| {name} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} |")
     text = "\n".join(lines) + "\n"
-    print(text, end="")
     stamp = datetime.date.today().isoformat()
-    path = write_results(args.out, "agent-round-cpu", stamp, {
+    write_results(args.out, "agent-round-cpu", stamp, {
         "benchmark": "agent_round_cpu", "date": stamp, "provenance": git, "src": src, "runs": args.runs,
         "etcd": {"binary": cluster.binary, "version": version[:1], "members": args.etcd_members},
         "cpus": os.cpu_count(), "loadavg_start": list(load_start), "loadavg_end": list(load_end), **result}, text)
-    print(f"written: {path}.json, {path}.txt")
     return 0
 
 
