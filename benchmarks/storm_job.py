@@ -31,7 +31,6 @@ def free_port() -> int:
     return _free_port()
 
 
-
 def learning_rate(hidden: int) -> float:
     """The example's SGD learning rate scaled to its width: its output sums `hidden` units, so the default 0.05
     makes a wide model's loss NaN within steps (the same arithmetic, but not a model a user would train)."""

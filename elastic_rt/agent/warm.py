@@ -165,7 +165,7 @@ class WarmPool:
         self._wake = threading.Condition(self._lock)
         self._request: tuple[int, Callable[[], bool] | None] | None = None
         self._generation = 0
-        self._done = 0  # the last refill generation the spawning thread carried out
+        self._done = 0  # the last refill generation the spawning thread carried out (its spawns started)
         self._closed = False
         self._thread: threading.Thread | None = None
         self.spawned = 0
@@ -237,10 +237,9 @@ class WarmPool:
     # ---- the spawning thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         # Never returns while the agent lives: the warm workers' death signal is tied to this thread.
-        done = 0
         while True:
             with self._wake:
-                while self._closed or self._request is None or self._request[0] == done:
+                while self._closed or self._request is None or self._request[0] == self._done:
                     self._wake.wait()
                 generation, ready = self._request
             deadline = self._clock() + self.refill_wait_s
@@ -253,7 +252,6 @@ class WarmPool:
                 time.sleep(0.1)
             if self._superseded(generation):
                 continue
-            done = generation
             self._spawn_missing()
             with self._lock:
                 self._done = generation
