@@ -94,7 +94,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elastic_rt.decisions import RestartReason
 from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError, RendezvousDataError, RunInUseError
@@ -104,7 +103,7 @@ from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
 from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.lease import NodeLease
-from elastic_rt.rendezvous.liveness import PeerWatch, parse_peer, ring_neighbours
+from elastic_rt.rendezvous.liveness import PeerWatch, free_port, parse_peer, ring_neighbours
 from elastic_rt.rendezvous.monitor import MembershipMonitor
 from elastic_rt.rendezvous.decide import Membership
 from elastic_rt.rendezvous.rounds import RendezvousSettings, Rounds
@@ -360,7 +359,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         if m.master is not None:
             master = m.master
         elif m.rank == 0:
-            master = (self.settings.local_addr, get_free_port())
+            master = (self.settings.local_addr, free_port())
             self._io(store.set, MASTER_KEY, self._signer.seal(key, {"addr": master[0], "port": master[1]}))
         else:
             value = store.get(MASTER_KEY)  # waits for rank 0 (up to the store timeout), as torch's bootstrap does

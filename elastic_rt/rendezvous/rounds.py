@@ -10,11 +10,11 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
-from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elastic_rt.rendezvous.decide import Action, Membership, NodeState, RoundView, Step, abandoned, decide, decode_final
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.liveness import free_port
 from elastic_rt.rendezvous.signing import KeySigner
 from elastic_rt.rendezvous.view import MembershipView
 
@@ -214,7 +214,7 @@ class Rounds:
         s = self.settings
         final = {"round": action.round, "nodes": list(action.members), "incarnations": list(action.incarnations)}
         if action.members[0] == s.node_id:  # rank 0 closes: its store address travels with the final
-            final["master"] = [s.local_addr, get_free_port()]
+            final["master"] = [s.local_addr, free_port()]
         key = self.keys.final(action.round)
         self._before_final()
         _, written = self._client.compare_and_put(key, self._signer.seal(key, final), expected_mod_revision=None)

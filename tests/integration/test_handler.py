@@ -270,6 +270,21 @@ def test_liveness_listener_binds_the_local_address_family():
         v6.close()
 
 
+def test_free_port_is_one_a_store_can_listen_on_and_the_kernel_then_hands_out_anew():
+    import socket
+
+    from elastic_rt.rendezvous.liveness import free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p <= 65535 for p in ports) and len(ports) > 1  # the kernel's ephemeral choices
+    port = ports.pop()
+    with socket.socket() as sock:  # rank 0's TCPStore listens on every interface
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("0.0.0.0", port))
+        sock.listen(1)
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
 def test_a_revoked_lease_is_registered_again_at_once_not_waited_for_as_an_outage(etcd_endpoint, etcd_client,
                                                                                  run_id, caplog):
     # TTL 30 s: the lease thread would notice the lease gone only at its next beat, 10 s later
