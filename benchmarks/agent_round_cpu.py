@@ -3,7 +3,8 @@
 one node (`--nnodes 1`), on a real etcd. Each run is a new run id: a first round (the handler's start-up
 included: connection, lease, view, liveness) and then a second round of the same handler (a restart).
 The CPU is getrusage's (every thread of this process, microseconds; etcd runs in child processes and is
-not counted); the handler is created before the clock starts and left 0.3 s to settle around each round.
+not counted), with the share of the thread that called next_rendezvous() (the rest: the connection's reader, the
+view's watch and the lease's threads) and the process's context switches; the handler is created before the clock starts and left 0.3 s to settle around each round.
 
     python benchmarks/agent_round_cpu.py                          # this checkout, 25 runs, 3-member etcd
     python benchmarks/agent_round_cpu.py --src /tmp/other-clone   # another checkout's elastic_rt (a baseline)
@@ -28,9 +29,10 @@ import uuid
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def cpu_s() -> float:
+def usage() -> tuple[float, float, int]:
+    """(process CPU s, this thread's CPU s, context switches of the process so far)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    return r.ru_utime + r.ru_stime, time.thread_time(), r.ru_nvcsw + r.ru_nivcsw
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     register()
     load_start = os.getloadavg()
-    first: list[float] = []
-    second: list[float] = []
+    first: dict[str, list[float]] = {"cpu": [], "main": [], "switches": []}
+    second: dict[str, list[float]] = {"cpu": [], "main": [], "switches": []}
     with EtcdCluster(args.etcd_members, binary=args.etcd_binary) as cluster:
         version = subprocess.run([cluster.binary, "--version"], capture_output=True, text=True).stdout.splitlines()
         for _ in range(args.runs):
@@ -70,15 +72,22 @@ def main(argv: list[str] | None = None) -> int:
                 node_id="n0"))
             for series in (first, second):
                 time.sleep(0.3)
-                c0 = cpu_s()
+                before = usage()
                 h.next_rendezvous()
-                series.append(1000 * (cpu_s() - c0))
+                after = usage()
+                series["cpu"].append(1000 * (after[0] - before[0]))
+                series["main"].append(1000 * (after[1] - before[1]))
+                series["switches"].append(after[2] - before[2])
             time.sleep(0.3)
             h.shutdown()
     load_end = os.getloadavg()
 
-    def summary(xs: list[float]) -> dict:
-        return {"median_ms": statistics.median(xs), "min_ms": min(xs), "max_ms": max(xs), "runs_ms": xs}
+    def summary(series: dict[str, list[float]]) -> dict:
+        xs = series["cpu"]
+        return {"median_ms": statistics.median(xs), "min_ms": min(xs), "max_ms": max(xs), "runs_ms": xs,
+                "main_thread_median_ms": statistics.median(series["main"]),
+                "context_switches_median": statistics.median(series["switches"]),
+                "main_thread_runs_ms": series["main"], "context_switches_runs": series["switches"]}
 
     result = {"first_round": summary(first), "second_round": summary(second)}
     head = (f"agent round CPU {datetime.date.today().isoformat()}: elastic_rt of {src} at code {git['commit']}"
@@ -86,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
             f"process, a 1-node job, {args.runs} runs; {os.cpu_count()} CPU(s), load average {load_start[0]:.1f} at "
             f"the start and {load_end[0]:.1f} at the end; etcd {version[0] if version else '?'} "
             f"({args.etcd_members} members on loopback, {cluster.binary})")
-    lines = [head, "", "| round | median CPU ms | min | max |", "|---|---|---|---|"]
+    lines = [head, "", "| round | median CPU ms | min | max | of which the calling thread (median) | context switches "
+             "(median) |", "|---|---|---|---|---|---|"]
     for name, key in (("first (start-up included)", "first_round"), ("second (a restart)", "second_round")):
         r = result[key]
-        lines.append(f"| {name} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} |")
+        lines.append(f"| {name} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} | "
+                     f"{r['main_thread_median_ms']:.2f} | {r['context_switches_median']:g} |")
     text = "\n".join(lines) + "\n"
     stamp = datetime.date.today().isoformat()
     write_results(args.out, "agent-round-cpu", stamp, {
