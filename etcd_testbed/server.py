@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -59,10 +60,20 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free on `host` now: each socket stays bound until all are chosen (the kernel
+    may hand the same port to two binds in a row once the first socket is closed)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
+            s.bind((host, 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,8 +117,9 @@ class EtcdCluster:
         self.root = tempfile.mkdtemp(prefix="elastic-rt-etcd-")
         self.tls = tls
         self.auth_token_ttl_s = auth_token_ttl_s
+        ports = free_ports(2 * size, host)
         self.members = [
-            EtcdMember(f"m{i}", free_port(host), free_port(host), os.path.join(self.root, f"m{i}"), host,
+            EtcdMember(f"m{i}", ports[2 * i], ports[2 * i + 1], os.path.join(self.root, f"m{i}"), host,
                        scheme="https" if tls else "http")
             for i in range(size)
         ]

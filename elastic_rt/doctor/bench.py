@@ -24,18 +24,24 @@ from elastic_rt.errors import HealthCheckError
 
 CPU_SIZE = 512  # float32: 0.27 GFLOP a matmul, 5-30 ms on one core
 GPU_SIZE = 8192  # bfloat16: 1.1 TFLOP a matmul, ~1-3 ms on a datacenter GPU
-MIN_ITERS = 5
+MIN_ITERS = 5  # windows
+# Matmuls are timed in windows of this long, not one by one: a CPU quota (a container's limit, CFS
+# bandwidth, 100 ms periods by default) lets a matmul shorter than its slice run at full speed and stalls
+# the process between slices, so the median single matmul would not show it. Two periods and more per
+# window do, as training sees it.
+WINDOW_S = 0.25
 
 
 @dataclass(frozen=True, kw_only=True)
 class ComputeResult:
-    """One device's matmul: the median seconds per matmul over `iters` timed ones."""
+    """One device's matmul: the median over `windows` windows of the seconds per matmul (`iters` in all)."""
 
     device: str
     size: int
     dtype: str
     iters: int
     seconds: float  # median per matmul
+    windows: int = 0
 
     @property
     def tflops(self) -> float:
@@ -43,12 +49,36 @@ class ComputeResult:
 
     def describe(self) -> str:
         rate = f"{self.tflops:.3g} TFLOP/s" if self.tflops >= 1 else f"{self.tflops * 1e3:.3g} GFLOP/s"
-        return f"{rate}: {self.seconds * 1e3:.3g} ms per {self.size}x{self.size} {self.dtype} matmul (median of {self.iters})"
+        return (f"{rate}: {self.seconds * 1e3:.3g} ms per {self.size}x{self.size} {self.dtype} matmul "
+                f"(median of {self.windows} windows, {self.iters} matmuls)")
+
+
+def per_op_seconds(op: Callable[[], object], seconds: float, *, window_s: float = WINDOW_S,
+                   min_windows: int = MIN_ITERS, clock: Callable[[], float] = time.perf_counter
+                   ) -> tuple[list[float], int]:
+    """Run op() back to back for about `seconds` (at least `min_windows` windows, each of one op or more
+    and at least `window_s`, shortened to fit min_windows into `seconds`): each window's seconds per op,
+    and how many ops ran."""
+    window_s = min(window_s, seconds / min_windows)
+    windows: list[float] = []
+    ops = 0
+    end = clock() + seconds
+    while len(windows) < min_windows or clock() < end:
+        t0, n = clock(), 0
+        while True:
+            op()
+            n += 1
+            took = clock() - t0
+            if took >= window_s:
+                break
+        windows.append(took / n)
+        ops += n
+    return windows, ops
 
 
 def run_matmul(device: str, seconds: float, *, size: int | None = None,
                clock: Callable[[], float] = time.perf_counter) -> ComputeResult:
-    """Multiply two random square matrices on `device` for about `seconds` (at least MIN_ITERS times)."""
+    """Multiply two random square matrices on `device` for about `seconds`."""
     import torch
 
     dev = torch.device(device)
@@ -60,20 +90,15 @@ def run_matmul(device: str, seconds: float, *, size: int | None = None,
     a = torch.randn(n, n, device=dev, dtype=dtype)
     b = torch.randn(n, n, device=dev, dtype=dtype)
 
-    def one() -> float:
-        t0 = clock()
+    def one() -> None:
         torch.mm(a, b)
         if cuda:
             torch.cuda.synchronize(dev)
-        return clock() - t0
 
     one()  # warm-up: kernels, allocator, caches
-    times: list[float] = []
-    end = clock() + seconds
-    while len(times) < MIN_ITERS or clock() < end:
-        times.append(one())
-    return ComputeResult(device=str(dev), size=n, dtype=str(dtype).removeprefix("torch."), iters=len(times),
-                         seconds=statistics.median(times))
+    windows, ops = per_op_seconds(one, seconds, clock=clock)
+    return ComputeResult(device=str(dev), size=n, dtype=str(dtype).removeprefix("torch."), iters=ops,
+                         seconds=statistics.median(windows), windows=len(windows))
 
 
 def local_devices(nproc: int, *, cuda_count: int | None = None) -> list[str]:

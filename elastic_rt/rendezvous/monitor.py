@@ -76,12 +76,14 @@ class MembershipMonitor:
             state = (v.version, self._renewals_lost(), self._health.last_recovery())
             if state == self._quiet:
                 return None
-            rnd = v.current_round()
-            if rnd is not None and rnd > self._round:
-                return RestartReason.ROUND_ADVANCED
+            # a lost member first: the node that noticed first may already have opened the next round, and
+            # this node's group is as broken as its (it stops at once, and the restart says what happened)
             lost, pending = self._lost_peer()
             if lost is not None:
                 return RestartReason.PEER_LOST
+            rnd = v.current_round()
+            if rnd is not None and rnd > self._round:
+                return RestartReason.ROUND_ADVANCED
             # a waiting/ key is on its node's lease: proof of life (the view may not have read its alive/ key)
             if len(self._nodes) < self._max_nodes and any(node not in self._nodes for node in v.waiting):
                 return RestartReason.SCALE_UP

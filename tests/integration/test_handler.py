@@ -124,6 +124,35 @@ def test_garbage_in_final_key_is_reported(etcd_client, etcd_endpoint, run_id):
         h.next_rendezvous()
 
 
+def test_a_node_that_sees_the_next_round_before_the_lost_peer_still_says_peer_lost(etcd_endpoint, run_id):
+    """c leaves; b notices first and opens the next round before a ever looks. a's group is as broken as
+    b's (it must stop at once, not wait out a graceful stop), and its restart must say what happened."""
+    a, b, c = (_handler(etcd_endpoint, run_id, n, 2, 3) for n in "abc")
+    _together([a, b, c])
+    formed = a.membership.round
+    c.leave()
+    assert _poll(lambda: b.membership_change() == "peer_lost")
+    again: dict = {}
+    rejoin = threading.Thread(target=lambda: again.update(b=b.next_rendezvous().world_size))
+    rejoin.start()
+
+    def advanced() -> bool:
+        with a._view.lock:
+            return (a._view.current_round() or 0) > formed
+
+    try:
+        assert _poll(advanced), "b did not open the next round"
+        assert a.membership_change() == "peer_lost"
+        assert a.next_rendezvous().world_size == 2
+        rejoin.join(30)
+        assert again == {"b": 2}
+    finally:
+        a.set_closed()
+        rejoin.join(30)
+        for h in (a, b):
+            h.leave()
+
+
 def test_neighbour_watch_reports_a_dead_agent_while_the_group_runs(etcd_endpoint, run_id):
     """No rendezvous in progress, a 60 s lease: only the ring watch can reveal the death."""
     survivor, proc = _survivor_of_a_doomed_peer(etcd_endpoint, run_id)

@@ -22,7 +22,7 @@ from k8s_support import FAKE_UID, K8S, LAUNCH, REPO, container_env, elastic_rt_l
 from recipe_support import FakeApiServer, etcd_member_argv, real_kubectl, run_script
 from tests.support.tools import needs_tool
 
-from etcd_testbed.server import find_etcd_binary, find_etcdctl, free_port
+from etcd_testbed.server import find_etcd_binary, find_etcdctl, free_port, free_ports
 from elastic_rt.errors import EtcdAccessError
 from elastic_rt.rendezvous.etcd_client import EtcdClient
 from elastic_rt.rendezvous.registration import etcd_config_from_conf
@@ -60,7 +60,8 @@ class Recipe:
         self.docs = docs_of("etcd", "job")
         self.binary = find_etcd_binary()
         self.procs: list[subprocess.Popen] = []
-        self.ports = [{2379: free_port(), 2380: free_port(), 2381: free_port()} for _ in range(3)]
+        ports = iter(free_ports(9))
+        self.ports = [{2379: next(ports), 2380: next(ports), 2381: next(ports)} for _ in range(3)]
         self.endpoints = ",".join(f"https://127.0.0.1:{p[2379]}" for p in self.ports)
         self.base_env = {**self.api.env(), "ETCDCTL_BIN": find_etcdctl(self.binary), "ETCD_WAIT_S": "90",
                          "ETCD_ENDPOINTS": self.endpoints}

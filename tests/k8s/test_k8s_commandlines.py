@@ -5,7 +5,6 @@ node counts, grace periods, failure policy)."""
 from __future__ import annotations
 
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -38,6 +37,7 @@ from elastic_rt.agent.config import DEFAULT_METRICS_PORT
 from elastic_rt.agent.crash_loop import CrashLoopError
 from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous.conf import valid_keys
+from etcd_testbed.server import free_port
 from tests.chaos.harness import Node
 
 # --rdzv-conf keys the launcher and the etcd-v3 handler understand.
@@ -346,12 +346,6 @@ def test_base_job_source_agrees_with_cli():
 
 
 # ---- the agent really serves what the probes and monitors ask for ------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def probed_paths(c: dict, cfg) -> set[str]:
     """The paths the container's probes ask, after checking that they ask the agent's metrics port."""
     paths = set()

@@ -164,6 +164,35 @@ def test_doctor_bench_flags():
 
 def test_matmul_on_this_cpu():
     r = bench.run_matmul("cpu", 0.01, size=64)
-    assert r.iters >= bench.MIN_ITERS and r.seconds > 0 and r.dtype == "float32"
+    assert r.windows >= bench.MIN_ITERS and r.iters >= r.windows and r.seconds > 0 and r.dtype == "float32"
+    assert f"(median of {r.windows} windows, {r.iters} matmuls)" in r.describe()
     assert bench.local_devices(3, cuda_count=0) == ["cpu"] * 3
     assert bench.local_devices(2, cuda_count=8) == ["cuda:0", "cuda:1"]
+
+
+class _Throttled:
+    """A clock and an op as a CPU quota of 0.1 CPU makes them: 1 ms ops, 10 in a row, then a 90 ms stall."""
+
+    def __init__(self) -> None:
+        self.now, self.ops = 0.0, 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def op(self) -> None:
+        self.ops += 1
+        self.now += 0.001 + (0.090 if self.ops % 10 == 0 else 0.0)
+
+
+def test_a_quota_that_stalls_between_fast_ops_shows_in_the_windows():
+    t = _Throttled()
+    windows, ops = bench.per_op_seconds(t.op, 2.0, clock=t.clock)
+    assert len(windows) >= 7 and ops == t.ops
+    median = sorted(windows)[len(windows) // 2]
+    assert 0.008 <= median <= 0.012, windows  # 10 ms per op, as the process sees it; one by one: 1 ms
+
+
+def test_windows_are_shortened_to_fit_the_minimum_count_into_a_short_run():
+    t = _Throttled()
+    windows, _ = bench.per_op_seconds(t.op, 0.01, clock=t.clock)
+    assert len(windows) == bench.MIN_ITERS  # 2 ms windows: 2 ops each, the stall inside one of them
