@@ -194,6 +194,9 @@ def _create(key_range: tuple[str, bytes], start_revision: int, deletes_only: boo
     return etcdrpc.WatchRequest(create_request=create).SerializeToString()
 
 
+_FORGOTTEN = -1  # a pending create whose range forget() dropped
+
+
 class WatchStream:
     """A Watch stream with one watcher per key range; iterate it for (range index, events, created).
 
@@ -229,10 +232,18 @@ class WatchStream:
                 pass  # the stream broke: its iteration says so
 
     def forget(self, index: int) -> None:
-        """Ignore the events of range `index`'s watchers from now on, and ask etcd to cancel them."""
+        """Ignore the events of range `index`'s watchers from now on, and ask etcd to cancel them (one whose
+        create etcd has not answered yet is cancelled when it does: a later add() may reuse the index)."""
+        with self._lock:
+            for i, pending in enumerate(self._pending):
+                if pending == index:
+                    self._pending[i] = _FORGOTTEN
         for watch_id in [w for w, i in self._index.items() if i == index]:
             del self._index[watch_id]
-            self._send(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
+            self._cancel(watch_id)
+
+    def _cancel(self, watch_id: int) -> None:
+        self._send(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
 
     def _send(self, request) -> None:
         try:
@@ -245,17 +256,20 @@ class WatchStream:
             while (body := self._stream.next(None)) is not None:
                 resp = etcdrpc.WatchResponse.FromString(body)
                 if resp.created:
-                    self._index[resp.watch_id] = self._pending.popleft()
+                    with self._lock:
+                        index = self._pending.popleft()
+                    if index == _FORGOTTEN:
+                        self._cancel(resp.watch_id)
+                        continue
+                    self._index[resp.watch_id] = index
+                index = self._index.get(resp.watch_id)
+                if index is None:
+                    continue  # a watcher forget() dropped: its cancel, its last events, a compaction of its start
                 if resp.compact_revision:
                     raise WatchCompacted(f"revision compacted up to {resp.compact_revision}")
-                if resp.canceled and resp.watch_id not in self._index:
-                    continue  # a watcher forget() cancelled
                 if resp.canceled:
                     raise EtcdUnavailableError(f"etcd at {self.endpoint} cancelled the watch: "
                                                f"{resp.cancel_reason or 'no reason given'}")
-                index = self._index.get(resp.watch_id)
-                if index is None:
-                    continue
                 yield index, [self._decode(ev) for ev in resp.events], resp.created
         except CallError as exc:
             if self._closed:

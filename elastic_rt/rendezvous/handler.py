@@ -32,7 +32,9 @@ keepalives and nothing else.
 A round closes when MAX nodes joined, or when at least MIN joined and either every live
 node (alive/*) has joined (re-formation rounds, R > 0: no last call needed) or
 last_call_timeout_s passed since MIN were seen. The closer is the live node with the
-smallest id: it alone watches the round's joins (O(N) events, one node) and writes the
+smallest id: it alone watches the round's joins (O(N) events, one node: a watcher added to its
+view's stream from the revision that opened the round, so no read, stream or thread of its own; a
+view of its own, with a read, only while its view does not yet follow alive/ in a round R > 0) and writes the
 final (one create-only write; a node that does not know a smaller one yet acts as the
 closer until it sees that node's join: a few nodes for random arrival order); everybody
 else learns the final from the view (O(1) events per node). Only if no final comes do the
@@ -156,7 +158,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         )
         self._rounds = Rounds(client, self.keys, settings, self._view, lease_id=lambda: self._lease.lease_id,
                               on_formed=self._formed, incarnation=self._lease.incarnation, signer=self._signer,
-                              before_final=self._run_lease.ensure,
+                              before_final=lambda: self._run_lease.ensure(self._known_run_lease),
                               clock=clock, rng=rng)
         self.membership: Membership | None = None
 
@@ -343,6 +345,10 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
             if ok or self._clock() >= deadline:
                 return ok
             self._view.wait(version, deadline - self._clock())
+
+    def _known_run_lease(self) -> KeyValue | None:
+        with self._view.lock:
+            return self._view.run_lease
 
     def _registrations(self, nodes: list[str]) -> dict[str, KeyValue | None]:
         """The alive/ keys of `nodes` and the run lease's key, by key: one request."""

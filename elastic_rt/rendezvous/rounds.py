@@ -67,7 +67,9 @@ class Rounds:
         self._before_final = before_final
         self._clock = clock
         self._rng = rng
-        self._tracker: MembershipView | None = None  # the closer's: the joined round's joins/ (and alive/)
+        # the closer's joins/ (and alive/) of the joined round when the view does not follow alive/ yet; else the
+        # view itself follows the joins (track_joins())
+        self._tracker: MembershipView | None = None
         self._ignored_closed = 0  # the mod_revision of the last unsigned `closed` warned about
         self._join_value = json.dumps({"addr": settings.local_addr, "incarnation": incarnation}).encode()
         self._steps: dict[Step, Callable[[Action], NodeState]] = {
@@ -107,7 +109,8 @@ class Rounds:
             waiting=view.waiting, departed=view.departed, smallest_alive=view.smallest_alive,
             follows_alive=view.alive_puts, reloads=view.reloads,
             alive=view.alive if view.alive_puts else (tracker.alive if tracker is not None else None),
-            joins=tracker.joins.get(joined, {}) if tracker is not None else None,
+            joins=tracker.joins.get(joined, {}) if tracker is not None else (
+                view.joins_of(joined) if joined is not None else None),
         )
 
     def closed_trusted(self) -> bool:
@@ -189,9 +192,13 @@ class Rounds:
         return replace(node, joined_with=action.lease, read_due=due)
 
     def _track_joins(self, action: Action) -> NodeState:
+        if not action.track_alive:  # the joins only: a watcher on the view's own stream, from the round's start
+            self._view.track_joins(action.round, action.revision)
+            return action.state
+        # the joins and every alive/ change, which the view does not follow yet: a view of their own (a read)
         keys = self.keys
-        ranges = [keys.join_range(action.round)] + ([keys.alive_range] if action.track_alive else [])
-        self._tracker = MembershipView(self._client, keys, node_id=self.settings.node_id, ranges=ranges,
+        self._tracker = MembershipView(self._client, keys, node_id=self.settings.node_id,
+                                       ranges=[keys.join_range(action.round), keys.alive_range],
                                        lock=self._view.lock, clock=self._clock)
         self._tracker.start()
         return action.state
@@ -231,6 +238,7 @@ class Rounds:
         return self._clock() + node.fallback_s * (1 + self._rng())
 
     def _stop_tracking(self) -> None:
+        self._view.untrack_joins()
         if self._tracker is not None:
             self._tracker.stop()
             self._tracker = None

@@ -59,13 +59,20 @@ class RunLease:
             self._due = self._clock() + self.ttl_s / 3
             return lease
 
-    def ensure(self) -> None:
-        """Before this node writes a round's final: the run's lease and its key exist (read, and granted here
-        when absent), unless this node already holds the run's lease. Raises EtcdUnavailableError."""
+    def ensure(self, known: Callable[[], KeyValue | None] | None = None) -> None:
+        """Before this node writes a round's final: the run's lease and its key exist (granted here when
+        absent), unless this node already holds the run's lease. `known()`: the key as this node's membership
+        view has it (no read; a view a little behind costs at most a grant that loses the create-only put
+        and is revoked); else it is read. Raises EtcdUnavailableError."""
         with self._lock:
             if self.lease_id:
                 return
-            self._found_or_granted()
+            if known is None:
+                self._found_or_granted()
+                return
+            kv = known()
+            if not lease_of(kv):
+                self._grant(expected=kv.mod_revision if kv is not None else None)
 
     def _found_or_granted(self) -> int:
         """The lease named by the `lease` key as read now; granted here when the key names none."""

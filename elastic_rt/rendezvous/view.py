@@ -75,11 +75,14 @@ class MembershipView:
         self.waiting: dict[str, KeyValue] = {}
         self.joins: dict[int, dict[str, KeyValue]] = {}
         self.finals: dict[int, KeyValue] = {}
+        self.run_lease: KeyValue | None = None  # the run lease's key (run_lease.py), when the view covers it
+        self._run_lease_key = keys.run_lease
         self.connected = False
         self.version = 0
         self._revs: list[int] = []
         self._floors: list[int] = []  # per range: events at or below this revision are already in the view
         self._stream: WatchStream | None = None
+        self._tracked: int | None = None  # the round whose joins/ the last range follows (track_joins())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -163,6 +166,45 @@ class MembershipView:
             self.version += 1
             self.lock.notify_all()
 
+    def track_joins(self, rnd: int, from_revision: int) -> None:
+        """Follow round rnd's joins/ too (the closer's), on this view's own stream from `from_revision`, the
+        revision that opened round rnd (every join of the round came after it): etcd replays the joins so
+        far, in revision order, and then every change. One watch request; no read, no other stream or
+        thread. joins_of(rnd) has them; untrack_joins() ends it."""
+        with self.lock:
+            if self._tracked == rnd:
+                return
+            self._untrack()
+            key_range = self._keys.join_range(rnd)
+            self._ranges.append(key_range)
+            self._revs.append(from_revision - 1)
+            self._floors.append(from_revision - 1)
+            self._tracked = rnd
+            self.joins[rnd] = {}
+            if self._stream is not None:
+                self._stream.add(len(self._ranges) - 1, key_range, from_revision)
+            self.version += 1
+            self.lock.notify_all()
+
+    def untrack_joins(self) -> None:
+        with self.lock:
+            self._untrack()
+
+    def joins_of(self, rnd: int) -> dict[str, KeyValue] | None:
+        """Round rnd's joins as track_joins() follows them, None when it does not (caller holds the lock)."""
+        return self.joins.get(rnd, {}) if self._tracked == rnd else None
+
+    def _untrack(self) -> None:
+        if self._tracked is None:
+            return
+        if self._stream is not None:
+            self._stream.forget(len(self._ranges) - 1)
+        self._ranges.pop()
+        self._revs.pop()
+        self._floors.pop()
+        self.joins.pop(self._tracked, None)
+        self._tracked = None
+
     def _deletes_only(self) -> frozenset[int]:
         return frozenset() if self.alive_puts or self._alive_index is None else frozenset({self._alive_index})
 
@@ -204,11 +246,12 @@ class MembershipView:
                 with self.lock:
                     filters, starts = self._deletes_only(), [r + 1 for r in self._revs]
                     ranges = self._watched_ranges(filters)
+                    watched = list(self._ranges)
                 stream = self._client.open_watch(ranges, starts, deletes_only=filters)
                 with self.lock:
                     self._stream = stream
-                    # members_formed() came after the filters were chosen: open again
-                    stale = self._reload_wanted or self._deletes_only() != filters
+                    # members_formed() or track_joins() came after the ranges were chosen: open again
+                    stale = self._reload_wanted or self._deletes_only() != filters or self._ranges != watched
                 if self._stop.is_set() or stale:
                     stream.close()
                 created = 0
@@ -257,17 +300,18 @@ class MembershipView:
     def _reload(self) -> None:
         with self.lock:
             smallest_only = self._deletes_only()
-        # while alive_puts is False: the smallest alive/ key if it is below this node's, without its value
-        ranges = [self._below if i in smallest_only else r for i, r in enumerate(self._ranges)]
-        ranges, rev = self._client.read_ranges(ranges, keys_only=smallest_only, first_only=smallest_only)
+            # while alive_puts is False: the smallest alive/ key if it is below this node's, without its value
+            read = [self._below if i in smallest_only else r for i, r in enumerate(self._ranges)]
+            watched = list(self._ranges)
+        ranges, rev = self._client.read_ranges(read, keys_only=smallest_only, first_only=smallest_only)
         now = self._clock()
         with self.lock:
-            if self._deletes_only() != smallest_only:  # members_formed() came meanwhile: read again, every alive/ key
-                self._reload_wanted = True
+            if self._deletes_only() != smallest_only or self._ranges != watched:
+                self._reload_wanted = True  # members_formed() or track_joins() came meanwhile: read again
                 return
             if smallest_only:
                 self._smallest = ranges[self._alive_index][0].key if ranges[self._alive_index] else None
-            self.round, self.closed, self.closed_kv = None, False, None
+            self.round, self.closed, self.closed_kv, self.run_lease = None, False, None, None
             self.waiting, self.joins, self.finals = {}, {}, {}
             self._replace_alive([kv for kvs in ranges for kv in kvs], now, rev)
             self._revs = [rev] * len(self._ranges)
@@ -291,6 +335,12 @@ class MembershipView:
     def _apply(self, index: int, events: list[WatchEvent]) -> None:
         now = self._clock()
         with self.lock:
+            if index >= len(self._ranges):
+                return  # a tracked range untrack_joins() dropped while its events were on their way
+            if self._tracked is not None and index == len(self._ranges) - 1:
+                # the index of another round's joins before: untracked, then tracked again for this round
+                lo, hi = self._ranges[index][0], self._ranges[index][1].decode()
+                events = [ev for ev in events if lo <= ev.kv.key < hi]
             for ev in events:
                 if ev.kv.mod_revision <= self._floors[index]:
                     continue  # before a watcher's start (members_formed() replaced it): applied already
@@ -318,6 +368,8 @@ class MembershipView:
             self.joins.setdefault(rnd, {})[node] = kv
         elif kind == "final":
             self.finals[rnd] = kv
+        elif kv.key == self._run_lease_key:
+            self.run_lease = kv
 
     def _set_alive(self, node: str, kv: KeyValue) -> None:
         self.alive[node] = kv
@@ -349,6 +401,8 @@ class MembershipView:
             self.joins.get(rnd, {}).pop(node, None)
         elif kind == "final":
             self.finals.pop(rnd, None)
+        elif kv.key == self._run_lease_key:
+            self.run_lease = None
 
     def _prune(self) -> None:
         """Keep the current and the previous round's keys only (rank 0 deletes older ones from etcd)."""

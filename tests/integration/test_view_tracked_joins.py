@@ -1,0 +1,112 @@
+"""The closer's view of a round's joins against a real etcd: track_joins() adds one watcher to the view's own
+stream, from the revision that opened the round, so etcd replays the joins so far and then every change; no
+read, no stream or thread of its own. untrack_joins() drops it (late events of a dropped watcher never reach
+the next round's joins), and a start revision etcd has compacted away costs one read of the whole view."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from etcd_testbed.server import EtcdCluster, find_etcdctl
+from elastic_rt.rendezvous.etcd_client import EtcdClient
+from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.view import MembershipView
+
+
+def _view(client, keys):
+    client.put(keys.alive("m"), b"{}")
+    view = MembershipView(client, keys, node_id="m", alive_puts=False)
+    view.start()
+    assert view.wait_for(lambda: view.connected, 10)
+    return view
+
+
+@pytest.fixture
+def view_and_keys(etcd_client, run_id):
+    keys = RunKeys(run_id)
+    view = _view(etcd_client, keys)
+    yield view, keys
+    view.stop()
+
+
+@pytest.fixture
+def own_etcd():
+    """An etcd of this test's own: its history gets compacted."""
+    with EtcdCluster(1) as cluster:
+        yield cluster
+
+
+def _opened(view, c, keys, rnd: int) -> int:
+    """Put `round` = rnd; the revision that opened it, once the view has it."""
+    rev = c.put(keys.round, str(rnd).encode())
+    assert view.wait_for(lambda: view.round is not None and view.round.mod_revision == rev, 10)
+    return rev
+
+
+def _joins(view, rnd: int):
+    with view.lock:
+        found = view.joins_of(rnd)
+        return None if found is None else set(found)
+
+
+def test_the_joins_so_far_are_replayed_then_followed_without_a_read(etcd_client, view_and_keys, monkeypatch):
+    view, keys = view_and_keys
+    c = etcd_client
+    c.put(keys.join(0, "stale"), b"{}")  # a join key from before the round opened is not one of its joins
+    opened = _opened(view, c, keys, 0)
+    c.put(keys.join(0, "a"), b"{}")
+    c.put(keys.join(0, "b"), b"{}")
+    reads = []
+    monkeypatch.setattr(c, "read_ranges", lambda *a, **k: reads.append(a) or pytest.fail("track_joins read"))
+    assert _joins(view, 0) is None
+    view.track_joins(0, opened)
+    assert view.wait_for(lambda: view.joins_of(0) is not None and set(view.joins_of(0)) == {"a", "b"}, 10)
+    c.put(keys.join(0, "m"), b"{}")
+    c.delete(keys.join(0, "a"))
+    c.put(keys.join(1, "early"), b"{}")  # another round's joins are not this range's
+    assert view.wait_for(lambda: set(view.joins_of(0)) == {"b", "m"}, 10)
+    assert not reads
+    with view.lock:
+        assert view.joins_of(1) is None and 1 not in view.joins
+
+    view.untrack_joins()
+    assert _joins(view, 0) is None
+    opened = _opened(view, c, keys, 1)
+    c.delete(keys.join(0, "b"))  # the dropped watcher's range: nothing of it may reach round 1's joins
+    view.track_joins(1, opened)
+    c.put(keys.join(1, "x"), b"{}")
+    assert view.wait_for(lambda: set(view.joins_of(1)) == {"x"}, 10)
+    c.put(keys.join(0, "late"), b"{}")
+    _opened(view, c, keys, 1)  # a later event on the same stream: everything before it has arrived
+    with view.lock:
+        assert set(view.joins_of(1)) == {"x"} and set(view.joins) == {1}, view.joins
+
+
+def test_a_compacted_round_start_costs_one_read_of_the_view(own_etcd, run_id):
+    c = EtcdClient(own_etcd.client_config())
+    keys = RunKeys(run_id)
+    view = _view(c, keys)
+    try:
+        _compacted_then_tracked(own_etcd, c, view, keys)
+    finally:
+        view.stop()
+        c.close()
+
+
+def _compacted_then_tracked(etcd_server, c, view, keys) -> None:
+    opened = _opened(view, c, keys, 0)
+    c.put(keys.join(0, "a"), b"{}")
+    c.put(keys.join(0, "b"), b"{}")
+    now = c.put(keys.join(0, "c"), b"{}")
+    c.delete(keys.join(0, "c"))
+    etcdctl = find_etcdctl(etcd_server.binary)
+    subprocess.run([etcdctl, "--endpoints", etcd_server.endpoints, "compact", str(now)], check=True,
+                   capture_output=True, timeout=30)
+    with view.lock:
+        reloads = view.reloads
+    view.track_joins(0, opened)
+    assert view.wait_for(lambda: view.reloads > reloads and set(view.joins_of(0)) == {"a", "b"}, 10)
+    c.put(keys.join(0, "d"), b"{}")
+    assert view.wait_for(lambda: set(view.joins_of(0)) == {"a", "b", "d"}, 10)
