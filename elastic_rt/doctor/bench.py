@@ -24,7 +24,7 @@ from elastic_rt.errors import HealthCheckError
 
 CPU_SIZE = 512  # float32: 0.27 GFLOP a matmul, 5-30 ms on one core
 GPU_SIZE = 8192  # bfloat16: 1.1 TFLOP a matmul, ~1-3 ms on a datacenter GPU
-MIN_ITERS = 5  # windows
+MIN_WINDOWS = 5
 # Matmuls are timed in windows of this long, not one by one: a CPU quota (a container's limit, CFS
 # bandwidth, 100 ms periods by default) lets a matmul shorter than its slice run at full speed and stalls
 # the process between slices, so the median single matmul would not show it. Two periods and more per
@@ -54,7 +54,7 @@ class ComputeResult:
 
 
 def per_op_seconds(op: Callable[[], object], seconds: float, *, window_s: float = WINDOW_S,
-                   min_windows: int = MIN_ITERS, clock: Callable[[], float] = time.perf_counter
+                   min_windows: int = MIN_WINDOWS, clock: Callable[[], float] = time.perf_counter
                    ) -> tuple[list[float], int]:
     """Run op() back to back for about `seconds` (at least `min_windows` windows, each of one op or more
     and at least `window_s`, shortened to fit min_windows into `seconds`): each window's seconds per op,

@@ -109,8 +109,7 @@ class Rounds:
             waiting=view.waiting, departed=view.departed, smallest_alive=view.smallest_alive,
             follows_alive=view.alive_puts, reloads=view.reloads,
             alive=view.alive if view.alive_puts else (tracker.alive if tracker is not None else None),
-            joins=tracker.joins.get(joined, {}) if tracker is not None else (
-                view.joins_of(joined) if joined is not None else None),
+            joins=tracker.joins.get(joined, {}) if tracker is not None else view.joins_of(joined),
         )
 
     def closed_trusted(self) -> bool:

@@ -52,31 +52,28 @@ class RunLease:
         when there is none); `keeper`: this node is the round's rank 0. Raises EtcdUnavailableError."""
         with self._lock:
             self._keeper = keeper
-            lease = lease_of(kv)
-            if lease == 0:
-                lease = self._grant(expected=kv.mod_revision if kv is not None else None)
+            lease = self._named_or_granted(kv)
             self.lease_id = lease
             self._due = self._clock() + self.ttl_s / 3
             return lease
 
-    def ensure(self, known: Callable[[], KeyValue | None] | None = None) -> None:
+    def ensure(self, known: Callable[[], KeyValue | None]) -> None:
         """Before this node writes a round's final: the run's lease and its key exist (granted here when
         absent), unless this node already holds the run's lease. `known()`: the key as this node's membership
         view has it (no read; a view a little behind costs at most a grant that loses the create-only put
-        and is revoked); else it is read. Raises EtcdUnavailableError."""
+        and is revoked). Raises EtcdUnavailableError."""
         with self._lock:
             if self.lease_id:
                 return
-            if known is None:
-                self._found_or_granted()
-                return
-            kv = known()
-            if not lease_of(kv):
-                self._grant(expected=kv.mod_revision if kv is not None else None)
+            self._named_or_granted(known())
 
     def _found_or_granted(self) -> int:
         """The lease named by the `lease` key as read now; granted here when the key names none."""
         kv, _ = self._client.get(self._keys.run_lease)
+        return self._named_or_granted(kv)
+
+    def _named_or_granted(self, kv: KeyValue | None) -> int:
+        """The lease `kv` (the `lease` key) names; granted here when it names none."""
         return lease_of(kv) or self._grant(expected=kv.mod_revision if kv is not None else None)
 
     def _grant(self, *, expected: int | None) -> int:

@@ -190,9 +190,9 @@ class MembershipView:
         with self.lock:
             self._untrack()
 
-    def joins_of(self, rnd: int) -> dict[str, KeyValue] | None:
+    def joins_of(self, rnd: int | None) -> dict[str, KeyValue] | None:
         """Round rnd's joins as track_joins() follows them, None when it does not (caller holds the lock)."""
-        return self.joins.get(rnd, {}) if self._tracked == rnd else None
+        return self.joins.get(rnd, {}) if rnd is not None and self._tracked == rnd else None
 
     def _untrack(self) -> None:
         if self._tracked is None:

@@ -164,7 +164,7 @@ def test_doctor_bench_flags():
 
 def test_matmul_on_this_cpu():
     r = bench.run_matmul("cpu", 0.01, size=64)
-    assert r.windows >= bench.MIN_ITERS and r.iters >= r.windows and r.seconds > 0 and r.dtype == "float32"
+    assert r.windows >= bench.MIN_WINDOWS and r.iters >= r.windows and r.seconds > 0 and r.dtype == "float32"
     assert f"(median of {r.windows} windows, {r.iters} matmuls)" in r.describe()
     assert bench.local_devices(3, cuda_count=0) == ["cpu"] * 3
     assert bench.local_devices(2, cuda_count=8) == ["cuda:0", "cuda:1"]
@@ -195,4 +195,4 @@ def test_a_quota_that_stalls_between_fast_ops_shows_in_the_windows():
 def test_windows_are_shortened_to_fit_the_minimum_count_into_a_short_run():
     t = _Throttled()
     windows, _ = bench.per_op_seconds(t.op, 0.01, clock=t.clock)
-    assert len(windows) == bench.MIN_ITERS  # 2 ms windows: 2 ops each, the stall inside one of them
+    assert len(windows) == bench.MIN_WINDOWS  # 2 ms windows: 2 ops each, the stall inside one of them
