@@ -160,7 +160,7 @@ class Action:
     lease: int = 0  # JOIN, AWAIT_NEXT_ROUND: the lease to put the key on
     wait_s: float = 0.0
     version: tuple[int, int] = (0, 0)
-    revision: int = 0  # ADVANCE_ROUND, CHECK_ABANDONED: the expected mod_revision of `round`; TRACK_JOINS: its start
+    revision: int = 0  # ADVANCE_ROUND, CHECK_ABANDONED: the expected mod_revision of `round`
     final: KeyValue | None = None  # CHECK_ABANDONED: the running round's final (its members, their incarnations)
     say: bool = False  # AWAIT_NEXT_ROUND: log that this node waits (once per round)
     why: str = ""  # ADVANCE_ROUND: the round's final is refused, and why (logged)
@@ -234,8 +234,7 @@ def _joined(view: RoundView, node: NodeState, now: float) -> Action:
     node = replace(node, smaller=smaller) if smaller != node.smaller else node
     if closer == me:
         if view.joins is None:
-            return Action(Step.TRACK_JOINS, node, round=rnd, revision=view.round_revision,
-                          track_alive=rnd > 0 and not view.follows_alive)  # J7
+            return Action(Step.TRACK_JOINS, node, round=rnd, track_alive=rnd > 0 and not view.follows_alive)  # J7
         lowest = min(view.joins, default=me)
         if lowest < me:
             return Action(Step.STEP_DOWN, replace(node, smaller=lowest, asked_at=view.reloads))  # J8

@@ -116,6 +116,7 @@ from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)
 MASTER_KEY = "elastic-rt/master"  # rank 0's store address in the round's store, when it did not close the round
+REGISTRATIONS_WAIT_S = 0.5  # how long a node that wrote a round's final waits for its view to deliver it
 
 
 def alive_info(settings: RendezvousSettings) -> dict:
@@ -289,12 +290,20 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         while True:
             self.membership = m = self._retrying(attempt, deadline)
             names = ring_neighbours(m.nodes, self.settings.node_id)
-            found = self._retrying(lambda _d: self._registrations([*names, m.nodes[0]]), deadline)
+            # rank 0's own alive/ key is not needed: it checks the master address against its own
+            wanted = names if m.rank == 0 else [*names, m.nodes[0]]
+            found = self._retrying(lambda _d: self._registrations(wanted, m.revision), deadline)
             lease = self._retrying(lambda _d: self._run_lease.adopt(found[self.keys.run_lease], keeper=m.rank == 0),
                                    deadline)
             store = EtcdStore(self._client, self.keys.round_store(m.round),
                               timedelta(seconds=self.settings.store_timeout_s), lease=lease)
-            master, why = self._master(m, store, found.get(self.keys.alive(m.nodes[0])))
+            rank0 = self.keys.alive(m.nodes[0])
+            master, why = self._master(m, store, found.get(rank0))
+            if why is not None and master is not None and m.rank != 0:
+                # rank 0's registration as the view holds it may be behind its last put: etcd's decides
+                (kv,), _, _ = self._retrying(lambda _d: self._client.read_many([rank0], []), deadline)
+                self._view.learn({rank0: kv})
+                why = master_refusal(master, m.nodes[0], registered_addr(kv))
             if why is None:
                 break
             # a member of a refused round: next_round's B6 opens the next one
@@ -350,11 +359,23 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         with self._view.lock:
             return self._view.run_lease
 
-    def _registrations(self, nodes: list[str]) -> dict[str, KeyValue | None]:
-        """The alive/ keys of `nodes` and the run lease's key, by key: one request."""
+    def _registrations(self, nodes: list[str], revision: int) -> dict[str, KeyValue | None]:
+        """The alive/ keys of `nodes` and the run lease's key (as of the round's final, `revision`, or later), by key:
+        what the membership view holds (MembershipView.registrations: a node that wrote the final itself waits up to
+        REGISTRATIONS_WAIT_S for the view to deliver it), the rest in one request; the view keeps the alive/ values
+        read for the rounds after."""
         wanted = [self.keys.alive(n) for n in dict.fromkeys(nodes)] + [self.keys.run_lease]
-        values, _, _ = self._client.read_many(wanted, [])
-        return dict(zip(wanted, values))
+        view = self._view
+        view.wait_for(lambda: view.delivered(self.keys.run_lease, revision), REGISTRATIONS_WAIT_S)
+        with view.lock:
+            found = view.registrations(wanted, revision)
+        missing = [k for k in wanted if k not in found]
+        if missing:
+            values, _, _ = self._client.read_many(missing, [])
+            read = dict(zip(missing, values))
+            view.learn(read)
+            found.update(read)
+        return found
 
     def _master(self, m: Membership, store: EtcdStore,
                 rank0: KeyValue | None) -> tuple[tuple[str, int] | None, str | None]:

@@ -191,8 +191,9 @@ class Rounds:
         return replace(node, joined_with=action.lease, read_due=due)
 
     def _track_joins(self, action: Action) -> NodeState:
-        if not action.track_alive:  # the joins only: a watcher on the view's own stream, from the round's start
-            self._view.track_joins(action.round, action.revision)
+        if not action.track_alive:  # the joins only: read, then a watcher on the view's own stream from there
+            (joins,), revision = self._client.read_ranges([self.keys.join_range(action.round)])
+            self._view.track_joins(action.round, joins, revision)
             return action.state
         # the joins and every alive/ change, which the view does not follow yet: a view of their own (a read)
         keys = self.keys

@@ -57,6 +57,8 @@ class MembershipView:
         self._backoff = backoff or Backoff()
         self._ranges = ranges or keys.watch_ranges()
         self._alive_index = self._ranges.index(keys.alive_range) if keys.alive_range in self._ranges else None
+        lease_key = keys.run_lease.encode()  # the range whose watcher delivers the run lease's key
+        self._lease_index = next((i for i, (lo, hi) in enumerate(self._ranges) if lo.encode() <= lease_key < hi), None)
         self.alive_puts = alive_puts  # False: only the smallest live node's alive/ key is watched (module docstring)
         self._below = (keys.alive_prefix, keys.alive(node_id).encode())  # alive/ keys of smaller node ids
         self._smallest: str | None = None  # while alive_puts is False: the alive/ key watched (None: no smaller node)
@@ -166,23 +168,29 @@ class MembershipView:
             self.version += 1
             self.lock.notify_all()
 
-    def track_joins(self, rnd: int, from_revision: int) -> None:
-        """Follow round rnd's joins/ too (the closer's), on this view's own stream from `from_revision`, the
-        revision that opened round rnd (every join of the round came after it): etcd replays the joins so
-        far, in revision order, and then every change. One watch request; no read, no other stream or
-        thread. joins_of(rnd) has them; untrack_joins() ends it."""
+    def track_joins(self, rnd: int, joins: list[KeyValue], revision: int) -> None:
+        """Follow round rnd's joins/ too (the closer's): `joins` as read at `revision`, then every change, on
+        this view's own stream from revision + 1: one watch request, no other stream or thread. (Not etcd
+        replaying the round's joins from the revision that opened it: a watcher that starts in the past waits
+        for etcd's sync loop, up to 100 ms, and the round with it.) joins_of(rnd) has them; untrack_joins()
+        ends it."""
         with self.lock:
             if self._tracked == rnd:
                 return
             self._untrack()
             key_range = self._keys.join_range(rnd)
             self._ranges.append(key_range)
-            self._revs.append(from_revision - 1)
-            self._floors.append(from_revision - 1)
+            self._revs.append(revision)
+            self._floors.append(revision)
             self._tracked = rnd
-            self.joins[rnd] = {}
+            found: dict[str, KeyValue] = {}
+            for kv in joins:
+                kind, r, node = self._keys.parse(kv.key)
+                if kind == "join" and r == rnd:
+                    found[node] = kv
+            self.joins[rnd] = found
             if self._stream is not None:
-                self._stream.add(len(self._ranges) - 1, key_range, from_revision)
+                self._stream.add(len(self._ranges) - 1, key_range, revision + 1)
             self.version += 1
             self.lock.notify_all()
 
@@ -204,6 +212,45 @@ class MembershipView:
         self._floors.pop()
         self.joins.pop(self._tracked, None)
         self._tracked = None
+
+    def delivered(self, key: str, revision: int) -> bool:
+        """The view holds `key` (the run lease's) as it was at `revision` or later: the watcher that covers it has
+        delivered every event up to `revision` (a watcher's events come in revision order). Caller holds the lock."""
+        i = self._lease_index if key == self._run_lease_key else None
+        return i is not None and i < len(self._revs) and self._revs[i] >= revision
+
+    def registrations(self, keys: list[str], revision: int) -> dict[str, KeyValue | None]:
+        """Of `keys` (alive/ keys and the run lease's), what this view answers without a read (caller holds the
+        lock): an alive/ key whose value it read or saw put, while it follows every alive/ change (not a member
+        it holds a placeholder or a key without its value for); the run lease's key once delivered() up to
+        `revision`. A value put meanwhile is at most as far behind as the watch stream's delivery."""
+        found: dict[str, KeyValue | None] = {}
+        prefix = self._keys.alive_prefix
+        for key in keys:
+            if key == self._run_lease_key:
+                if self.delivered(key, revision):
+                    found[key] = self.run_lease
+            elif self.alive_puts and key.startswith(prefix):
+                kv = self.alive.get(key[len(prefix):])
+                if kv is not None and kv.value:
+                    found[key] = kv
+        return found
+
+    def learn(self, found: dict[str, KeyValue | None]) -> None:
+        """alive/ values read elsewhere (the members' keys read with a round) for the members this view holds a
+        placeholder for, or an older put (its event is on its way: it brings the same value): the next rounds find
+        them here. A member the view saw deleted, or put again since the read, stays as the view has it. The
+        view's version does not change (no member came or went)."""
+        prefix = self._keys.alive_prefix
+        with self.lock:
+            for key, kv in found.items():
+                if kv is None or not key.startswith(prefix):
+                    continue
+                node = key[len(prefix):]
+                held = self.alive.get(node)
+                if held is not None and (not held.key or held.mod_revision < kv.mod_revision
+                                         or (held.mod_revision == kv.mod_revision and not held.value)):
+                    self.alive[node] = kv
 
     def _deletes_only(self) -> frozenset[int]:
         return frozenset() if self.alive_puts or self._alive_index is None else frozenset({self._alive_index})

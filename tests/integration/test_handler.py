@@ -12,6 +12,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 
 from elastic_rt.errors import RendezvousDataError
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
+from tests.support.rendezvous import ranks
 
 
 def _handler(endpoint, run_id, node, lo=1, hi=2, **conf):
@@ -21,22 +22,7 @@ def _handler(endpoint, run_id, node, lo=1, hi=2, **conf):
 
 
 def _together(handlers):
-    out, errors = {}, []
-
-    def go(h):
-        try:
-            info = h.next_rendezvous()
-            out[h.settings.node_id] = (info.rank, info.world_size)
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    ts = [threading.Thread(target=go, args=(h,)) for h in handlers]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    assert not errors, errors
-    return out
+    return ranks(handlers)
 
 
 def test_round_forms_then_scale_up_then_leave(etcd_endpoint, run_id):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -14,6 +13,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from elastic_rt.errors import DuplicateNodeError, RunInUseError
 from elastic_rt.rendezvous.claim import JobFingerprint
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
+from tests.support.rendezvous import together
 
 
 def _handler(endpoint, run_id, node, lo=2, hi=2, **conf):
@@ -23,21 +23,7 @@ def _handler(endpoint, run_id, node, lo=2, hi=2, **conf):
 
 
 def _together(handlers) -> dict:
-    out, errors = {}, []
-
-    def go(h):
-        try:
-            out[h.settings.node_id] = h.next_rendezvous()
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=go, args=(h,)) for h in handlers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors, errors
-    return out
+    return together(handlers, 90)
 
 
 def _forge_next_final(client, run_id: str, rnd: int, **fields) -> None:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import threading
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
+from tests.support.rendezvous import ranks
 
 
 def _handler(endpoint, run_id, node):
@@ -22,22 +22,7 @@ def _handler(endpoint, run_id, node):
 
 
 def _rendezvous(handlers) -> dict[str, tuple[int, int]]:
-    out, errors = {}, []
-
-    def go(h):
-        try:
-            info = h.next_rendezvous()
-            out[h.settings.node_id] = (info.rank, info.world_size)
-        except Exception as exc:  # noqa: BLE001 (reported below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=go, args=(h,)) for h in handlers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return out
+    return ranks(handlers)
 
 
 def _first_run(endpoint, run_id, names, ready) -> None:

@@ -1,7 +1,8 @@
-"""The closer's view of a round's joins against a real etcd: track_joins() adds one watcher to the view's own
-stream, from the revision that opened the round, so etcd replays the joins so far and then every change; no
-read, no stream or thread of its own. untrack_joins() drops it (late events of a dropped watcher never reach
-the next round's joins), and a start revision etcd has compacted away costs one read of the whole view."""
+"""The closer's view of a round's joins against a real etcd: track_joins() takes the joins as read and adds one
+watcher to the view's own stream from the read's next revision, so etcd sends every later change at once (a
+watcher that started in the past would wait for etcd's sync loop, up to 100 ms); no stream or thread of its own.
+untrack_joins() drops it (late events of a dropped watcher never reach the next round's joins), and a read
+revision etcd has compacted away by the time the watcher is added costs one read of the whole view."""
 
 from __future__ import annotations
 
@@ -51,40 +52,56 @@ def _joins(view, rnd: int):
         return None if found is None else set(found)
 
 
-def test_the_joins_so_far_are_replayed_then_followed_without_a_read(etcd_client, view_and_keys, monkeypatch):
+def _track(view, c, keys, rnd: int) -> None:
+    """What the closer does (rounds.py): read the round's joins, then track them from there."""
+    (joins,), revision = c.read_ranges([keys.join_range(rnd)])
+    view.track_joins(rnd, joins, revision)
+
+
+def test_the_joins_as_read_then_every_change_at_once(etcd_client, view_and_keys, monkeypatch):
     view, keys = view_and_keys
     c = etcd_client
-    c.put(keys.join(0, "stale"), b"{}")  # a join key from before the round opened is not one of its joins
-    opened = _opened(view, c, keys, 0)
+    _opened(view, c, keys, 0)
     c.put(keys.join(0, "a"), b"{}")
     c.put(keys.join(0, "b"), b"{}")
-    reads = []
-    monkeypatch.setattr(c, "read_ranges", lambda *a, **k: reads.append(a) or pytest.fail("track_joins read"))
     assert _joins(view, 0) is None
-    view.track_joins(0, opened)
-    assert view.wait_for(lambda: view.joins_of(0) is not None and set(view.joins_of(0)) == {"a", "b"}, 10)
+    with view.lock:
+        stream = view._stream
+    starts = []
+    add = stream.add
+    monkeypatch.setattr(stream, "add", lambda i, r, start, **k: starts.append((r, start)) or add(i, r, start, **k))
+    (joins,), revision = c.read_ranges([keys.join_range(0)])
+    view.track_joins(0, joins, revision)
+    with view.lock:  # no waiting for the stream: the read's joins are there
+        assert set(view.joins_of(0)) == {"a", "b"}
+    # the watcher starts after the read, not in the past (etcd syncs a watcher that starts in the past every
+    # 100 ms; one that starts at the next revision gets each write as it happens)
+    assert starts == [(keys.join_range(0), revision + 1)]
+    reads = []
+    monkeypatch.setattr(c, "read_ranges", lambda *a, **k: reads.append(a) or pytest.fail("the view read"))
     c.put(keys.join(0, "m"), b"{}")
     c.delete(keys.join(0, "a"))
     c.put(keys.join(1, "early"), b"{}")  # another round's joins are not this range's
     assert view.wait_for(lambda: set(view.joins_of(0)) == {"b", "m"}, 10)
     assert not reads
+    monkeypatch.undo()
     with view.lock:
         assert view.joins_of(1) is None and 1 not in view.joins
 
     view.untrack_joins()
     assert _joins(view, 0) is None
-    opened = _opened(view, c, keys, 1)
+    _opened(view, c, keys, 1)
     c.delete(keys.join(0, "b"))  # the dropped watcher's range: nothing of it may reach round 1's joins
-    view.track_joins(1, opened)
+    _track(view, c, keys, 1)
     c.put(keys.join(1, "x"), b"{}")
-    assert view.wait_for(lambda: set(view.joins_of(1)) == {"x"}, 10)
+    assert view.wait_for(lambda: set(view.joins_of(1)) == {"early", "x"}, 10)  # "early": the read found it
     c.put(keys.join(0, "late"), b"{}")
     _opened(view, c, keys, 1)  # a later event on the same stream: everything before it has arrived
     with view.lock:
-        assert set(view.joins_of(1)) == {"x"} and set(view.joins) == {1}, view.joins
+        assert set(view.joins_of(1)) == {"early", "x"} and set(view.joins) == {1}, view.joins
 
 
-def test_a_compacted_round_start_costs_one_read_of_the_view(own_etcd, run_id):
+def test_a_read_revision_compacted_before_the_watcher_starts_costs_one_read_of_the_view(own_etcd, run_id):
     c = EtcdClient(own_etcd.client_config())
     keys = RunKeys(run_id)
     view = _view(c, keys)
@@ -96,8 +113,9 @@ def test_a_compacted_round_start_costs_one_read_of_the_view(own_etcd, run_id):
 
 
 def _compacted_then_tracked(etcd_server, c, view, keys) -> None:
-    opened = _opened(view, c, keys, 0)
+    _opened(view, c, keys, 0)
     c.put(keys.join(0, "a"), b"{}")
+    (joins,), revision = c.read_ranges([keys.join_range(0)])
     c.put(keys.join(0, "b"), b"{}")
     now = c.put(keys.join(0, "c"), b"{}")
     c.delete(keys.join(0, "c"))
@@ -106,7 +124,7 @@ def _compacted_then_tracked(etcd_server, c, view, keys) -> None:
                    capture_output=True, timeout=30)
     with view.lock:
         reloads = view.reloads
-    view.track_joins(0, opened)
+    view.track_joins(0, joins, revision)
     assert view.wait_for(lambda: view.reloads > reloads and set(view.joins_of(0)) == {"a", "b"}, 10)
     c.put(keys.join(0, "d"), b"{}")
     assert view.wait_for(lambda: set(view.joins_of(0)) == {"a", "b", "d"}, 10)
