@@ -116,7 +116,6 @@ from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)
 MASTER_KEY = "elastic-rt/master"  # rank 0's store address in the round's store, when it did not close the round
-REGISTRATIONS_WAIT_S = 0.5  # how long a node that wrote a round's final waits for its view to deliver it
 
 
 def alive_info(settings: RendezvousSettings) -> dict:
@@ -293,8 +292,9 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
             # rank 0's own alive/ key is not needed: it checks the master address against its own
             wanted = names if m.rank == 0 else [*names, m.nodes[0]]
             found = self._retrying(lambda _d: self._registrations(wanted, m.revision), deadline)
-            lease = self._retrying(lambda _d: self._run_lease.adopt(found[self.keys.run_lease], keeper=m.rank == 0),
-                                   deadline)
+            known = self.keys.run_lease in found  # else this node wrote the final and its view is behind it
+            lease = self._retrying(lambda _d: self._run_lease.adopt(found.get(self.keys.run_lease), keeper=m.rank == 0,
+                                                                    known=known), deadline)
             store = EtcdStore(self._client, self.keys.round_store(m.round),
                               timedelta(seconds=self.settings.store_timeout_s), lease=lease)
             rank0 = self.keys.alive(m.nodes[0])
@@ -360,20 +360,18 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
             return self._view.run_lease
 
     def _registrations(self, nodes: list[str], revision: int) -> dict[str, KeyValue | None]:
-        """The alive/ keys of `nodes` and the run lease's key (as of the round's final, `revision`, or later), by key:
-        what the membership view holds (MembershipView.registrations: a node that wrote the final itself waits up to
-        REGISTRATIONS_WAIT_S for the view to deliver it), the rest in one request; the view keeps the alive/ values
-        read for the rounds after."""
-        wanted = [self.keys.alive(n) for n in dict.fromkeys(nodes)] + [self.keys.run_lease]
-        view = self._view
-        view.wait_for(lambda: view.delivered(self.keys.run_lease, revision), REGISTRATIONS_WAIT_S)
-        with view.lock:
-            found = view.registrations(wanted, revision)
+        """The alive/ keys of `nodes`, and the run lease's key as of the round's final (`revision`) where the view
+        has delivered it, by key: what the membership view holds (MembershipView.registrations), the alive/ keys
+        it lacks in one request, whose values the view keeps for the rounds after. The run lease's key is left out
+        when the view is behind the final: its node wrote the final and made sure of the run lease before."""
+        wanted = [self.keys.alive(n) for n in dict.fromkeys(nodes)]
+        with self._view.lock:
+            found = self._view.registrations([*wanted, self.keys.run_lease], revision)
         missing = [k for k in wanted if k not in found]
         if missing:
             values, _, _ = self._client.read_many(missing, [])
             read = dict(zip(missing, values))
-            view.learn(read)
+            self._view.learn(read)
             found.update(read)
         return found
 

@@ -47,25 +47,29 @@ class RunLease:
         self._keeper = False
         self._due = 0.0
 
-    def adopt(self, kv: KeyValue | None, *, keeper: bool) -> int:
-        """The lease to put this round's store keys on, given the `lease` key as read with the round (granted here
-        when there is none); `keeper`: this node is the round's rank 0. Raises EtcdUnavailableError."""
+    def adopt(self, kv: KeyValue | None, *, keeper: bool, known: bool = True) -> int:
+        """The lease to put this round's store keys on, given the `lease` key as of the round's final (granted here
+        when there is none); `keeper`: this node is the round's rank 0. `known=False`: `kv` is not known (this node
+        wrote the final and its view has not delivered it yet): the lease it made sure of before (ensure()), or
+        one read now. Raises EtcdUnavailableError."""
         with self._lock:
             self._keeper = keeper
-            lease = self._named_or_granted(kv)
-            self.lease_id = lease
+            if known:
+                self.lease_id = self._named_or_granted(kv)
+            elif not self.lease_id:
+                self.lease_id = self._found_or_granted()
             self._due = self._clock() + self.ttl_s / 3
-            return lease
+            return self.lease_id
 
     def ensure(self, known: Callable[[], KeyValue | None]) -> None:
         """Before this node writes a round's final: the run's lease and its key exist (granted here when
-        absent), unless this node already holds the run's lease. `known()`: the key as this node's membership
-        view has it (no read; a view a little behind costs at most a grant that loses the create-only put
-        and is revoked). Raises EtcdUnavailableError."""
+        absent), unless this node already holds the run's lease; this node holds it from then on. `known()`: the
+        key as this node's membership view has it (no read; a view a little behind costs at most a grant that
+        loses the create-only put and is revoked). Raises EtcdUnavailableError."""
         with self._lock:
             if self.lease_id:
                 return
-            self._named_or_granted(known())
+            self.lease_id = self._named_or_granted(known())
 
     def _found_or_granted(self) -> int:
         """The lease named by the `lease` key as read now; granted here when the key names none."""

@@ -1,6 +1,7 @@
-"""RunLease.ensure() against a real etcd, given the `lease` key as the membership view has it: no request when the
-view has a lease, a grant when it has none, and a view a little behind (the key written meanwhile by another
-node) costs one grant that loses the create-only put and is revoked: one run lease, never two."""
+"""RunLease.ensure() and adopt() against a real etcd, given the `lease` key as the membership view has it: no request
+when the view has a lease, a grant when it has none, and a view a little behind (the key written meanwhile by another
+node) costs one grant that loses the create-only put and is revoked: one run lease, never two. A closer whose view
+has not delivered its own final yet takes the lease it made sure of."""
 
 from __future__ import annotations
 
@@ -61,3 +62,19 @@ def test_the_membership_view_follows_the_key(etcd_client, run_id):
         assert view.wait_for(lambda: view.run_lease is None, 10)
     finally:
         view.stop()
+
+
+def test_the_closer_whose_view_is_behind_its_final_takes_the_lease_it_made_sure_of(etcd_client, run_id, monkeypatch):
+    keys = RunKeys(run_id)
+    closer = RunLease(etcd_client, keys, ttl_s=60)
+    closer.ensure(lambda: None)  # before its final: granted here
+    kv, _ = etcd_client.get(keys.run_lease)
+    for name in ("get", "grant_lease", "compare_and_put", "read_many", "read_ranges"):
+        monkeypatch.setattr(etcd_client, name, lambda *a, **k: pytest.fail("adopt() asked etcd"))
+    assert closer.adopt(None, keeper=True, known=False) == lease_of(kv)
+    monkeypatch.undo()
+    other = RunLease(etcd_client, keys, ttl_s=60)  # holds none and knows none: reads the key, grants nothing
+    granted = []
+    grant = etcd_client.grant_lease
+    monkeypatch.setattr(etcd_client, "grant_lease", lambda *a, **k: granted.append(grant(*a, **k)) or granted[-1])
+    assert other.adopt(None, keeper=False, known=False) == lease_of(kv) and not granted
