@@ -183,12 +183,7 @@ class MembershipView:
             self._revs.append(revision)
             self._floors.append(revision)
             self._tracked = rnd
-            found: dict[str, KeyValue] = {}
-            for kv in joins:
-                kind, r, node = self._keys.parse(kv.key)
-                if kind == "join" and r == rnd:
-                    found[node] = kv
-            self.joins[rnd] = found
+            self.joins[rnd] = {self._keys.parse(kv.key)[2]: kv for kv in joins}
             if self._stream is not None:
                 self._stream.add(len(self._ranges) - 1, key_range, revision + 1)
             self.version += 1
@@ -213,22 +208,18 @@ class MembershipView:
         self.joins.pop(self._tracked, None)
         self._tracked = None
 
-    def delivered(self, key: str, revision: int) -> bool:
-        """The view holds `key` (the run lease's) as it was at `revision` or later: the watcher that covers it has
-        delivered every event up to `revision` (a watcher's events come in revision order). Caller holds the lock."""
-        i = self._lease_index if key == self._run_lease_key else None
-        return i is not None and i < len(self._revs) and self._revs[i] >= revision
-
     def registrations(self, keys: list[str], revision: int) -> dict[str, KeyValue | None]:
         """Of `keys` (alive/ keys and the run lease's), what this view answers without a read (caller holds the
         lock): an alive/ key whose value it read or saw put, while it follows every alive/ change (not a member
-        it holds a placeholder or a key without its value for); the run lease's key once delivered() up to
-        `revision`. A value put meanwhile is at most as far behind as the watch stream's delivery."""
+        it holds a placeholder or a key without its value for); the run lease's key once the watcher that covers
+        it has delivered every event up to `revision` (a watcher's events come in revision order). A value put
+        meanwhile is at most as far behind as the watch stream's delivery."""
         found: dict[str, KeyValue | None] = {}
         prefix = self._keys.alive_prefix
+        i = self._lease_index
         for key in keys:
             if key == self._run_lease_key:
-                if self.delivered(key, revision):
+                if i is not None and i < len(self._revs) and self._revs[i] >= revision:
                     found[key] = self.run_lease
             elif self.alive_puts and key.startswith(prefix):
                 kv = self.alive.get(key[len(prefix):])
