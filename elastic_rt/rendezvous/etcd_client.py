@@ -24,7 +24,7 @@ from elastic_rt.rendezvous.etcd_access import access_error, check_tls, needs_tls
 from elastic_rt.rendezvous.etcd_endpoint import Endpoint, Renewal, WatchCompacted, WatchStream, label
 from elastic_rt.rendezvous.wire import CallError
 
-__all__ = ["EtcdClient", "EtcdConfig", "KeyValue", "Renewal", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
+__all__ = ["EtcdClient", "EtcdConfig", "KeyValue", "RangeRead", "Renewal", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
 
 log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -84,6 +84,22 @@ def _kv(kv) -> KeyValue:
 
 def _event(ev) -> WatchEvent:
     return WatchEvent(ev.type == 1, _kv(ev.kv))
+
+
+@dataclass(frozen=True)
+class RangeRead:
+    """Ranges to read in one request (EtcdClient.read_ranges' arguments): (start, end) each, the indexes of those
+    read without values and of those read as their smallest key only."""
+
+    ranges: list[tuple[str, bytes]]
+    keys_only: frozenset[int] = frozenset()
+    first_only: frozenset[int] = frozenset()
+
+
+def _range_ops(read: RangeRead) -> list:
+    return [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+                key=a.encode(), range_end=b, keys_only=i in read.keys_only, limit=1 if i in read.first_only else 0))
+            for i, (a, b) in enumerate(read.ranges)]
 
 
 def prefix_end(prefix: str) -> bytes:
@@ -255,6 +271,16 @@ class EtcdClient:
 
         Returns (succeeded, the key as it is after the transaction).
         """
+        ok, kv, _, _ = self.compare_and_put_then_read(key, value, expected_mod_revision=expected_mod_revision,
+                                                      lease=lease, timeout_s=timeout_s, read=RangeRead([]))
+        return ok, kv
+
+    def compare_and_put_then_read(
+        self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
+        timeout_s: float | None = None, read: RangeRead,
+    ) -> tuple[bool, KeyValue | None, list[list[KeyValue]], int]:
+        """compare_and_put, and in the same transaction (one request, one revision: after the put, when it was made)
+        read_ranges(read). Returns (succeeded, the key as it is after it, the ranges' keys, that revision)."""
         if expected_mod_revision is None:
             cmp = etcdrpc.Compare(
                 result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.CREATE,
@@ -267,10 +293,13 @@ class EtcdClient:
             )
         get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
         put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease))
-        req = etcdrpc.TxnRequest(compare=[cmp], success=[put, get], failure=[get])
+        reads = _range_ops(read)
+        req = etcdrpc.TxnRequest(compare=[cmp], success=[put, get, *reads], failure=[get, *reads])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t), timeout_s)
-        rng = resp.responses[-1].response_range
-        return bool(resp.succeeded), (_kv(rng.kvs[0]) if rng.kvs else None)
+        responses = resp.responses[-len(reads) - 1:]
+        rng = responses[0].response_range
+        ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in responses[1:]]
+        return bool(resp.succeeded), (_kv(rng.kvs[0]) if rng.kvs else None), ranges, resp.header.revision
 
     def delete_ranges(self, ranges: list[tuple[str, str]]) -> int:
         """Delete every key k with start <= k < end, for each (start, end), in one transaction."""
@@ -310,10 +339,7 @@ class EtcdClient:
         the ranges whose indexes are in `keys_only` come without values (b""), those in `first_only` as
         their smallest key only, or none (a limit etcd applies while it reads: O(1), where the greatest
         key would cost it a sort of the whole range)."""
-        ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
-                   key=a.encode(), range_end=b, keys_only=i in keys_only, limit=1 if i in first_only else 0))
-               for i, (a, b) in enumerate(ranges)]
-        req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
+        req = etcdrpc.TxnRequest(compare=[], success=_range_ops(RangeRead(ranges, keys_only, first_only)), failure=[])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         return [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses], resp.header.revision
 

@@ -483,8 +483,8 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         (refused for another job's live run), then the view (each once; a failed step is retried by the caller)."""
         if self._lease.conflict is not None:
             raise self._lease.conflict
-        if not self._lease_started:
-            self._lease.start()
+        if not self._lease_started:  # the view's first read goes with the alive key: one request
+            self._lease.start(read=None if self._started else self._view.first_read())
             self._lease_started = True
         if self.settings.fingerprint and not self._started:
             try:
@@ -492,7 +492,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
             except RunInUseError:
                 self.leave()  # nothing of this node stays in the other job's run
                 raise
-        self._view.start()
+        self._view.start(self._lease.take_read())
         self._started = True
 
     def _formed(self, m: Membership) -> None:

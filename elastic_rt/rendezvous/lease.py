@@ -10,7 +10,7 @@ import uuid
 from typing import Callable
 
 from elastic_rt.errors import DuplicateNodeError, EtcdUnavailableError
-from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
+from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, RangeRead
 from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import LivenessListener, parse_peer, probe
@@ -64,6 +64,7 @@ class NodeLease:
         self.renewals_lost = 0  # times the lease was found gone (an outage, a pause, a partition, an eviction)
         self.lost_at: float | None = None  # when it was last found gone
         self.conflict: DuplicateNodeError | None = None  # another agent holds this node id: beats stopped
+        self._read: tuple[RangeRead, list[list[KeyValue]], int] | None = None  # start()'s `read`, until take_read()
 
     @property
     def lease_id(self) -> int:
@@ -74,8 +75,9 @@ class NodeLease:
         """Seconds since etcd last confirmed this lease (longer than the TTL: peers may have re-formed)."""
         return self._clock() - self.last_renewed
 
-    def start(self, *, wait_s: float | None = None) -> int:
-        """Grant the lease and put the alive key (request deadlines: the client's), then keep it alive.
+    def start(self, *, wait_s: float | None = None, read: RangeRead | None = None) -> int:
+        """Grant the lease and put the alive key (request deadlines: the client's), then keep it alive. `read`: ranges
+        to read in the alive key's own request (the membership view's first read); take_read() has the result.
 
         The node id's alive/ key held by another agent: when that agent registered this agent's own address and
         its liveness port refuses connections, its process is gone (a restart) and the key is taken over at once
@@ -86,7 +88,7 @@ class NodeLease:
         with self._lock:
             while True:
                 try:
-                    self._grant(timeout_s=None)
+                    self._grant(timeout_s=None, read=read)
                     break
                 except DuplicateNodeError as exc:
                     held = exc.held
@@ -123,8 +125,14 @@ class NodeLease:
             self._on_granted()
         return ok
 
-    def _grant(self, timeout_s: float | None) -> None:
-        """A new lease and the alive key on it (None: the client's request deadline)."""
+    def take_read(self) -> tuple[RangeRead, list[list[KeyValue]], int] | None:
+        """start()'s `read`, the ranges' keys and the revision it was read at, once; None when it was not read with
+        the alive key (another agent's key was in the way)."""
+        read, self._read = self._read, None
+        return read
+
+    def _grant(self, timeout_s: float | None, read: RangeRead | None = None) -> None:
+        """A new lease and the alive key on it (None: the client's request deadline); `read` in the put's request."""
         sent = self._clock()
         self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=timeout_s)
         self._registered = False
@@ -133,8 +141,13 @@ class NodeLease:
         except EtcdUnavailableError:
             pass  # the put below says whether etcd answers
         key = self._keys.alive(self._node_id)
-        ok, held = self._client.compare_and_put(key, self._info, expected_mod_revision=None, lease=self._lease_id,
-                                                timeout_s=timeout_s)
+        if read is None:
+            ok, held = self._client.compare_and_put(key, self._info, expected_mod_revision=None, lease=self._lease_id,
+                                                    timeout_s=timeout_s)
+        else:
+            ok, held, ranges, revision = self._client.compare_and_put_then_read(
+                key, self._info, expected_mod_revision=None, lease=self._lease_id, timeout_s=timeout_s, read=read)
+            self._read = (read, ranges, revision) if ok else None
         if not ok and held is not None:  # this process's own key, from a grant whose answer was lost, is replaced
             if incarnation(held) != self.incarnation:
                 raise DuplicateNodeError(

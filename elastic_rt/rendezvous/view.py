@@ -31,7 +31,7 @@ import time
 from typing import Callable
 
 from elastic_rt.errors import EtcdUnavailableError, RendezvousDataError
-from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, WatchCompacted, WatchEvent, WatchStream
+from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, RangeRead, WatchCompacted, WatchEvent, WatchStream
 from elastic_rt.rendezvous.etcd_reachability import Backoff
 from elastic_rt.rendezvous.keys import RunKeys
 
@@ -89,11 +89,12 @@ class MembershipView:
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle ----------------------------------------------------------
-    def start(self) -> None:
-        """One range read (raises EtcdUnavailableError), then the watch thread."""
+    def start(self, read: tuple[RangeRead, list[list[KeyValue]], int] | None = None) -> None:
+        """One range read (raises EtcdUnavailableError), then the watch thread. `read`: first_read() as read elsewhere
+        (with this node's registration: one request fewer), its keys and revision, instead of the read."""
         if self._thread is not None:
             return
-        self._reload()
+        self._reload(read)
         self._thread = threading.Thread(target=self._run, name="elastic-rt-view", daemon=True)
         self._thread.start()
 
@@ -335,16 +336,32 @@ class MembershipView:
             ranges[i] = (key, key.encode() + b"\0")
         return ranges
 
-    def _reload(self) -> None:
+    def first_read(self) -> RangeRead:
+        """What start() reads: give the result to start() to have the read made elsewhere, in the same request as
+        something else (a view that changed meanwhile reads again itself)."""
         with self.lock:
-            smallest_only = self._deletes_only()
-            # while alive_puts is False: the smallest alive/ key if it is below this node's, without its value
-            read = [self._below if i in smallest_only else r for i, r in enumerate(self._ranges)]
-            watched = list(self._ranges)
-        ranges, rev = self._client.read_ranges(read, keys_only=smallest_only, first_only=smallest_only)
+            return self._read_spec()
+
+    def _read_spec(self) -> RangeRead:
+        """The ranges a read of the view covers now (caller holds the lock): while alive_puts is False, the smallest
+        alive/ key if it is below this node's, without its value."""
+        smallest_only = self._deletes_only()
+        return RangeRead([self._below if i in smallest_only else r for i, r in enumerate(self._ranges)],
+                         keys_only=smallest_only, first_only=smallest_only)
+
+    def _reload(self, done: tuple[RangeRead, list[list[KeyValue]], int] | None = None) -> None:
+        if done is not None:
+            spec, ranges, rev = done
+            with self.lock:
+                watched = list(self._ranges)
+        else:
+            with self.lock:
+                spec, watched = self._read_spec(), list(self._ranges)
+            ranges, rev = self._client.read_ranges(spec.ranges, keys_only=spec.keys_only, first_only=spec.first_only)
+        smallest_only = spec.first_only
         now = self._clock()
         with self.lock:
-            if self._deletes_only() != smallest_only or self._ranges != watched:
+            if self._read_spec() != spec or self._ranges != watched:
                 self._reload_wanted = True  # members_formed() or track_joins() came meanwhile: read again
                 return
             if smallest_only:
