@@ -19,15 +19,15 @@ from etcd_testbed.server import EtcdCluster
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
 
 N = 64
-# Requests per node per round, keepalives aside. Today: lease grant + alive put and the view's
-# read + its stream's four watchers (first round only), join put, at most one CAS on `round` and
+# Requests per node per round, keepalives aside. Today: lease grant, the alive put with the view's
+# first read in one transaction, its stream's four watchers (first round only), join put, at most one CAS on `round` and
 # one on `final` (only the closer, unless it is late); when the first round forms, the alive/
 # watcher replaced (cancel + create: until then it watched one key, the smallest live node's, so that
 # N registrations or lapses are not N events at each of N nodes; no re-read: the final says who was alive) and one read of
 # the two ring neighbours' alive keys (their liveness ports). Rank 0's store address travels in the
 # final, so the round's c10d store is not touched. Before the watches it was ~15 at N = 64 and
-# grew with N (~52 at 256).
-PER_NODE_PER_ROUND = 12
+# grew with N (~52 at 256); 12 before the view's first read went with the alive put.
+PER_NODE_PER_ROUND = 11
 # Watch events etcd sends per node for the first round: `round`, the final, and the joins the
 # closer (and the few nodes that act as closer until they see a smaller node's join) watch.
 # When every node followed every registration it was about N / 2 (32 here, 2001 in all).
