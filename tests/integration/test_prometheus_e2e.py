@@ -246,11 +246,17 @@ def test_status_names_the_crashing_worker(live):
     assert {n["node"]: n["state"] for n in s["nodes"] if n["node"] != "c"} == {"a": "training", "b": "training"}
 
 
+def _interruptible() -> None:
+    """Ctrl-C as in an operator's terminal: a test run in the background of a non-interactive shell (CI started
+    with `&`) inherits SIGINT ignored, and Python raises no KeyboardInterrupt in a child that inherits that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_status_cli_watch_redraws_until_interrupted(live):
     """The command itself, as an operator runs it: text frames on a pipe, Ctrl-C ends it with exit code 0."""
     proc = subprocess.Popen([sys.executable, "-m", "elastic_rt.cli", "status", "--rdzv-endpoint", live.job.endpoint,
                              "--rdzv-id", live.run_id, "--watch", "0.5", "--timeout", "10"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
+                            stderr=subprocess.PIPE, text=True, cwd=str(ROOT), preexec_fn=_interruptible)
     frames: list[list[str]] = []
     try:
         while len(frames) < 2:  # the second frame's first line ends the first frame
