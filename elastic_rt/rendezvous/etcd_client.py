@@ -296,6 +296,9 @@ class EtcdClient:
         reads = _range_ops(read)
         req = etcdrpc.TxnRequest(compare=[cmp], success=[put, get, *reads], failure=[get, *reads])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t), timeout_s)
+        if len(resp.responses) != len(reads) + (2 if resp.succeeded else 1):
+            raise EtcdUnavailableError(f"etcd answered a transaction of {len(reads) + 2} operations with "
+                                       f"{len(resp.responses)} results")
         responses = resp.responses[-len(reads) - 1:]
         rng = responses[0].response_range
         ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in responses[1:]]

@@ -85,6 +85,7 @@ class NodeLease:
         and a second: a dead agent's lease runs out meanwhile), then DuplicateNodeError: a second live agent."""
         deadline = self._clock() + (2 * self._ttl_s + 1.0 if wait_s is None else wait_s)
         said = False
+        self._read = None  # a read of an earlier start() never outlives its lease
         with self._lock:
             while True:
                 try:
@@ -216,6 +217,7 @@ class NodeLease:
     def stop(self, *, revoke: bool) -> None:
         """Stop refreshing; with revoke, peers see this node gone at once."""
         self._stop.set()
+        self._read = None
         self._listener.close()
         if self._thread is not None:
             self._thread.join(timeout=5)

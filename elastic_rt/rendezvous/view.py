@@ -94,6 +94,8 @@ class MembershipView:
         (with this node's registration: one request fewer), its keys and revision, instead of the read."""
         if self._thread is not None:
             return
+        if read is not None and read[0] != self.first_read():
+            read = None  # the view changed since that read was made: it reads itself (start() reads, or raises)
         self._reload(read)
         self._thread = threading.Thread(target=self._run, name="elastic-rt-view", daemon=True)
         self._thread.start()

@@ -28,10 +28,11 @@ def test_compare_and_put_then_read_reads_at_the_puts_revision_on_both_branches(e
                                                            read=read)
     assert ok and kv.value == b"m" and kv.mod_revision == revision
     assert [[(x.key, x.value) for x in r] for r in ranges] == [[(keys.alive("a"), b"")], []]
-    c.put(keys.round, b"0")
+    put_at = c.put(keys.round, b"0")
     ok, kv, ranges, revision2 = c.compare_and_put_then_read(keys.alive("m"), b"other", expected_mod_revision=None,
                                                             read=read)
-    assert not ok and kv.value == b"m" and revision2 == revision + 1  # refused: nothing written, the key as it is
+    assert not ok and kv.value == b"m" and kv.mod_revision == revision  # refused: nothing written, the key as it is
+    assert revision2 >= put_at  # read after the round's put (other tests' leases may move the revision too)
     assert [[(x.key, x.value) for x in r] for r in ranges] == [[(keys.alive("a"), b"")], [(keys.round, b"0")]]
 
 
@@ -68,23 +69,32 @@ def test_the_views_first_read_goes_with_the_alive_key(handler, etcd_client, run_
         assert _state(own)[:3] == (0, "c", ["c"])
     finally:
         own.stop()
-    with handler._view.lock:
-        assert handler._view.reloads == 1
     alive, _ = c.get(keys.alive("m"))
     assert alive is not None and alive.lease == handler._lease.lease_id
+    with handler._view.lock:  # the watch goes on from the alive key's own revision
+        assert handler._view.reloads == 1 and set(handler._view._revs) == {alive.mod_revision}
 
 
-def test_a_view_that_changed_since_its_first_read_was_taken_reads_again(etcd_client, run_id):
+def test_a_read_of_other_ranges_than_the_views_is_not_taken_the_view_reads_itself(etcd_client, run_id, monkeypatch):
     c, keys = etcd_client, RunKeys(run_id)
     c.put(keys.alive("c"), b"{}")
     view = MembershipView(c, keys, node_id="m", alive_puts=False)
     spec = view.first_read()
     ranges, revision = c.read_ranges(spec.ranges, keys_only=spec.keys_only, first_only=spec.first_only)
+    c.put(keys.waiting("w"), b"")  # after that read: only a read of the view's own finds it
+    reads: list[RangeRead] = []
+    real = c.read_ranges
+
+    def read_ranges(rs, **k):
+        reads.append(RangeRead(rs, k.get("keys_only", frozenset()), k.get("first_only", frozenset())))
+        return real(rs, **k)
+
+    monkeypatch.setattr(c, "read_ranges", read_ranges)
     stale = RangeRead(spec.ranges[:-1], spec.keys_only, spec.first_only)  # not what the view reads
     view.start((stale, ranges[:-1], revision))
     try:
-        assert view.wait_for(lambda: view.connected and view.reloads == 1, 10)
+        assert reads == [spec]  # start() read, itself, what first_read() says
         with view.lock:
-            assert view.smallest_alive == "c"
+            assert view.smallest_alive == "c" and "w" in view.waiting and view.reloads == 1
     finally:
         view.stop()
