@@ -6,12 +6,15 @@ The rules, in the order they are tried (handler.py's docstring says why):
   Between rounds (this node holds no join key)
     B1  the join deadline passed                            -> TIMEOUT
     B2  the run is closed                                   -> CLOSED
-    B3  no `round` key                                      -> CREATE_ROUND (0, create-only)
+    B3  no `round` key                                      -> CREATE_ROUND (0, create-only; this node's join of 0 in
+                                                               the same transaction)
     B4  the current round's final is not elastic-rt's       -> RendezvousDataError (one line, no waiting)
-    B5  the current round has no final                      -> JOIN it
+    B5  the current round has no final (in the view), and this node was not a member of it -> JOIN it
     B6  it has one that elastic-rt did not write (not its form, or not signed by the job's secret: a forgery;
-        nobody can join R any more, its final is taken), or this node was a member of it
-                                                            -> ADVANCE_ROUND (CAS R -> R+1; a warning for the first)
+        nobody can join R any more, its final is taken), or this node was a member of it (also while the view has
+        not delivered R's final yet: a node that calls again at once must not join its own round again)
+                                                            -> ADVANCE_ROUND (CAS R -> R+1 and this node's join of
+                                                               R+1 in one transaction; a warning for the first)
     B6b it lists this node with this agent's incarnation (it joined R in an earlier call that etcd interrupted)
                                                             -> FORMED (the handler checks the master next: a
         master that is not the address rank 0 registered makes it a member of a refused round: B6 next)
@@ -28,7 +31,7 @@ The rules, in the order they are tried (handler.py's docstring says why):
     J5  the join key is not on the current lease            -> JOIN (again)
     J6  the closer is the smallest live id this node knows: the view's smallest alive/ node, a smaller node
         learnt from its join (until it departs or a deletes-only view has read again), else this node
-    J7  closer, no tracker                                  -> TRACK_JOINS
+    J7  closer, no tracker                                  -> TRACK_JOINS (done already where the join said `track`)
     J8  closer, a smaller id joined                         -> STEP_DOWN (the view reads again)
     J9  not closer, a tracker                               -> STOP_TRACKING
     J10 not closer, the fallback read is due or the round has been closable for fallback_s -> READ_JOINS
@@ -43,6 +46,11 @@ The rules, in the order they are tried (handler.py's docstring says why):
     C3  the members: the first MAX joins by create revision, in node-id order (rank = position, so rank 0 stays)
 
 fallback_s = max(2 s, last_call_timeout_s); abandon_check_s = 5 s. The next fallback read is scheduled by the executor, jittered.
+
+A node that puts a join (JOIN from B5, CREATE_ROUND, ADVANCE_ROUND) expecting to close the round (J6 ahead of time: no
+smaller live node known) reads the round's joins in the same transaction and tracks them from there (`track`): J7
+costs no request of its own. Not for a round R > 0 that a view which does not follow alive/ yet joins (J7's tracker of
+alive/ is needed then).
 """
 
 from __future__ import annotations
@@ -134,11 +142,13 @@ class Step(Enum):
 
     CLOSED = "closed"  # raise RendezvousClosedError; delete the join key of `round` first, if there is one
     TIMEOUT = "timeout"  # raise RendezvousTimeoutError; likewise
-    CREATE_ROUND = "create_round"  # create `round` as 0 (create-only); wait up to 1 s for the view to show it
-    ADVANCE_ROUND = "advance_round"  # CAS `round` from `round` to `round` + 1; wait up to 1 s for it to move
+    CREATE_ROUND = "create_round"  # create `round` as 0 (create-only) and put joins/0/N on `lease`, in one
+    #                                transaction; wait up to 1 s for the view to show it
+    ADVANCE_ROUND = "advance_round"  # CAS `round` from `round` to `round` + 1 and put joins/`round`+1/N on `lease`, in
+    #                                  one transaction; wait up to 1 s for it to move
     CHECK_ABANDONED = "check_abandoned"  # read the alive/ keys of `round`'s members; none alive: ADVANCE_ROUND
     AWAIT_NEXT_ROUND = "await_next_round"  # put waiting/N on `lease` (put_waiting); wait up to wait_s
-    JOIN = "join"  # put joins/`round`/N on `lease`
+    JOIN = "join"  # put joins/`round`/N on `lease` (and read them all, with `track`)
     UNJOIN = "unjoin"  # delete joins/`round`/N (None: none was put)
     FORMED = "formed"  # return `membership` (deleting waiting/N first if drop_waiting)
     TRACK_JOINS = "track_joins"  # start the closer's tracker of `round`'s joins (and alive/, see `track_alive`)
@@ -157,7 +167,7 @@ class Action:
     step: Step
     state: NodeState
     round: int | None = None
-    lease: int = 0  # JOIN, AWAIT_NEXT_ROUND: the lease to put the key on
+    lease: int = 0  # JOIN, CREATE_ROUND, ADVANCE_ROUND, AWAIT_NEXT_ROUND: the lease to put the key on
     wait_s: float = 0.0
     version: tuple[int, int] = (0, 0)
     revision: int = 0  # ADVANCE_ROUND, CHECK_ABANDONED: the expected mod_revision of `round`
@@ -166,6 +176,7 @@ class Action:
     why: str = ""  # ADVANCE_ROUND: the round's final is refused, and why (logged)
     put_waiting: bool = False  # AWAIT_NEXT_ROUND: waiting/N is missing or on an old lease
     track_alive: bool = False  # TRACK_JOINS: the tracker also follows alive/ (the view does not)
+    track: bool = False  # JOIN, CREATE_ROUND, ADVANCE_ROUND: read the round's joins with the join and track them (J7)
     members: tuple[str, ...] = ()  # WRITE_FINAL
     incarnations: tuple[str | None, ...] = ()  # WRITE_FINAL
     membership: Membership | None = None  # FORMED
@@ -186,14 +197,18 @@ def _between_rounds(view: RoundView, node: NodeState, now: float) -> Action:
         return Action(Step.CLOSED, node)  # B2
     rnd = view.round
     if rnd is None:
-        return Action(Step.CREATE_ROUND, node)  # B3
+        return Action(Step.CREATE_ROUND, node, lease=view.lease, track=_closes(view, node, 0))  # B3
     final = view.finals.get(rnd)
-    if final is None:
-        return Action(Step.JOIN, replace(node, joined=rnd), round=rnd, lease=view.lease)  # B5
+    if final is None and node.previous_round != rnd:
+        return Action(Step.JOIN, replace(node, joined=rnd), round=rnd, lease=view.lease,
+                      track=_closes(view, node, rnd))  # B5
+    if final is None:  # B6: this node's own round, whose final the view has not delivered yet
+        return Action(Step.ADVANCE_ROUND, node, round=rnd, revision=view.round_revision, lease=view.lease,
+                      track=_closes(view, node, rnd + 1))
     why = malformed(final) or node.refuses(final)  # B4 raises for a final that is not JSON
     if why is not None or node.previous_round == rnd:
-        return Action(Step.ADVANCE_ROUND, node, round=rnd, revision=view.round_revision,
-                      why=f"{final.key} {why}" if why else "")  # B6
+        return Action(Step.ADVANCE_ROUND, node, round=rnd, revision=view.round_revision, lease=view.lease,
+                      track=_closes(view, node, rnd + 1), why=f"{final.key} {why}" if why else "")  # B6
     m = membership(rnd, node.node_id, final)
     if m is not None and node.incarnation and m.incarnations[m.rank] == node.incarnation:
         return Action(Step.FORMED, node.between_rounds(), membership=m,
@@ -201,12 +216,21 @@ def _between_rounds(view: RoundView, node: NodeState, now: float) -> Action:
     checked = node.checked_alive
     if checked is None or checked[:2] != (rnd, view.version) or now - checked[2] >= node.abandon_check_s:
         return Action(Step.CHECK_ABANDONED, replace(node, checked_alive=(rnd, view.version, now)), round=rnd,
-                      revision=view.round_revision, final=final)  # B7
+                      revision=view.round_revision, final=final, lease=view.lease,
+                      track=_closes(view, node, rnd + 1))  # B7
     waiting = view.waiting.get(node.node_id)  # B8
     return Action(Step.AWAIT_NEXT_ROUND, replace(node, said_waiting=rnd), round=rnd, lease=view.lease,
                   version=view.version,
                   wait_s=max(0.0, min(node.deadline - now, node.abandon_check_s)), say=node.said_waiting != rnd,
                   put_waiting=waiting is None or waiting.lease != view.lease)
+
+
+def _closes(view: RoundView, node: NodeState, rnd: int) -> bool:
+    """J6 and J7 ahead of time, for a node that puts its join of round rnd and has learnt no smaller node: it
+    expects to close rnd (no smaller live node in the view), and its view can follow the joins without a tracker
+    of alive/ (rnd 0, or a view that follows alive/)."""
+    smallest = view.smallest_alive
+    return (smallest is None or smallest >= node.node_id) and (rnd == 0 or view.follows_alive)
 
 
 def _joined(view: RoundView, node: NodeState, now: float) -> Action:

@@ -24,7 +24,7 @@ from elastic_rt.rendezvous.etcd_access import access_error, check_tls, needs_tls
 from elastic_rt.rendezvous.etcd_endpoint import Endpoint, Renewal, WatchCompacted, WatchStream, label
 from elastic_rt.rendezvous.wire import CallError
 
-__all__ = ["EtcdClient", "EtcdConfig", "KeyValue", "RangeRead", "Renewal", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
+__all__ = ["EtcdClient", "EtcdConfig", "KeyValue", "Put", "RangeRead", "Renewal", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
 
 log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -94,6 +94,19 @@ class RangeRead:
     ranges: list[tuple[str, bytes]]
     keys_only: frozenset[int] = frozenset()
     first_only: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Put:
+    """One more key that a transaction puts (compare_and_put_then_read's `also`, put_then_read)."""
+
+    key: str
+    value: bytes
+    lease: int = 0
+
+
+def _put_op(put: Put):
+    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=put.key.encode(), value=put.value, lease=put.lease))
 
 
 def _range_ops(read: RangeRead) -> list:
@@ -277,10 +290,11 @@ class EtcdClient:
 
     def compare_and_put_then_read(
         self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
-        timeout_s: float | None = None, read: RangeRead,
+        timeout_s: float | None = None, read: RangeRead, also: tuple[Put, ...] = (),
     ) -> tuple[bool, KeyValue | None, list[list[KeyValue]], int]:
         """compare_and_put, and in the same transaction (one request, one revision: after the put, when it was made)
-        read_ranges(read). Returns (succeeded, the key as it is after it, the ranges' keys, that revision)."""
+        read_ranges(read); `also`: keys put with `key`, only when it is (before the read). Returns (succeeded, the
+        key as it is after it, the ranges' keys, that revision)."""
         if expected_mod_revision is None:
             cmp = etcdrpc.Compare(
                 result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.CREATE,
@@ -292,17 +306,28 @@ class EtcdClient:
                 key=key.encode(), mod_revision=expected_mod_revision,
             )
         get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
-        put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease))
+        puts = [_put_op(Put(key, value, lease)), *map(_put_op, also)]
         reads = _range_ops(read)
-        req = etcdrpc.TxnRequest(compare=[cmp], success=[put, get, *reads], failure=[get, *reads])
+        req = etcdrpc.TxnRequest(compare=[cmp], success=[*puts, get, *reads], failure=[get, *reads])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t), timeout_s)
-        if len(resp.responses) != len(reads) + (2 if resp.succeeded else 1):
-            raise EtcdUnavailableError(f"etcd answered a transaction of {len(reads) + 2} operations with "
+        if len(resp.responses) != len(reads) + 1 + (len(puts) if resp.succeeded else 0):
+            raise EtcdUnavailableError(f"etcd answered a transaction of {len(reads) + len(puts) + 1} operations with "
                                        f"{len(resp.responses)} results")
         responses = resp.responses[-len(reads) - 1:]
         rng = responses[0].response_range
         ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in responses[1:]]
         return bool(resp.succeeded), (_kv(rng.kvs[0]) if rng.kvs else None), ranges, resp.header.revision
+
+    def put_then_read(self, put: Put, read: RangeRead) -> tuple[list[list[KeyValue]], int]:
+        """put, and in the same transaction (one request, one revision: the put's) read_ranges(read). Returns the
+        ranges' keys and that revision."""
+        reads = _range_ops(read)
+        req = etcdrpc.TxnRequest(compare=[], success=[_put_op(put), *reads], failure=[])
+        resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
+        if len(resp.responses) != len(reads) + 1:
+            raise EtcdUnavailableError(f"etcd answered a transaction of {len(reads) + 1} operations with "
+                                       f"{len(resp.responses)} results")
+        return [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses[1:]], resp.header.revision
 
     def delete_ranges(self, ranges: list[tuple[str, str]]) -> int:
         """Delete every key k with start <= k < end, for each (start, end), in one transaction."""

@@ -12,7 +12,7 @@ from typing import Callable
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 
 from elastic_rt.rendezvous.decide import Action, Membership, NodeState, RoundView, Step, abandoned, decide, decode_final
-from elastic_rt.rendezvous.etcd_client import EtcdClient
+from elastic_rt.rendezvous.etcd_client import EtcdClient, Put, RangeRead
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import free_port
 from elastic_rt.rendezvous.signing import KeySigner
@@ -151,19 +151,30 @@ class Rounds:
         return action.state
 
     def _create_round(self, action: Action) -> NodeState:
-        self._client.compare_and_put(self.keys.round, b"0", expected_mod_revision=None)
-        self._view.wait_for(lambda: self._view.round is not None, 1.0)
-        return action.state
+        return self._open_round(action, 0, expected=None)
 
     def _advance_round(self, action: Action) -> NodeState:
         """Our own round is over, or its final is refused: open the next one (one of the racing nodes wins)."""
         if action.why:
             log.warning("node %s: refusing round %d: %s; opening round %d", self.settings.node_id, action.round,
                         action.why, action.round + 1)
-        self._client.compare_and_put(self.keys.round, str(action.round + 1).encode(),
-                                     expected_mod_revision=action.revision)
-        self._view.wait_for(lambda: self._view.current_round() != action.round, 1.0)
-        return action.state
+        return self._open_round(action, action.round + 1, expected=action.revision)
+
+    def _open_round(self, action: Action, rnd: int, *, expected: int | None) -> NodeState:
+        """Set `round` to rnd (compare-and-set against `expected`, None: create it) and put this node's join of rnd in
+        the same transaction (reading rnd's joins there too with `track`); then wait up to 1 s for the view to show
+        the round. A node that lost the race joins next, as decide() says."""
+        join = Put(self.keys.join(rnd, self.settings.node_id), self._join_value, action.lease)
+        opened, now, ranges, revision = self._client.compare_and_put_then_read(
+            self.keys.round, str(rnd).encode(), expected_mod_revision=expected, also=(join,),
+            read=RangeRead([self.keys.join_range(rnd)] if action.track else []))
+        seen = now.mod_revision if now is not None else 0  # `round` as the transaction left it (ours, or the winner's)
+        self._view.wait_for(lambda: self._view.round is not None and self._view.round.mod_revision >= seen, 1.0)
+        if not opened:
+            return action.state
+        if action.track:
+            self._view.track_joins(rnd, ranges[0], revision)
+        return replace(action.state, joined=rnd, joined_with=action.lease, read_due=self._next_read(action.state))
 
     def _check_abandoned(self, action: Action) -> NodeState:
         """Round R runs without us: are any of its members alive? One read of their alive/ keys."""
@@ -186,7 +197,13 @@ class Rounds:
 
     def _join(self, action: Action) -> NodeState:
         node = action.state
-        self._client.put(self.keys.join(action.round, self.settings.node_id), self._join_value, lease=action.lease)
+        key = self.keys.join(action.round, self.settings.node_id)
+        if action.track:  # this node expects to close the round: its joins, read with this one, then followed
+            (joins,), revision = self._client.put_then_read(Put(key, self._join_value, action.lease),
+                                                            RangeRead([self.keys.join_range(action.round)]))
+            self._view.track_joins(action.round, joins, revision)
+        else:
+            self._client.put(key, self._join_value, lease=action.lease)
         due = node.read_due if node.joined_with else self._next_read(node)  # the first join schedules the first read
         return replace(node, joined_with=action.lease, read_due=due)
 
@@ -229,6 +246,7 @@ class Rounds:
 
     def _wait(self, action: Action) -> NodeState:
         view, tracker = self._view, self._tracker
+        view.follow_joins()  # the tracked joins' watcher, now that their changes are waited for
         view.wait_for(lambda: (view.version, tracker.version if tracker is not None else 0) != action.version,
                       action.wait_s)
         return action.state

@@ -85,6 +85,7 @@ class MembershipView:
         self._floors: list[int] = []  # per range: events at or below this revision are already in the view
         self._stream: WatchStream | None = None
         self._tracked: int | None = None  # the round whose joins/ the last range follows (track_joins())
+        self._joins_followed = False  # the tracked range's watcher is on the stream (follow_joins())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -172,11 +173,11 @@ class MembershipView:
             self.lock.notify_all()
 
     def track_joins(self, rnd: int, joins: list[KeyValue], revision: int) -> None:
-        """Follow round rnd's joins/ too (the closer's): `joins` as read at `revision`, then every change, on
-        this view's own stream from revision + 1: one watch request, no other stream or thread. (Not etcd
-        replaying the round's joins from the revision that opened it: a watcher that starts in the past waits
-        for etcd's sync loop, up to 100 ms, and the round with it.) joins_of(rnd) has them; untrack_joins()
-        ends it."""
+        """Follow round rnd's joins/ too (the closer's): `joins` as read at `revision`, then, from follow_joins()
+        on, every change, on this view's own stream from revision + 1: one watch request, no other stream or
+        thread, and none at all for a closer that closes the round on the joins it read. (Not etcd replaying the
+        round's joins from the revision that opened it: a watcher that starts in the past waits for etcd's sync
+        loop, up to 100 ms, and the round with it.) joins_of(rnd) has them; untrack_joins() ends it."""
         with self.lock:
             if self._tracked == rnd:
                 return
@@ -187,10 +188,18 @@ class MembershipView:
             self._floors.append(revision)
             self._tracked = rnd
             self.joins[rnd] = {self._keys.parse(kv.key)[2]: kv for kv in joins}
-            if self._stream is not None:
-                self._stream.add(len(self._ranges) - 1, key_range, revision + 1)
             self.version += 1
             self.lock.notify_all()
+
+    def follow_joins(self) -> None:
+        """The tracked joins' watcher, on the stream, from the read's revision + 1 (once; a stream opened since
+        track_joins() watches them already). Call it before waiting for them to change."""
+        with self.lock:
+            if self._tracked is None or self._joins_followed or self._stream is None:
+                return
+            index = len(self._ranges) - 1
+            self._stream.add(index, self._ranges[index], self._revs[index] + 1)
+            self._joins_followed = True
 
     def untrack_joins(self) -> None:
         with self.lock:
@@ -203,8 +212,9 @@ class MembershipView:
     def _untrack(self) -> None:
         if self._tracked is None:
             return
-        if self._stream is not None:
+        if self._stream is not None and self._joins_followed:
             self._stream.forget(len(self._ranges) - 1)
+        self._joins_followed = False
         self._ranges.pop()
         self._revs.pop()
         self._floors.pop()
@@ -291,6 +301,7 @@ class MembershipView:
                 stream = self._client.open_watch(ranges, starts, deletes_only=filters)
                 with self.lock:
                     self._stream = stream
+                    self._joins_followed = self._tracked is not None  # its ranges include the tracked joins
                     # members_formed() or track_joins() came after the ranges were chosen: open again
                     stale = self._reload_wanted or self._deletes_only() != filters or self._ranges != watched
                 if self._stop.is_set() or stale:
@@ -299,7 +310,7 @@ class MembershipView:
                 for index, events, is_created in stream:
                     if is_created:
                         created += 1
-                        if created == len(self._ranges):
+                        if created == len(watched):  # the creates it opened with (more come with add())
                             self._backoff.reset()
                             self._set_connected(True)
                         continue

@@ -1,6 +1,8 @@
-"""The closer's view of a round's joins against a real etcd: track_joins() takes the joins as read and adds one
-watcher to the view's own stream from the read's next revision, so etcd sends every later change at once (a
-watcher that started in the past would wait for etcd's sync loop, up to 100 ms); no stream or thread of its own.
+"""The closer's view of a round's joins against a real etcd: track_joins() takes the joins as read, and
+follow_joins() (called before the closer waits) adds one watcher to the view's own stream from the read's next
+revision, so etcd sends every later change at once (a watcher that started in the past would wait for etcd's sync
+loop, up to 100 ms); no stream or thread of its own, and no watch request at all for a closer that closes the round
+on the joins it read.
 untrack_joins() drops it (late events of a dropped watcher never reach the next round's joins), and a read
 revision etcd has compacted away by the time the watcher is added costs one read of the whole view."""
 
@@ -12,6 +14,7 @@ import pytest
 
 from etcd_testbed.server import EtcdCluster, find_etcdctl
 from elastic_rt.rendezvous.etcd_client import EtcdClient
+from elastic_rt.rendezvous.etcd_endpoint import WatchStream
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.view import MembershipView
 
@@ -53,9 +56,10 @@ def _joins(view, rnd: int):
 
 
 def _track(view, c, keys, rnd: int) -> None:
-    """What the closer does (rounds.py): read the round's joins, then track them from there."""
+    """What the closer does (rounds.py): read the round's joins, then track them from there, and wait for them."""
     (joins,), revision = c.read_ranges([keys.join_range(rnd)])
     view.track_joins(rnd, joins, revision)
+    view.follow_joins()
 
 
 def test_the_joins_as_read_then_every_change_at_once(etcd_client, view_and_keys, monkeypatch):
@@ -74,8 +78,11 @@ def test_the_joins_as_read_then_every_change_at_once(etcd_client, view_and_keys,
     view.track_joins(0, joins, revision)
     with view.lock:  # no waiting for the stream: the read's joins are there
         assert set(view.joins_of(0)) == {"a", "b"}
+    assert starts == []  # no watcher until the closer waits for the joins to change
+    view.follow_joins()
+    view.follow_joins()
     # the watcher starts after the read, not in the past (etcd syncs a watcher that starts in the past every
-    # 100 ms; one that starts at the next revision gets each write as it happens)
+    # 100 ms; one that starts at the next revision gets each write as it happens); once
     assert starts == [(keys.join_range(0), revision + 1)]
     reads = []
     monkeypatch.setattr(c, "read_ranges", lambda *a, **k: reads.append(a) or pytest.fail("the view read"))
@@ -125,6 +132,56 @@ def _compacted_then_tracked(etcd_server, c, view, keys) -> None:
     with view.lock:
         reloads = view.reloads
     view.track_joins(0, joins, revision)
+    view.follow_joins()
     assert view.wait_for(lambda: view.reloads > reloads and set(view.joins_of(0)) == {"a", "b"}, 10)
     c.put(keys.join(0, "d"), b"{}")
     assert view.wait_for(lambda: set(view.joins_of(0)) == {"a", "b", "d"}, 10)
+
+
+def test_a_closer_that_closes_on_the_joins_it_read_sends_no_watch_request(etcd_client, view_and_keys, monkeypatch):
+    view, keys = view_and_keys
+    c = etcd_client
+    _opened(view, c, keys, 0)
+    c.put(keys.join(0, "m"), b"{}")
+    with view.lock:
+        stream = view._stream
+    sent = []
+    monkeypatch.setattr(stream, "add", lambda *a, **k: sent.append(("add", a)))
+    monkeypatch.setattr(stream, "_send", lambda request: sent.append(("send", request)))
+    (joins,), revision = c.read_ranges([keys.join_range(0)])
+    view.track_joins(0, joins, revision)
+    with view.lock:
+        assert set(view.joins_of(0)) == {"m"}
+    view.untrack_joins()
+    assert _joins(view, 0) is None and sent == []
+    monkeypatch.undo()
+    # the view goes on as before: tracked and followed again, it sees a later join
+    _track(view, c, keys, 0)
+    c.put(keys.join(0, "n"), b"{}")
+    assert view.wait_for(lambda: set(view.joins_of(0) or ()) == {"m", "n"}, 10)
+
+
+def test_joins_tracked_while_the_stream_opens_leave_the_view_connected(etcd_client, run_id, monkeypatch):
+    """The closer tracks the joins it read (no watcher) after the view's stream sent its creates and before etcd
+    answered them: the view is connected once the creates it opened with are answered (not one per range it holds
+    by then, which would leave it disconnected, and the agent deaf to etcd, for good)."""
+    c, keys = etcd_client, RunKeys(run_id)
+    c.put(keys.alive("m"), b"{}")
+    view = MembershipView(c, keys, node_id="m", alive_puts=False)
+    real_iter = WatchStream.__iter__
+    tracked = []
+
+    def iterate(stream):
+        if not tracked:
+            tracked.append(1)
+            view.track_joins(0, [], 1)
+        yield from real_iter(stream)
+
+    monkeypatch.setattr(WatchStream, "__iter__", iterate)
+    view.start()
+    try:
+        assert view.wait_for(lambda: view.connected, 10)
+        with view.lock:
+            assert view.joins_of(0) == {}
+    finally:
+        view.stop()

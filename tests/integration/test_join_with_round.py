@@ -1,0 +1,154 @@
+"""A node's join against a real etcd: the node that opens a round (creates `round`, or advances it) puts its join of
+that round in the same transaction, and a node that expects to close the round reads the round's joins there too,
+adding a watcher for them only when it has to wait for more: a one-node job's restart is two requests (open and join,
+then the final) where it was four, and no watch request. A node that loses the race to open a round writes nothing
+and joins the round the winner opened."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic_rt.rendezvous.etcd_client import Put, RangeRead
+from elastic_rt.rendezvous.etcd_endpoint import WatchStream
+from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.registration import create_etcd_v3_handler
+from tests.support.rendezvous import together
+
+_REQUESTS = ("get", "put", "delete", "read_many", "read_ranges", "put_then_read", "compare_and_put",
+             "compare_and_put_then_read", "grant_lease", "delete_ranges")
+
+
+def _handler(endpoint: str, run_id: str, node: str, nnodes: tuple[int, int]):
+    return create_etcd_v3_handler(RendezvousParameters("etcd-v3", endpoint, run_id, *nnodes, local_addr="127.0.0.1",
+                                                       node_id=node))
+
+
+def _count(monkeypatch, handler) -> list[str]:
+    """The etcd requests the handler's client makes (outermost only)."""
+    calls: list[str] = []
+    depth = [0]
+    for name in _REQUESTS:
+        real = getattr(handler._client, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            if not depth[0]:
+                calls.append(_name)
+            depth[0] += 1
+            try:
+                return _real(*a, **k)
+            finally:
+                depth[0] -= 1
+
+        monkeypatch.setattr(handler._client, name, wrapped)
+    return calls
+
+
+def test_a_failed_compare_puts_none_of_the_keys_that_go_with_it(etcd_client, run_id):
+    c, keys = etcd_client, RunKeys(run_id)
+    c.put(keys.round, b"0")
+    join = Put(keys.join(1, "m"), b"{}")
+    ok, kv, ranges, _ = c.compare_and_put_then_read(keys.round, b"1", expected_mod_revision=None, also=(join,),
+                                                    read=RangeRead([keys.join_range(1)]))
+    assert not ok and kv.value == b"0" and ranges == [[]]
+    assert c.get(keys.join(1, "m"))[0] is None
+    ok, kv, ranges, revision = c.compare_and_put_then_read(keys.round, b"1", expected_mod_revision=kv.mod_revision,
+                                                           also=(join,), read=RangeRead([keys.join_range(1)]))
+    assert ok and kv.value == b"1" and kv.mod_revision == revision
+    assert [(x.key, x.mod_revision) for x in ranges[0]] == [(keys.join(1, "m"), revision)]  # read after the puts
+
+
+def test_put_then_read_reads_at_the_puts_revision(etcd_client, run_id):
+    c, keys = etcd_client, RunKeys(run_id)
+    c.put(keys.join(0, "a"), b"a")
+    (joins,), revision = c.put_then_read(Put(keys.join(0, "m"), b"m"), RangeRead([keys.join_range(0)]))
+    assert [(x.key, x.value) for x in joins] == [(keys.join(0, "a"), b"a"), (keys.join(0, "m"), b"m")]
+    assert c.get(keys.join(0, "m"))[0].mod_revision == revision
+
+
+def test_a_one_node_jobs_restart_is_two_requests_and_no_watch(etcd_endpoint, etcd_client, run_id, monkeypatch):
+    keys = RunKeys(run_id)
+    h = _handler(etcd_endpoint, run_id, "m", (1, 1))
+    try:
+        calls = _count(monkeypatch, h)
+        first = h.next_rendezvous()
+        assert first.rank == 0 and first.world_size == 1
+        # the lease, the alive key (with the view's read), round 0 created with the join (and its read), the run's
+        # lease (a grant and its key), the final
+        assert calls == ["grant_lease", "compare_and_put_then_read", "compare_and_put_then_read", "grant_lease",
+                         "compare_and_put", "compare_and_put"], calls
+        deadline = time.monotonic() + 10  # the agent can tell etcd answers (its view is connected)
+        while not h.etcd_reachable():
+            assert time.monotonic() < deadline, "the handler never found etcd reachable after its first round"
+            time.sleep(0.01)
+        calls.clear()
+        added: list[tuple] = []
+        add = WatchStream.add
+        monkeypatch.setattr(WatchStream, "add", lambda self, i, r, *a, **k: added.append(r) or add(self, i, r, *a, **k))
+        second = h.next_rendezvous()
+        assert second.rank == 0 and second.world_size == 1
+        assert calls == ["compare_and_put_then_read", "compare_and_put"], calls  # open and join; the final
+        assert added == []  # the round closed on the joins read with the join: no watcher of them
+        assert h.membership.round == 1
+        join, _ = etcd_client.get(keys.join(1, "m"))
+        assert join is not None and join.lease == h._lease.lease_id
+        final, _ = etcd_client.get(keys.final(1))
+        assert final is not None and final.mod_revision > join.mod_revision
+    finally:
+        h.leave()
+        h.close()
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["first meeting", "re-formation"])
+def test_a_closer_that_must_wait_for_more_joins_follows_them(etcd_endpoint, etcd_client, run_id, monkeypatch,
+                                                              restart):
+    """Three nodes of --nnodes 3: the closer ("a", the smallest id) joins alone first and reads only its own join, so
+    it adds the joins' watcher (once) before it waits; the others join, and the round forms with every node."""
+    keys = RunKeys(run_id)
+    hs = [_handler(etcd_endpoint, run_id, n, (3, 3)) for n in ("a", "b", "c")]
+    try:
+        rnd = 0
+        if restart:
+            together(hs)
+            rnd = hs[0].membership.round + 1
+        calls = _count(monkeypatch, hs[0])
+        added: list[tuple] = []
+        add = WatchStream.add
+        monkeypatch.setattr(WatchStream, "add", lambda self, i, r, *a, **k: added.append(r) or add(self, i, r, *a, **k))
+        first = threading.Thread(target=lambda: out.update(a=hs[0].next_rendezvous()), daemon=True)
+        out: dict = {}
+        first.start()
+        deadline = time.monotonic() + 30
+        while etcd_client.get(keys.join(rnd, "a"))[0] is None:
+            assert time.monotonic() < deadline and first.is_alive(), "node a never joined"
+            time.sleep(0.01)
+        out.update(together(hs[1:]))
+        first.join(30)
+        assert not first.is_alive()
+        assert [out[n].rank for n in ("a", "b", "c")] == [0, 1, 2] and {i.world_size for i in out.values()} == {3}
+        assert {h.membership.round for h in hs} == {rnd}
+        assert added.count(keys.join_range(rnd)) == 1, added  # a's watcher of the joins, added before it waited
+        assert calls.count("read_ranges") == 0, calls  # its joins came with its join: no read of its own
+    finally:
+        for h in hs:
+            h.leave()
+            h.close()
+
+
+def test_a_node_whose_view_lags_its_own_final_opens_the_next_round_not_its_own_again(etcd_endpoint, run_id):
+    """next_rendezvous() at once after a round formed, before the view delivered that round's final (the node
+    wrote it; here the view is made to lag by dropping it): the node must open round 1, not join round 0 again and
+    come back with the round it left."""
+    h = _handler(etcd_endpoint, run_id, "m", (1, 1))
+    try:
+        assert h.next_rendezvous().rank == 0 and h.membership.round == 0
+        with h._view.lock:
+            h._view.finals.clear()
+        h.next_rendezvous()
+        assert h.membership.round == 1
+    finally:
+        h.leave()
+        h.close()
