@@ -231,16 +231,19 @@ class WatchStream:
             except CallError:
                 pass  # the stream broke: its iteration says so
 
-    def forget(self, index: int) -> None:
+    def forget(self, index: int, *, cancel: bool = True) -> None:
         """Ignore the events of range `index`'s watchers from now on, and ask etcd to cancel them (one whose
-        create etcd has not answered yet is cancelled when it does: a later add() may reuse the index)."""
+        create etcd has not answered yet is cancelled when it does: a later add() may reuse the index). With
+        cancel=False a watcher etcd created stays there until the stream ends, its events dropped here: one
+        write and one answer fewer, for a watcher that sees next to nothing (MembershipView.members_formed)."""
         with self._lock:
             for i, pending in enumerate(self._pending):
                 if pending == index:
                     self._pending[i] = _FORGOTTEN
         for watch_id in [w for w, i in self._index.items() if i == index]:
             del self._index[watch_id]
-            self._cancel(watch_id)
+            if cancel:
+                self._cancel(watch_id)
 
     def _cancel(self, watch_id: int) -> None:
         self._send(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))

@@ -18,8 +18,9 @@ A node that registers later with a smaller id is learnt by whoever acts as close
 refresh() makes the view read again (rounds.py). When a round forms, members_formed() counts every
 member alive (the final says they were, at its revision) unless a deletion after that revision was
 seen, and replaces the alive watcher on the same stream with one that sees every change of alive/, from
-the final's revision: two watch requests per node and no read, where re-reading alive/ cost each node
-O(N) keys (O(N^2) bytes in all). This node's own alive/ key is not watched before that: NodeLease tells
+the final's revision: one watch request per node and no read, where re-reading alive/ cost each node
+O(N) keys (O(N^2) bytes in all); the old watcher is dropped here, not cancelled in etcd (it watches one key's
+deletion, and goes with the stream). This node's own alive/ key is not watched before that: NodeLease tells
 the view (changed()) when it granted a new lease, so that the rendezvous loop joins again.
 """
 
@@ -161,7 +162,10 @@ class MembershipView:
             if not self.alive_puts and index is not None:
                 stream = self._stream
                 if stream is not None:
-                    stream.forget(index)  # its deletions after the final come again from the new watcher
+                    # its deletions after the final come again from the new watcher. Not cancelled: the watcher of
+                    # one key's deletion stays idle in etcd until the stream ends, and a first round costs each
+                    # node one watch request and one answer fewer (a watcher etcd has not created yet still is)
+                    stream.forget(index, cancel=False)
                 # Not from the old watcher's revision: that would replay every registration since this
                 # node's first read. The deletions up to the final have come on the same stream before
                 # the final did (a synced watcher's events are sent in revision order).

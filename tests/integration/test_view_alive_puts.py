@@ -66,9 +66,14 @@ def test_smallest_only_until_a_round_forms_then_every_change_without_a_read(etcd
     c.delete(keys.alive("q"))  # a member gone after the final, before this node heard of the round
     _settled(view, c, keys, b"1")
 
-    reads = []
+    reads, cancels = [], []
     monkeypatch.setattr(c, "read_ranges", lambda *a, **k: reads.append(a))  # members_formed() reads nothing
+    with view.lock:
+        stream = view._stream
+    send = stream._send
+    monkeypatch.setattr(stream, "_send", lambda request: cancels.append(request) or send(request))
     view.members_formed(("b", "m", "p", "q"), final.mod_revision)
+    assert cancels == []  # the smallest node's watcher is dropped, not cancelled: one watch request, the new one
     with view.lock:
         assert {"b", "m", "p"} <= set(view.alive) and view.smallest_alive == "b"
         assert view.alive["p"].value == b""  # known alive from the final, never read
