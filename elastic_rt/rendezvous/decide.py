@@ -21,12 +21,14 @@ The rules, in the order they are tried (handler.py's docstring says why):
     B7  it has one, this node was not a member, and it has not checked the members' alive keys since the view
         last changed (or for abandon_check_s)                -> CHECK_ABANDONED: one read of their alive/ keys;
         when none is alive (gone, or put again by a restarted agent) the whole job was stopped and started
-        again (a requeued batch job): no member is left to open the next round, so this node does (CAS R -> R+1)
+        again (a requeued batch job): no member is left to open the next round, so this node does (CAS R -> R+1,
+        with its join of R+1, as B6)
     B8  otherwise                                           -> AWAIT_NEXT_ROUND (waiting/N on its lease)
   Joined round J
     J1  the run is closed                                   -> CLOSED (the join key deleted)
     J2  J's final lists this node                           -> FORMED (waiting/N deleted if the view has it)
     J3  J's final does not, or elastic-rt did not write it (B6) -> UNJOIN (then B6)
+    J4a the view shows no round, or one before J (it is behind this node's own opening of J) -> WAIT (J12 bounds it)
     J4  `round` moved past J                                -> UNJOIN
     J5  the join key is not on the current lease            -> JOIN (again)
     J6  the closer is the smallest live id this node knows: the view's smallest alive/ node, a smaller node
@@ -47,7 +49,7 @@ The rules, in the order they are tried (handler.py's docstring says why):
 
 fallback_s = max(2 s, last_call_timeout_s); abandon_check_s = 5 s. The next fallback read is scheduled by the executor, jittered.
 
-A node that puts a join (JOIN from B5, CREATE_ROUND, ADVANCE_ROUND) expecting to close the round (J6 ahead of time: no
+A node that puts a join (JOIN from B5, CREATE_ROUND, ADVANCE_ROUND, CHECK_ABANDONED's advance) expecting to close the round (J6 ahead of time: no
 smaller live node known) reads the round's joins in the same transaction and tracks them from there (`track`): J7
 costs no request of its own. Not for a round R > 0 that a view which does not follow alive/ yet joins (J7's tracker of
 alive/ is needed then).
@@ -246,6 +248,10 @@ def _joined(view: RoundView, node: NodeState, now: float) -> Action:
         if m is not None:
             return Action(Step.FORMED, node.between_rounds(), membership=m, drop_waiting=me in view.waiting)  # J2
         return _leave_round(view, node, now, key)  # J3
+    if view.round is None or view.round < rnd:  # J4a: the view is behind this node's own opening of rnd
+        if now >= node.deadline:
+            return Action(Step.TIMEOUT, node, round=key)
+        return Action(Step.WAIT, node, version=view.version, wait_s=max(min(1.0, node.deadline - now), 0.01))
     if view.round != rnd:
         return _leave_round(view, node, now, key)  # J4
     if node.joined_with != view.lease:

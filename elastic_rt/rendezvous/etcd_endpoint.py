@@ -198,7 +198,8 @@ _FORGOTTEN = -1  # a pending create whose range forget() dropped
 
 
 class WatchStream:
-    """A Watch stream with one watcher per key range; iterate it for (range index, events, created).
+    """A Watch stream with one watcher per key range; iterate it for (range index, events, created); a create
+    answered after forget() dropped its range comes as (-1, [], True).
 
     The stream asks etcd to cancel it when its member loses the raft leader ("hasleader"), so a member cut
     from its cluster cannot leave it silently stale. Iteration ends with EtcdUnavailableError (stream
@@ -263,6 +264,7 @@ class WatchStream:
                         index = self._pending.popleft()
                     if index == _FORGOTTEN:
                         self._cancel(resp.watch_id)
+                        yield _FORGOTTEN, [], True  # a create answered all the same (the caller counts them)
                         continue
                     self._index[resp.watch_id] = index
                 index = self._index.get(resp.watch_id)

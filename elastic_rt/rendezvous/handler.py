@@ -32,16 +32,18 @@ keepalives and nothing else.
 A round closes when MAX nodes joined, or when at least MIN joined and either every live
 node (alive/*) has joined (re-formation rounds, R > 0: no last call needed) or
 last_call_timeout_s passed since MIN were seen. The closer is the live node with the
-smallest id: it alone watches the round's joins (O(N) events, one node: a watcher added to its
-view's stream from the revision that opened the round, so no read, stream or thread of its own; a
-view of its own, with a read, only while its view does not yet follow alive/ in a round R > 0) and writes the
+smallest id: it alone watches the round's joins (O(N) events, one node: read in the transaction of its own join,
+then a watcher added to its view's stream from that read's revision, only when it must wait for more joins, so no
+stream or thread of its own; a view of its own, with a read, only while its view does not yet follow alive/ in a
+round R > 0) and writes the
 final (one create-only write; a node that does not know a smaller one yet acts as the
 closer until it sees that node's join: a few nodes for random arrival order); everybody
 else learns the final from the view (O(1) events per node). Only if no final comes do the
 others read the joins, every max(2 s, last_call_timeout) jittered, and close the round
 themselves once it has been closable for as long. A node of round R that must re-rendezvous bumps `round` from R to
-R+1 by compare-and-set. Per node and round: one join put, at most one CAS on `round` and
-one on `final`, a waiting put and delete for late nodes.
+R+1 by compare-and-set, with its join of R+1 in the same transaction. Per node and round: one join put (with the
+CAS on `round` for the node that opens the round), at most one CAS on `final`, a waiting put and delete for late
+nodes.
 
 decide.py holds these rules as one pure function of the view and the node's state (its docstring
 has them as a table); rounds.py performs what it decides.

@@ -11,7 +11,9 @@ from typing import Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 
-from elastic_rt.rendezvous.decide import Action, Membership, NodeState, RoundView, Step, abandoned, decide, decode_final
+from elastic_rt.rendezvous.decide import (
+    Action, Membership, NodeState, RoundView, Step, abandoned, closable, decide, decode_final,
+)
 from elastic_rt.rendezvous.etcd_client import EtcdClient, Put, RangeRead
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import free_port
@@ -163,18 +165,35 @@ class Rounds:
     def _open_round(self, action: Action, rnd: int, *, expected: int | None) -> NodeState:
         """Set `round` to rnd (compare-and-set against `expected`, None: create it) and put this node's join of rnd in
         the same transaction (reading rnd's joins there too with `track`); then wait up to 1 s for the view to show
-        the round. A node that lost the race joins next, as decide() says."""
+        the round (decide()'s J4a waits on if it does not yet). A node that lost the race joins next, as decide()
+        says."""
         join = Put(self.keys.join(rnd, self.settings.node_id), self._join_value, action.lease)
         opened, now, ranges, revision = self._client.compare_and_put_then_read(
             self.keys.round, str(rnd).encode(), expected_mod_revision=expected, also=(join,),
             read=RangeRead([self.keys.join_range(rnd)] if action.track else []))
-        seen = now.mod_revision if now is not None else 0  # `round` as the transaction left it (ours, or the winner's)
-        self._view.wait_for(lambda: self._view.round is not None and self._view.round.mod_revision >= seen, 1.0)
-        if not opened:
-            return action.state
-        if action.track:
-            self._view.track_joins(rnd, ranges[0], revision)
-        return replace(action.state, joined=rnd, joined_with=action.lease, read_due=self._next_read(action.state))
+        state = action.state
+        if opened:
+            state = replace(state, joined=rnd, joined_with=action.lease, read_due=self._next_read(state))
+            if action.track:  # before the wait: the joins' watcher, where it is needed, starts from the read
+                self._track(state, rnd, ranges[0], revision)
+        view = self._view
+        if now is None:  # `round` was deleted meanwhile
+            view.wait_for(lambda: view.round is None, 1.0)
+        else:  # `round` as the transaction left it (ours, or the winner's)
+            view.wait_for(lambda: view.round is not None and view.round.mod_revision >= now.mod_revision, 1.0)
+        return state
+
+    def _track(self, node: NodeState, rnd: int, joins: list, revision: int) -> None:
+        """Track round rnd's joins as read at `revision` (the closer's, J7), and add their watcher at once unless the
+        round can close on them now (decide's closable()): a watcher added later would start in the past, and etcd
+        serves such a watcher from its sync loop, up to 100 ms late."""
+        view = self._view
+        view.track_joins(rnd, joins, revision)
+        with view.lock:
+            members, _ = closable(node, rnd, view.joins_of(rnd) or {}, self._clock(),
+                                  view.alive if view.alive_puts else None, view.waiting)
+        if members is None:
+            view.follow_joins()
 
     def _check_abandoned(self, action: Action) -> NodeState:
         """Round R runs without us: are any of its members alive? One read of their alive/ keys."""
@@ -201,7 +220,7 @@ class Rounds:
         if action.track:  # this node expects to close the round: its joins, read with this one, then followed
             (joins,), revision = self._client.put_then_read(Put(key, self._join_value, action.lease),
                                                             RangeRead([self.keys.join_range(action.round)]))
-            self._view.track_joins(action.round, joins, revision)
+            self._track(replace(node, joined=action.round), action.round, joins, revision)
         else:
             self._client.put(key, self._join_value, lease=action.lease)
         due = node.read_due if node.joined_with else self._next_read(node)  # the first join schedules the first read
@@ -210,7 +229,7 @@ class Rounds:
     def _track_joins(self, action: Action) -> NodeState:
         if not action.track_alive:  # the joins only: read, then a watcher on the view's own stream from there
             (joins,), revision = self._client.read_ranges([self.keys.join_range(action.round)])
-            self._view.track_joins(action.round, joins, revision)
+            self._track(action.state, action.round, joins, revision)
             return action.state
         # the joins and every alive/ change, which the view does not follow yet: a view of their own (a read)
         keys = self.keys

@@ -152,3 +152,30 @@ def test_a_node_whose_view_lags_its_own_final_opens_the_next_round_not_its_own_a
     finally:
         h.leave()
         h.close()
+
+
+def test_a_node_whose_view_lags_its_own_opening_keeps_its_join(etcd_endpoint, run_id, monkeypatch):
+    """The view delivers the round this node opened 1.5 s late (past the open's 1 s wait): the node waits for it with
+    its join in place (J4a), rather than take the round for one that moved on, delete its join and join again."""
+    from elastic_rt.rendezvous.view import MembershipView
+
+    keys = RunKeys(run_id)
+    h = _handler(etcd_endpoint, run_id, "m", (1, 1))
+    try:
+        assert h.next_rendezvous().rank == 0
+        view, real_apply, lagged = h._view, MembershipView._apply, []
+
+        def slow_apply(self, index, events):
+            if self is view and not lagged and any(ev.kv.key == keys.round for ev in events):
+                lagged.append(1)
+                time.sleep(1.5)
+            return real_apply(self, index, events)
+
+        monkeypatch.setattr(MembershipView, "_apply", slow_apply)
+        calls = _count(monkeypatch, h)
+        h.next_rendezvous()
+        assert lagged and h.membership.round == 1
+        assert calls == ["compare_and_put_then_read", "compare_and_put"], calls  # no delete, no second join
+    finally:
+        h.leave()
+        h.close()

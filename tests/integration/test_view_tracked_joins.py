@@ -185,3 +185,27 @@ def test_joins_tracked_while_the_stream_opens_leave_the_view_connected(etcd_clie
             assert view.joins_of(0) == {}
     finally:
         view.stop()
+
+
+def test_joins_untracked_before_etcd_answered_their_create_leave_the_view_connected(etcd_client, run_id, monkeypatch):
+    """A stream opened while the view tracks joins creates their watcher too; the round ends (untrack) before etcd
+    answered that create: the answer still counts towards the creates the stream opened with."""
+    c, keys = etcd_client, RunKeys(run_id)
+    c.put(keys.alive("m"), b"{}")
+    view = MembershipView(c, keys, node_id="m", alive_puts=False)
+    view.track_joins(0, [], 1)  # tracked before the stream opens: its range is one of the stream's creates
+    real_iter = WatchStream.__iter__
+    done = []
+
+    def iterate(stream):
+        if not done:
+            done.append(1)
+            view.untrack_joins()
+        yield from real_iter(stream)
+
+    monkeypatch.setattr(WatchStream, "__iter__", iterate)
+    view.start()
+    try:
+        assert view.wait_for(lambda: view.connected, 10)
+    finally:
+        view.stop()
