@@ -204,10 +204,8 @@ def _between_rounds(view: RoundView, node: NodeState, now: float) -> Action:
     if final is None and node.previous_round != rnd:
         return Action(Step.JOIN, replace(node, joined=rnd), round=rnd, lease=view.lease,
                       track=_closes(view, node, rnd))  # B5
-    if final is None:  # B6: this node's own round, whose final the view has not delivered yet
-        return Action(Step.ADVANCE_ROUND, node, round=rnd, revision=view.round_revision, lease=view.lease,
-                      track=_closes(view, node, rnd + 1))
-    why = malformed(final) or node.refuses(final)  # B4 raises for a final that is not JSON
+    # B4 raises for a final that is not JSON; no final here: this node's own round, not delivered yet (B6)
+    why = (malformed(final) or node.refuses(final)) if final is not None else None
     if why is not None or node.previous_round == rnd:
         return Action(Step.ADVANCE_ROUND, node, round=rnd, revision=view.round_revision, lease=view.lease,
                       track=_closes(view, node, rnd + 1), why=f"{final.key} {why}" if why else "")  # B6

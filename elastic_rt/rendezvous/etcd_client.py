@@ -109,6 +109,13 @@ def _put_op(put: Put):
     return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=put.key.encode(), value=put.value, lease=put.lease))
 
 
+def _expect_results(resp, operations: int) -> None:
+    """A transaction's answer has one result per operation of the branch etcd took (else EtcdUnavailableError)."""
+    if len(resp.responses) != operations:
+        raise EtcdUnavailableError(f"etcd answered a transaction of {operations} operations with "
+                                   f"{len(resp.responses)} results")
+
+
 def _range_ops(read: RangeRead) -> list:
     return [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
                 key=a.encode(), range_end=b, keys_only=i in read.keys_only, limit=1 if i in read.first_only else 0))
@@ -310,9 +317,7 @@ class EtcdClient:
         reads = _range_ops(read)
         req = etcdrpc.TxnRequest(compare=[cmp], success=[*puts, get, *reads], failure=[get, *reads])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t), timeout_s)
-        if len(resp.responses) != len(reads) + 1 + (len(puts) if resp.succeeded else 0):
-            raise EtcdUnavailableError(f"etcd answered a transaction of {len(reads) + len(puts) + 1} operations with "
-                                       f"{len(resp.responses)} results")
+        _expect_results(resp, len(reads) + 1 + (len(puts) if resp.succeeded else 0))
         responses = resp.responses[-len(reads) - 1:]
         rng = responses[0].response_range
         ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in responses[1:]]
@@ -324,9 +329,7 @@ class EtcdClient:
         reads = _range_ops(read)
         req = etcdrpc.TxnRequest(compare=[], success=[_put_op(put), *reads], failure=[])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
-        if len(resp.responses) != len(reads) + 1:
-            raise EtcdUnavailableError(f"etcd answered a transaction of {len(reads) + 1} operations with "
-                                       f"{len(resp.responses)} results")
+        _expect_results(resp, len(reads) + 1)
         return [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses[1:]], resp.header.revision
 
     def delete_ranges(self, ranges: list[tuple[str, str]]) -> int:

@@ -168,7 +168,7 @@ class Rounds:
         the round (decide()'s J4a waits on if it does not yet). A node that lost the race joins next, as decide()
         says."""
         join = Put(self.keys.join(rnd, self.settings.node_id), self._join_value, action.lease)
-        opened, now, ranges, revision = self._client.compare_and_put_then_read(
+        opened, held, ranges, revision = self._client.compare_and_put_then_read(
             self.keys.round, str(rnd).encode(), expected_mod_revision=expected, also=(join,),
             read=RangeRead([self.keys.join_range(rnd)] if action.track else []))
         state = action.state
@@ -177,10 +177,10 @@ class Rounds:
             if action.track:  # before the wait: the joins' watcher, where it is needed, starts from the read
                 self._track(state, rnd, ranges[0], revision)
         view = self._view
-        if now is None:  # `round` was deleted meanwhile
+        if held is None:  # `round` was deleted meanwhile
             view.wait_for(lambda: view.round is None, 1.0)
         else:  # `round` as the transaction left it (ours, or the winner's)
-            view.wait_for(lambda: view.round is not None and view.round.mod_revision >= now.mod_revision, 1.0)
+            view.wait_for(lambda: view.round is not None and view.round.mod_revision >= held.mod_revision, 1.0)
         return state
 
     def _track(self, node: NodeState, rnd: int, joins: list, revision: int) -> None:
