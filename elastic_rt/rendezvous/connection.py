@@ -26,7 +26,7 @@ import time
 
 import grpc
 
-from elastic_rt.rendezvous.frames import ACK_DELAY_S, Stream, StreamTable
+from elastic_rt.rendezvous.frames import ACK_DELAY_S, ACK_HOLD_S, Stream, StreamTable
 from elastic_rt.rendezvous.wire import (
     MAX_WINDOW, PREFACE, CallError, client_settings, literal, message, request_prefix, rst_stream, timeout_field,
 )
@@ -180,7 +180,7 @@ class Connection(StreamTable):
                     pass
 
     def _write(self, data: bytes) -> None:
-        if self._acks:  # the answers to etcd's BDP pings (frames.py) go with this write
+        if self._acks and time.monotonic() - self._acks_at >= ACK_HOLD_S:  # etcd's BDP pings' answers (frames.py)
             data = bytes(self._acks) + data
             self._acks.clear()
         try:

@@ -20,10 +20,13 @@ from elastic_rt.rendezvous.wire import (
 )
 
 _REPLENISH = 1 << 30  # consumed receive window given back once this much arrived (the windows are 2^31 - 1)
-# grpc-go's bandwidth-delay probe: etcd sends it after the request data that follows each answered one, so about
-# once per request. Its answer travels with this connection's next write (the connection sends it on its own
-# ACK_DELAY_S after it came, when nothing was written); any other PING is answered at once.
+# grpc-go's bandwidth-delay probe: etcd sends it (with a WINDOW_UPDATE) after the first request data that follows
+# the last one's answer. Answered with the very next request, it came back once per request, and each time woke the
+# reader thread for nothing; so its answer is held ACK_HOLD_S, then goes with the connection's next write (or on its
+# own ACK_DELAY_S after it came, when nothing was written): at most about one probe per ACK_HOLD_S. Any other PING is
+# answered at once.
 BDP_PING = bytes([2, 4, 16, 16, 9, 14, 7, 7])
+ACK_HOLD_S = 0.5
 ACK_DELAY_S = 2.0
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 

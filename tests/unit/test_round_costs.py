@@ -168,17 +168,23 @@ def test_a_streaming_call_sends_its_first_requests_with_its_headers_in_one_write
     assert split_messages(bytearray(payload)) == [b"a", b"bb", b"ccc"]
 
 
-def test_etcds_bdp_ping_is_answered_with_the_next_write_and_any_other_ping_at_once(member_and_connection):
-    member, conn, counted = member_and_connection
+def _bdp_ping_taken(member, conn) -> None:
     member.sock.sendall(frame(SETTINGS, 0, 0))
     while member.next_frame()[:2] != (SETTINGS, ACK):  # the reader answered the SETTINGS
         pass
-    sent = len(counted.sent)
     member.sock.sendall(frame(PING, 0, 0, BDP_PING))
     deadline = time.monotonic() + 10
     while not conn._acks:  # noqa: SLF001 - the reader thread took the ping (it writes nothing to say so)
         assert time.monotonic() < deadline, "the reader thread never handled the ping"
         time.sleep(0.005)
+
+
+def test_etcds_bdp_ping_is_answered_with_a_write_once_held_and_any_other_ping_at_once(member_and_connection,
+                                                                                      monkeypatch):
+    member, conn, counted = member_and_connection
+    monkeypatch.setattr(connection_mod, "ACK_HOLD_S", 0.0)  # held for no time: the next write takes the answer
+    _bdp_ping_taken(member, conn)
+    sent = len(counted.sent)
     conn.open("/etcdserverpb.KV/Range", timeout_s=5, body=b"q")
     assert len(counted.sent) == sent + 1  # the BDP ping's answer cost no write of its own
     assert counted.sent[-1].startswith(frame(PING, ACK, 0, BDP_PING))
@@ -187,6 +193,18 @@ def test_etcds_bdp_ping_is_answered_with_the_next_write_and_any_other_ping_at_on
     member.sock.sendall(frame(PING, 0, 0, b"keepaliv"))
     assert member.next_frame() == (PING, ACK, 0, b"keepaliv")  # at once, alone: grpc-go times keep-alive pings
     assert counted.sent[-1] == frame(PING, ACK, 0, b"keepaliv")
+
+
+def test_a_bdp_pings_answer_is_held_back_from_the_writes_that_follow_it_at_once(member_and_connection, monkeypatch):
+    """grpc-go sends its next BDP ping (and a WINDOW_UPDATE before it) after the answer: answered with the very
+    next request, each request would wake the reader thread once more for nothing."""
+    member, conn, counted = member_and_connection
+    monkeypatch.setattr(connection_mod, "ACK_HOLD_S", 60.0)  # however slow this machine is today
+    _bdp_ping_taken(member, conn)
+    conn.open("/etcdserverpb.KV/Range", timeout_s=5, body=b"q")
+    assert not counted.sent[-1].startswith(frame(PING, ACK, 0, BDP_PING))
+    assert [member.next_frame()[0] for _ in range(2)] == [HEADERS, DATA]  # the request alone
+    assert conn._acks  # noqa: SLF001 - still held
 
 
 def test_a_bdp_pings_answer_goes_alone_when_nothing_is_written_for_a_while(member_and_connection, monkeypatch):
