@@ -105,6 +105,24 @@ class Put:
     lease: int = 0
 
 
+@dataclass(frozen=True)
+class GuardedPut:
+    """A put that another transaction makes only while its key's mod_revision is `expected_mod_revision` (None: only
+    while the key is absent): EtcdClient.create_with's `guarded`."""
+
+    put: Put
+    expected_mod_revision: int | None
+
+
+def _compare_mod(key: str, expected_mod_revision: int | None):
+    """The compare of a key's mod_revision with `expected_mod_revision` (None: the key is absent)."""
+    if expected_mod_revision is None:
+        return etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.CREATE, key=key.encode(),
+                               create_revision=0)
+    return etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD, key=key.encode(),
+                           mod_revision=expected_mod_revision)
+
+
 def _put_op(put: Put):
     return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=put.key.encode(), value=put.value, lease=put.lease))
 
@@ -302,16 +320,7 @@ class EtcdClient:
         """compare_and_put, and in the same transaction (one request, one revision: after the put, when it was made)
         read_ranges(read); `also`: keys put with `key`, only when it is (before the read). Returns (succeeded, the
         key as it is after it, the ranges' keys, that revision)."""
-        if expected_mod_revision is None:
-            cmp = etcdrpc.Compare(
-                result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.CREATE,
-                key=key.encode(), create_revision=0,
-            )
-        else:
-            cmp = etcdrpc.Compare(
-                result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD,
-                key=key.encode(), mod_revision=expected_mod_revision,
-            )
+        cmp = _compare_mod(key, expected_mod_revision)
         get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
         puts = [_put_op(Put(key, value, lease)), *map(_put_op, also)]
         reads = _range_ops(read)
@@ -322,6 +331,30 @@ class EtcdClient:
         rng = responses[0].response_range
         ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in responses[1:]]
         return bool(resp.succeeded), (_kv(rng.kvs[0]) if rng.kvs else None), ranges, resp.header.revision
+
+    def create_with(self, key: str, value: bytes, guarded: GuardedPut) -> tuple[bool, KeyValue | None,
+                                                                              tuple[bool, KeyValue | None] | None]:
+        """compare_and_put(key, value, expected_mod_revision=None) and, when it puts, `guarded` in the same request and
+        revision (a transaction nested in the put's branch: etcd 3.3 and later). Returns (put, the key as it is after
+        the transaction, and when it put: (guarded's put made, its key as it is after it); else None)."""
+        gkey = guarded.put.key
+        get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
+        gget = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=gkey.encode()))
+        inner = etcdrpc.TxnRequest(compare=[_compare_mod(gkey, guarded.expected_mod_revision)],
+                                   success=[_put_op(guarded.put), gget], failure=[gget])
+        req = etcdrpc.TxnRequest(compare=[_compare_mod(key, None)],
+                                 success=[_put_op(Put(key, value)), get, etcdrpc.RequestOp(request_txn=inner)],
+                                 failure=[get])
+        resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
+        _expect_results(resp, 3 if resp.succeeded else 1)
+        rng = resp.responses[1 if resp.succeeded else 0].response_range
+        kv = _kv(rng.kvs[0]) if rng.kvs else None
+        if not resp.succeeded:
+            return False, kv, None
+        nested = resp.responses[2].response_txn
+        _expect_results(nested, 2 if nested.succeeded else 1)
+        grng = nested.responses[-1].response_range
+        return True, kv, (bool(nested.succeeded), _kv(grng.kvs[0]) if grng.kvs else None)
 
     def put_then_read(self, put: Put, read: RangeRead) -> tuple[list[list[KeyValue]], int]:
         """put, and in the same transaction (one request, one revision: the put's) read_ranges(read). Returns the

@@ -160,7 +160,8 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         )
         self._rounds = Rounds(client, self.keys, settings, self._view, lease_id=lambda: self._lease.lease_id,
                               on_formed=self._formed, incarnation=self._lease.incarnation, signer=self._signer,
-                              before_final=lambda: self._run_lease.ensure(self._known_run_lease),
+                              claim_lease=lambda: self._run_lease.claim(self._known_run_lease),
+                              settle_lease=self._run_lease.settle,
                               clock=clock, rng=rng)
         self.membership: Membership | None = None
 
@@ -365,7 +366,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         """The alive/ keys of `nodes`, and the run lease's key as of the round's final (`revision`) where the view
         has delivered it, by key: what the membership view holds (MembershipView.registrations), the alive/ keys
         it lacks in one request, whose values the view keeps for the rounds after. The run lease's key is left out
-        when the view is behind the final: its node wrote the final and made sure of the run lease before."""
+        when the view is behind the final: its node wrote the final and the run lease's key with it."""
         wanted = [self.keys.alive(n) for n in dict.fromkeys(nodes)]
         with self._view.lock:
             found = self._view.registrations([*wanted, self.keys.run_lease], revision)

@@ -14,7 +14,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from elastic_rt.rendezvous.decide import (
     Action, Membership, NodeState, RoundView, Step, abandoned, closable, decide, decode_final,
 )
-from elastic_rt.rendezvous.etcd_client import EtcdClient, Put, RangeRead
+from elastic_rt.rendezvous.etcd_client import EtcdClient, GuardedPut, KeyValue, Put, RangeRead
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import free_port
 from elastic_rt.rendezvous.signing import KeySigner
@@ -50,12 +50,14 @@ class RendezvousSettings:
 class Rounds:
     """Rounds as this node takes part in them; `lease_id()` is the current lease to attach its keys to,
     `incarnation` this agent process's (its joins carry it, the final lists the members'), `on_formed(membership)`
-    is told of every round it becomes a member of; `before_final()` runs before this node writes a final (the
-    run lease is made sure of there, so that the members find it with the final)."""
+    is told of every round it becomes a member of. Before this node writes a final, `claim_lease()` says what else its
+    transaction puts (the run lease's key when the run has none yet: the members find it with the final), and
+    `settle_lease()` is told what came of that (RunLease.claim and settle)."""
 
     def __init__(self, client: EtcdClient, keys: RunKeys, settings: RendezvousSettings, view: MembershipView, *,
                  lease_id: Callable[[], int], on_formed: Callable[[Membership], None], incarnation: str = "",
-                 before_final: Callable[[], None] = lambda: None,
+                 claim_lease: Callable[[], GuardedPut | None] = lambda: None,
+                 settle_lease: Callable[[tuple[bool, KeyValue | None] | None], None] = lambda outcome: None,
                  signer: KeySigner | None = None, clock: Callable[[], float] = time.monotonic,
                  rng: Callable[[], float]) -> None:
         self._client = client
@@ -66,7 +68,7 @@ class Rounds:
         self._view = view
         self._lease_id = lease_id
         self._on_formed = on_formed
-        self._before_final = before_final
+        self._claim_lease, self._settle_lease = claim_lease, settle_lease
         self._clock = clock
         self._rng = rng
         # the closer's joins/ (and alive/) of the joined round when the view does not follow alive/ yet; else the
@@ -259,8 +261,13 @@ class Rounds:
         if action.members[0] == s.node_id:  # rank 0 closes: its store address travels with the final
             final["master"] = [s.local_addr, free_port()]
         key = self.keys.final(action.round)
-        self._before_final()
-        _, written = self._client.compare_and_put(key, self._signer.seal(key, final), expected_mod_revision=None)
+        value = self._signer.seal(key, final)
+        claim = self._claim_lease()
+        if claim is None:
+            _, written = self._client.compare_and_put(key, value, expected_mod_revision=None)
+        else:  # the run lease's key with the final: one request
+            _, written, outcome = self._client.create_with(key, value, claim)
+            self._settle_lease(outcome)
         return replace(action.state, written=written)
 
     def _wait(self, action: Action) -> NodeState:

@@ -19,7 +19,7 @@ from elastic_rt.rendezvous.registration import create_etcd_v3_handler
 from tests.support.rendezvous import together
 
 _REQUESTS = ("get", "put", "delete", "read_many", "read_ranges", "put_then_read", "compare_and_put",
-             "compare_and_put_then_read", "grant_lease", "delete_ranges")
+             "compare_and_put_then_read", "create_with", "grant_lease", "delete_ranges")
 
 
 def _handler(endpoint: str, run_id: str, node: str, nnodes: tuple[int, int]):
@@ -77,9 +77,13 @@ def test_a_one_node_jobs_restart_is_two_requests_and_no_watch(etcd_endpoint, etc
         first = h.next_rendezvous()
         assert first.rank == 0 and first.world_size == 1
         # the lease, the alive key (with the view's read), round 0 created with the join (and its read), the run's
-        # lease (a grant and its key), the final
+        # lease granted, the final with the run lease's key
         assert calls == ["grant_lease", "compare_and_put_then_read", "compare_and_put_then_read", "grant_lease",
-                         "compare_and_put", "compare_and_put"], calls
+                         "create_with"], calls
+        lease_key, _ = etcd_client.get(keys.run_lease)
+        final, _ = etcd_client.get(keys.final(0))
+        assert lease_key is not None and lease_key.mod_revision == final.mod_revision  # one transaction
+        assert lease_key.lease == h._run_lease.lease_id > 0
         deadline = time.monotonic() + 10  # the agent can tell etcd answers (its view is connected)
         while not h.etcd_reachable():
             assert time.monotonic() < deadline, "the handler never found etcd reachable after its first round"
