@@ -86,30 +86,37 @@ class RunLease:
             if named:
                 self.lease_id = named
                 return None
-            if not self._granted:
-                self._granted = self._client.grant_lease(self.ttl_s)
-            self._claimed = GuardedPut(Put(self._keys.run_lease, json.dumps({"id": self._granted}).encode(),
-                                           self._granted), kv.mod_revision if kv is not None else None)
-            return self._claimed
+            return self._claim_new(kv)
+
+    def _claim_new(self, kv: KeyValue | None) -> GuardedPut:
+        """A lease granted now (or the one an unsettled claim holds) and the create-only put of its key over `kv`."""
+        if not self._granted:
+            self._granted = self._client.grant_lease(self.ttl_s)
+        self._claimed = GuardedPut(Put(self._keys.run_lease, json.dumps({"id": self._granted}).encode(),
+                                       self._granted), kv.mod_revision if kv is not None else None)
+        return self._claimed
 
     def settle(self, outcome: tuple[bool, KeyValue | None] | None) -> None:
         """What came of the last claim's put: (made, the `lease` key after it) from the final's transaction; None when
         the final was not written (another node's was there), and the put is made now, on its own. A lost put
         revokes the lease granted for it and takes the one the key names. Raises EtcdUnavailableError."""
         with self._lock:
-            claimed, mine = self._claimed, self._granted
-            if claimed is None or not mine:
-                return
-            if outcome is None:
-                outcome = self._client.compare_and_put(claimed.put.key, claimed.put.value, lease=mine,
-                                                       expected_mod_revision=claimed.expected_mod_revision)
-            self._claimed, self._granted = None, 0
-            ok, kv = outcome
-            if ok:
-                self.lease_id = mine
-                return
-            self._client.revoke_lease(mine)
-            self.lease_id = lease_of(kv)
+            self._settle(outcome)
+
+    def _settle(self, outcome: tuple[bool, KeyValue | None] | None) -> None:
+        claimed, mine = self._claimed, self._granted
+        if claimed is None or not mine:
+            return
+        if outcome is None:
+            outcome = self._client.compare_and_put(claimed.put.key, claimed.put.value, lease=mine,
+                                                   expected_mod_revision=claimed.expected_mod_revision)
+        self._claimed, self._granted = None, 0
+        ok, kv = outcome
+        if ok:
+            self.lease_id = mine
+            return
+        self._client.revoke_lease(mine)
+        self.lease_id = lease_of(kv)
 
     def _drop_claim(self) -> None:
         """A claim never settled (its final's request failed, and a final came from elsewhere): its lease, unless the
@@ -127,17 +134,14 @@ class RunLease:
         return self._named_or_granted(kv)
 
     def _named_or_granted(self, kv: KeyValue | None) -> int:
-        """The lease `kv` (the `lease` key) names; granted here when it names none."""
-        return lease_of(kv) or self._grant(expected=kv.mod_revision if kv is not None else None)
-
-    def _grant(self, *, expected: int | None) -> int:
-        mine = self._client.grant_lease(self.ttl_s)
-        ok, kv = self._client.compare_and_put(self._keys.run_lease, json.dumps({"id": mine}).encode(),
-                                              expected_mod_revision=expected, lease=mine)
-        if ok:
-            return mine
-        self._client.revoke_lease(mine)
-        return lease_of(kv)
+        """The lease `kv` (the `lease` key) names; else a claim settled at once: granted here, its key put
+        create-only (a loser revokes its own and takes the winner's)."""
+        named = lease_of(kv)
+        if named:
+            return named
+        self._claim_new(kv)
+        self._settle(None)
+        return self.lease_id
 
     def beat(self) -> None:
         """Rank 0 only: a keep-alive when one is due; a lease found gone is granted anew. Never raises."""
