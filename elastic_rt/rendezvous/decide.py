@@ -43,8 +43,9 @@ The rules, in the order they are tried (handler.py's docstring says why):
                                                                the closable wait ends, the next read or the deadline
   Closable, on the joins this node knows (the tracker's, or its last read)
     C1  this node joined, and at least MIN did
-    C2  MAX joined; or R > 0 and every live node and every waiting node joined (a re-formation needs no last
-        call); or last_call_timeout_s passed since MIN were first seen
+    C2  MAX joined; or R > 0, a member of R-1 is alive (this incarnation of it), and every live node and every
+        waiting node joined (a re-formation needs no last call; a job whose every earlier member is gone, started
+        again, gathers as a first meeting does); or last_call_timeout_s passed since MIN were first seen
     C3  the members: the first MAX joins by create revision, in node-id order (rank = position, so rank 0 stays)
 
 fallback_s = max(2 s, last_call_timeout_s); abandon_check_s = 5 s. The next fallback read is scheduled by the executor, jittered.
@@ -275,7 +276,7 @@ def _joined(view: RoundView, node: NodeState, now: float) -> Action:
             return Action(Step.READ_JOINS, node, round=rnd)  # J10
         joins = node.read or {}
     alive = view.alive
-    members, wait_s = closable(node, rnd, joins, now, alive, view.waiting)
+    members, wait_s = closable(node, rnd, joins, now, alive, view.waiting, view.finals.get(rnd - 1))
     seen = node.min_seen_at
     if members is not None or len(joins) >= node.min_nodes:
         seen = seen or now
@@ -305,16 +306,17 @@ def _leave_round(view: RoundView, node: NodeState, now: float, key: int | None) 
 
 
 def closable(node: NodeState, rnd: int, joins: Mapping[str, KeyValue], now: float,
-             alive: Mapping[str, KeyValue] | None, waiting: Collection[str]) -> tuple[tuple[str, ...] | None, float]:
+             alive: Mapping[str, KeyValue] | None, waiting: Collection[str],
+             previous: KeyValue | None) -> tuple[tuple[str, ...] | None, float]:
     """(the members, in rank order, if round rnd can close on these joins now, else None; how long until the
     last call ends). `alive` follows every alive/ change (None: no view here does; then only MAX joins or the
-    last call close a round)."""
+    last call close a round); `previous`: round rnd-1's final as the view holds it (None: not held)."""
     if node.node_id not in joins or len(joins) < node.min_nodes:  # C1
         return None, float("inf")
     last_call_left = (node.min_seen_at or now) + node.last_call_timeout_s - now  # C2
     if len(joins) < node.max_nodes and last_call_left > 0:
         everyone = (rnd > 0 and alive is not None and all(n in joins for n in alive)
-                    and all(n in joins for n in waiting))
+                    and all(n in joins for n in waiting) and _survived(previous, alive))
         if not everyone:
             return None, last_call_left
     first = sorted(joins, key=lambda n: joins[n].create_revision)[: node.max_nodes]  # C3
@@ -349,6 +351,15 @@ def abandoned(final: KeyValue, alive: Mapping[str, KeyValue | None]) -> bool:
     return bool(nodes) and not any(
         kv is not None and (inc is None or incarnation(kv) in (None, inc))
         for inc, kv in ((inc, alive.get(n)) for inc, n in zip(incs, nodes)))
+
+
+def _survived(final: KeyValue | None, alive: Mapping[str, KeyValue]) -> bool:
+    """C2: a member of the round `final` closed is alive, as the same incarnation (a re-formation); False for no
+    final, or one elastic-rt did not write (the last call then runs, as at a first meeting)."""
+    try:
+        return final is not None and malformed(final) is None and not abandoned(final, alive)
+    except RendezvousDataError:
+        return False
 
 
 def malformed(final: KeyValue) -> str | None:

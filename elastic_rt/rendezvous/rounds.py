@@ -193,7 +193,7 @@ class Rounds:
         view.track_joins(rnd, joins, revision)
         with view.lock:
             members, _ = closable(node, rnd, view.joins_of(rnd) or {}, self._clock(),
-                                  view.alive if view.alive_puts else None, view.waiting)
+                                  view.alive if view.alive_puts else None, view.waiting, view.finals.get(rnd - 1))
         if members is None:
             view.follow_joins()
 

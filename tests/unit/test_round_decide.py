@@ -251,7 +251,22 @@ CLOSABLE = [
 @pytest.mark.parametrize("case", CLOSABLE, ids=[c[0] for c in CLOSABLE])
 def test_closable(case):
     _, found, over, rnd, alive, waiting, members, wait_s = case
-    assert closable(node(**over), rnd, found, NOW, alive, waiting) == (members, wait_s)
+    previous = final(rnd - 1, ["n1", ME, "n3"])  # a round whose members are alive: a re-formation
+    assert closable(node(**over), rnd, found, NOW, alive, waiting, previous) == (members, wait_s)
+
+
+@pytest.mark.parametrize("previous, alive, members, wait_s", [
+    (final(2, ["n1", ME], incarnations=["a", "b"]), {"n1": _alive("n1", "a"), ME: _alive(ME, "c")}, ("n1", ME), 0.0),
+    (final(2, ["n7", "n8"], incarnations=["a", "b"]), {"n1": _alive("n1", "a"), ME: _alive(ME, "c")}, None, 10.0),
+    (final(2, ["n1", ME], incarnations=["a", "b"]), {"n1": _alive("n1", "x"), ME: _alive(ME, "y")}, None, 10.0),
+    (None, {"n1": _alive("n1", "a"), ME: _alive(ME, "c")}, None, 10.0),
+    (kv("/elastic-rt/run/rounds/2/final", b"not json"), {"n1": _alive("n1", "a"), ME: _alive(ME, "c")}, None, 10.0),
+], ids=["a member survived", "every member gone", "every member restarted", "no final held", "a garbage final"])
+def test_c2_a_job_whose_every_earlier_member_is_gone_gathers_with_the_last_call(previous, alive, members, wait_s):
+    """A requeued job's new agents (every member of the round before gone) wait for the last call, as at a first
+    meeting, where a re-formation closes as soon as every live node joined: the first agent up would otherwise
+    close a round of its own and leave the others waiting for the next."""
+    assert closable(node(), 3, joins(ME, "n1"), NOW, alive, {}, previous) == (members, wait_s)
 
 
 def test_min_seen_at_starts_the_last_call_once():
