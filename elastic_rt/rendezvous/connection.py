@@ -6,7 +6,9 @@ a thread of its own that consumes the requests, and a keep-alive on a stream 0.3
 eleven requests a round and a keep-alive every TTL/3; at a thousand agents on one machine (the scale
 benchmark), or beside a training job, that CPU is what runs out. Here a call is written to the socket by
 the calling thread, and one reader thread per connection (it sleeps in poll() until the member sends
-something) parses the frames and hands each stream its messages on a queue: one hand-off per reply.
+something) parses the frames and hands each stream its messages on a queue: one hand-off per reply; a stream
+opened with `on_item` (the membership view's watch) is handed its messages by the reader thread itself, with no
+thread to wake at all.
 
 Timing that survives a starved process: a call's deadline runs from the moment its request was handed to
 the kernel, and before it fails the waiting thread reads whatever the kernel already holds for the
@@ -16,6 +18,7 @@ taken for a silent member because this process could not run.
 
 from __future__ import annotations
 
+import logging
 import queue
 import select
 import socket
@@ -23,6 +26,7 @@ import ssl
 import struct
 import threading
 import time
+from typing import Callable
 
 import grpc
 
@@ -31,6 +35,7 @@ from elastic_rt.rendezvous.wire import (
     MAX_WINDOW, PREFACE, CallError, client_settings, literal, message, request_prefix, rst_stream, timeout_field,
 )
 
+log = logging.getLogger(__name__)
 SEND_TIMEOUT_S = 2.0  # a member that takes none of our bytes for this long: the connection is broken
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
@@ -45,6 +50,7 @@ class Connection(StreamTable):
         super().__init__()
         self._authority, self._tls_on = authority, ssl_context is not None
         self._lock = threading.Lock()
+        self._delivering = threading.Lock()  # held by the thread that hands push streams their items (_deliver)
         self._blocks: dict[tuple, bytes] = {}  # (path, timeout_s, metadata) -> the request's header block
         self._tls: ssl.SSLObject | None = None
         self.heard_at = time.monotonic()  # when the member last sent this connection anything (monotonic)
@@ -112,13 +118,16 @@ class Connection(StreamTable):
     def close(self) -> None:
         with self._lock:
             self._fail(CallError(_UNAVAILABLE, "connection closed by the client"))
+        self._deliver()
 
     # ---- calls ----------------------------------------------------------------------------------------
     def open(self, path: str, metadata: tuple = (), *, timeout_s: float | None = None,
-             body: bytes | None = None, first: tuple[bytes, ...] = ()) -> Stream:
+             body: bytes | None = None, first: tuple[bytes, ...] = (),
+             on_item: Callable[[object], None] | None = None) -> Stream:
         """Start a call: a unary one with `body` (its only request, sent with the headers), else a streaming one
         whose `first` requests go with the headers, in the same write (more follow with Stream.send).
-        `timeout_s` goes to etcd as grpc-timeout."""
+        `timeout_s` goes to etcd as grpc-timeout. With `on_item`, the stream's messages and then its end are handed
+        to on_item (Stream), not queued: on this connection's reader thread, no other thread to wake."""
         key = (path, timeout_s, metadata)
         fields = self._blocks.get(key)
         if fields is None:  # a call's header block depends on these alone: encoded once per connection
@@ -135,7 +144,7 @@ class Connection(StreamTable):
                 raise self.error
             if not self.usable:
                 raise CallError(_UNAVAILABLE, "etcd is closing this connection (GOAWAY)")
-            stream = self._new_stream()
+            stream = self._new_stream(on_item)
             out = self._header_frames(stream.id, fields)
             if body is not None:
                 out += self._data(stream, message(body), end=True)
@@ -178,6 +187,7 @@ class Connection(StreamTable):
                     self._write(rst_stream(stream.id))
                 except CallError:
                     pass
+        self._deliver()
 
     def _write(self, data: bytes) -> None:
         if self._acks and time.monotonic() - self._acks_at >= ACK_HOLD_S:  # etcd's BDP pings' answers (frames.py)
@@ -257,6 +267,7 @@ class Connection(StreamTable):
                     self._send_acks()
         finally:
             self._sock.close()
+            self._deliver()  # the ends of the push streams that the failure ended
 
     def _send_acks(self) -> None:
         """Answer etcd's pending BDP pings now: nothing was written for ACK_DELAY_S that could take them."""
@@ -268,7 +279,35 @@ class Connection(StreamTable):
                     pass  # the connection failed (every call was told)
 
     def pump(self) -> None:
-        """Read what the kernel holds for this connection and handle every complete frame in it."""
+        """Read what the kernel holds for this connection and handle every complete frame in it; then hand the push
+        streams what came for them."""
+        try:
+            self._pump()
+        finally:
+            self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand push streams (Stream.on_item) their items, in order, outside the connection's lock (an on_item may
+        call into this connection, or take a lock whose holder writes on it): by one thread at a time, and a thread
+        that finds another doing it leaves its items to that one (which looks again before it stops)."""
+        while self._deliveries:
+            if not self._delivering.acquire(blocking=False):
+                return
+            try:
+                while True:
+                    with self._lock:
+                        items, self._deliveries = self._deliveries, []
+                    if not items:
+                        break
+                    for on_item, item in items:
+                        try:
+                            on_item(item)
+                        except Exception:  # noqa: BLE001 - the reader thread must outlive any one receiver
+                            log.exception("etcd connection %s: a stream's receiver failed", self._authority)
+            finally:
+                self._delivering.release()
+
+    def _pump(self) -> None:
         with self._lock:
             if self.error is not None:
                 return

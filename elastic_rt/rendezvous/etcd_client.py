@@ -521,9 +521,11 @@ class EtcdClient:
         return self._call(watch, timeout_s=timeout_s)
 
     def open_watch(self, ranges: list[tuple[str, bytes]], start_revisions: list[int], *,
-                   deletes_only: frozenset[int] = frozenset()) -> "WatchStream":
-        """One Watch stream on the current endpoint, a watcher per (start, end) range from its revision;
-        the watchers of the range indexes in `deletes_only` get no put events (etcd's NOPUT filter)."""
+                   deletes_only: frozenset[int] = frozenset(), on_event: Callable[[int, list[WatchEvent], bool], None],
+                   on_end: Callable[[Exception | None], None]) -> "WatchStream":
+        """One Watch stream on the current endpoint, a watcher per (start, end) range from its revision, its answers
+        pushed to on_event and on_end (WatchStream); the watchers of the range indexes in `deletes_only` get no put
+        events (etcd's NOPUT filter). Raises EtcdUnavailableError."""
         with self._lock:
             ep = self._endpoints[self._current]
         try:
@@ -531,5 +533,4 @@ class EtcdClient:
         except grpc.RpcError as exc:
             raise EtcdUnavailableError(f"etcd at {ep.label}: cannot authenticate the watch: {exc.code().name}") from exc
         return WatchStream(ep, ranges, start_revisions, deletes_only=deletes_only,
-                           timeout_s=self.config.request_timeout_s, decode=_event)
-
+                           timeout_s=self.config.request_timeout_s, decode=_event, on_event=on_event, on_end=on_end)

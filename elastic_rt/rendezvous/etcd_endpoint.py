@@ -9,6 +9,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 from pyetcd import etcdrpc
@@ -68,9 +69,11 @@ class Endpoint:
                                                 self.metadata or () if metadata is None else metadata)
         return _REPLIES[method].FromString(body)
 
-    def stream(self, method: str, timeout_s: float, metadata: tuple = (), first: tuple[bytes, ...] = ()) -> Stream:
-        """A streaming call; its `first` requests are written with its headers, in one write."""
-        return self.connection(timeout_s).open(_PATHS[method], metadata, first=first)
+    def stream(self, method: str, timeout_s: float, metadata: tuple = (), first: tuple[bytes, ...] = (),
+               on_item: Callable[[object], None] | None = None) -> Stream:
+        """A streaming call; its `first` requests are written with its headers, in one write; `on_item`: its messages
+        pushed (Connection.open)."""
+        return self.connection(timeout_s).open(_PATHS[method], metadata, first=first, on_item=on_item)
 
     def keep_alive(self, lease_id: int, timeout_s: float, silent_s: float | None = None) -> Renewal | None:
         """One keep-alive on this member's long-lived LeaseKeepAlive stream (opened on first use and again after
@@ -198,28 +201,33 @@ _FORGOTTEN = -1  # a pending create whose range forget() dropped
 
 
 class WatchStream:
-    """A Watch stream with one watcher per key range; iterate it for (range index, events, created); a create
-    answered after forget() dropped its range comes as (-1, [], True).
+    """A Watch stream with one watcher per key range, its answers pushed to the caller on the connection's reader
+    thread, in order: on_event(range index, events, created) for each (a create answered after forget() dropped its
+    range comes as (-1, [], True)), then once on_end(error): None after close(); else EtcdUnavailableError (the stream
+    broke, or etcd cancelled it or ended it), WatchCompacted, or what on_event raised. on_event and on_end must not
+    wait on etcd: the thread that calls them is the one that reads etcd's answers.
 
     The stream asks etcd to cancel it when its member loses the raft leader ("hasleader"), so a member cut
-    from its cluster cannot leave it silently stale. Iteration ends with EtcdUnavailableError (stream
-    broken or cancelled), WatchCompacted, or normally after close(). `decode(event)` turns each event into
-    the caller's form.
+    from its cluster cannot leave it silently stale. `decode(event)` turns each event into the caller's form.
     """
 
     def __init__(self, ep: Endpoint, ranges: list[tuple[str, bytes]], start_revisions: list[int], *,
-                 deletes_only: frozenset[int], timeout_s: float, decode) -> None:
+                 deletes_only: frozenset[int], timeout_s: float, decode,
+                 on_event: Callable[[int, list, bool], None], on_end: Callable[[Exception | None], None]) -> None:
         self.endpoint = ep.label
         self._decode = decode
+        self._on_event, self._on_end = on_event, on_end
         self._lock = threading.Lock()  # creates are answered in the order they were sent
         self._index: dict[int, int] = {}  # etcd's watch id -> range index
         self._pending: collections.deque[int] = collections.deque()  # range indexes of creates not yet answered
         self._closed = False
+        self._ended = False
         creates = [_create(r, rev, i in deletes_only) for i, (r, rev) in enumerate(zip(ranges, start_revisions))]
         self._pending.extend(range(len(creates)))  # the watchers go with the stream's headers, in one write
         try:
-            self._stream = ep.stream("Watch/Watch", timeout_s, tuple(ep.metadata or ()) + (("hasleader", "true"),),
-                                     first=tuple(creates))
+            with self._lock:  # its first answers wait for self._stream (_on_item)
+                self._stream = ep.stream("Watch/Watch", timeout_s, tuple(ep.metadata or ()) + (("hasleader", "true"),),
+                                         first=tuple(creates), on_item=self._on_item)
         except CallError as exc:
             raise EtcdUnavailableError(f"etcd at {ep.label}: cannot open the watch: {exc.details()}") from exc
 
@@ -230,7 +238,7 @@ class WatchStream:
             try:
                 self._stream.send(_create(key_range, start_revision, deletes_only))
             except CallError:
-                pass  # the stream broke: its iteration says so
+                pass  # the stream broke: on_end says so
 
     def forget(self, index: int, *, cancel: bool = True) -> None:
         """Ignore the events of range `index`'s watchers from now on, and ask etcd to cancel them (one whose
@@ -241,9 +249,11 @@ class WatchStream:
             for i, pending in enumerate(self._pending):
                 if pending == index:
                     self._pending[i] = _FORGOTTEN
-        for watch_id in [w for w, i in self._index.items() if i == index]:
-            del self._index[watch_id]
-            if cancel:
+            dropped = [w for w, i in self._index.items() if i == index]
+            for watch_id in dropped:
+                del self._index[watch_id]
+        if cancel:
+            for watch_id in dropped:
                 self._cancel(watch_id)
 
     def _cancel(self, watch_id: int) -> None:
@@ -253,38 +263,51 @@ class WatchStream:
         try:
             self._stream.send(request.SerializeToString())
         except CallError:
-            pass  # the stream broke: its iteration says so
+            pass  # the stream broke: on_end says so
 
-    def __iter__(self):
-        try:
-            while (body := self._stream.next(None)) is not None:
-                resp = etcdrpc.WatchResponse.FromString(body)
-                if resp.created:
-                    with self._lock:
-                        index = self._pending.popleft()
-                    if index == _FORGOTTEN:
-                        self._cancel(resp.watch_id)
-                        yield _FORGOTTEN, [], True  # a create answered all the same (the caller counts them)
-                        continue
-                    self._index[resp.watch_id] = index
-                index = self._index.get(resp.watch_id)
-                if index is None:
-                    continue  # a watcher forget() dropped: its cancel, its last events, a compaction of its start
-                if resp.compact_revision:
-                    raise WatchCompacted(f"revision compacted up to {resp.compact_revision}")
-                if resp.canceled:
-                    raise EtcdUnavailableError(f"etcd at {self.endpoint} cancelled the watch: "
-                                               f"{resp.cancel_reason or 'no reason given'}")
-                yield index, [self._decode(ev) for ev in resp.events], resp.created
-        except CallError as exc:
-            if self._closed:
+    def _on_item(self, item) -> None:
+        """One message of the stream, or its end (the connection's reader thread, in order)."""
+        with self._lock:  # __init__ has set self._stream
+            if self._ended:
                 return
-            raise EtcdUnavailableError(f"etcd watch at {self.endpoint} broke: {exc.code().name} {exc.details()}") from exc
-        finally:
-            self._stream.cancel()
-        if not self._closed:
-            raise EtcdUnavailableError(f"etcd at {self.endpoint} ended the watch stream")
+        try:
+            if item is None:
+                raise EtcdUnavailableError(f"etcd at {self.endpoint} ended the watch stream")
+            if isinstance(item, CallError):
+                raise EtcdUnavailableError(f"etcd watch at {self.endpoint} broke: {item.code().name} {item.details()}")
+            self._answer(etcdrpc.WatchResponse.FromString(item))
+        except Exception as exc:  # noqa: BLE001 - whatever ends the stream goes to on_end
+            self._end(exc)
+
+    def _answer(self, resp) -> None:
+        if resp.created:
+            with self._lock:
+                index = self._pending.popleft()
+                if index != _FORGOTTEN:
+                    self._index[resp.watch_id] = index
+            if index == _FORGOTTEN:
+                self._cancel(resp.watch_id)
+                self._on_event(_FORGOTTEN, [], True)  # a create answered all the same (the caller counts them)
+                return
+        index = self._index.get(resp.watch_id)
+        if index is None:
+            return  # a watcher forget() dropped: its cancel, its last events, a compaction of its start
+        if resp.compact_revision:
+            raise WatchCompacted(f"revision compacted up to {resp.compact_revision}")
+        if resp.canceled:
+            raise EtcdUnavailableError(f"etcd at {self.endpoint} cancelled the watch: "
+                                       f"{resp.cancel_reason or 'no reason given'}")
+        self._on_event(index, [self._decode(ev) for ev in resp.events], resp.created)
+
+    def _end(self, error: Exception | None) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+        self._stream.cancel()
+        self._on_end(None if self._closed else error)
 
     def close(self) -> None:
+        """End the stream: on_end(None) follows (at once, or on the reader thread, after what came before)."""
         self._closed = True
         self._stream.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
+from typing import Callable
 
 import grpc
 
@@ -33,16 +34,19 @@ _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 class Stream:
     """One gRPC call on a Connection. Its messages arrive in order on `replies`, then its end: None (OK) or a
-    CallError. `sent_at` is when its last request message was handed to the kernel (monotonic)."""
+    CallError; or, for a stream opened with `on_item`, are handed to on_item in that order, by the connection's
+    reader thread (Connection._deliver: without the connection's lock, one item at a time). `sent_at` is when its
+    last request message was handed to the kernel (monotonic)."""
 
     __slots__ = ("conn", "id", "send_window", "pending", "end_pending", "inbuf", "unacked", "headers_seen",
-                 "replies", "sent_at")
+                 "replies", "on_item", "sent_at")
 
-    def __init__(self, conn, stream_id: int, window: int) -> None:
+    def __init__(self, conn, stream_id: int, window: int, on_item: Callable[[object], None] | None = None) -> None:
         self.conn, self.id, self.send_window = conn, stream_id, window
         self.pending, self.end_pending = bytearray(), False
         self.inbuf, self.unacked, self.headers_seen = bytearray(), 0, False
-        self.replies: queue.SimpleQueue = queue.SimpleQueue()
+        self.replies: queue.SimpleQueue | None = queue.SimpleQueue() if on_item is None else None
+        self.on_item = on_item
         self.sent_at = 0.0
 
     def send(self, body: bytes) -> None:
@@ -81,6 +85,7 @@ class StreamTable:
         self._decoder = HeaderDecoder()
         self._acks = bytearray()  # PING ACK frames that go with the next write
         self._acks_at = 0.0  # when the oldest of them was due (monotonic)
+        self._deliveries: list[tuple[Callable[[object], None], object]] = []  # on_item calls, in order
         self.error: CallError | None = None
         self.goaway = False
         self.answered = False  # the member sent its SETTINGS
@@ -93,12 +98,16 @@ class StreamTable:
         raise NotImplementedError
 
     def _put(self, stream: Stream, item) -> None:
-        """Hand a stream a message or its end (None / CallError)."""
-        stream.replies.put(item)
+        """Hand a stream a message or its end (None / CallError): on its queue, or, for a stream with on_item, to
+        the deliveries that go out once the connection's lock is released."""
+        if stream.on_item is None:
+            stream.replies.put(item)
+        else:
+            self._deliveries.append((stream.on_item, item))
 
     # ---- requests ------------------------------------------------------------------------------------
-    def _new_stream(self) -> Stream:
-        stream = Stream(self, self._next_id, self._initial)
+    def _new_stream(self, on_item: Callable[[object], None] | None = None) -> Stream:
+        stream = Stream(self, self._next_id, self._initial, on_item)
         self._next_id += 2
         self._streams[stream.id] = stream
         return stream

@@ -2,9 +2,11 @@
 
 One range read at start, then one Watch stream (a watcher per range of RunKeys.watch_ranges,
 which leaves the worker stores out) from the revision of that read. Reading the view costs
-etcd nothing: the agent's monitor tick and the rendezvous loop only read local state.
-A broken stream reconnects with jittered backoff and resumes each watcher after the last
-revision it delivered; a compacted revision costs one fresh range read.
+etcd nothing: the agent's monitor tick and the rendezvous loop only read local state. The stream's
+answers are applied by the etcd connection's reader thread as they are read (no thread of the view's
+own to wake for each: at a first round, one thread start and about 15 context switches fewer per node).
+A broken stream reconnects from a thread started for it, with jittered backoff, and resumes each watcher
+after the last revision it delivered; a compacted revision costs one fresh range read.
 
 With `alive_puts=False` the alive/ range is not watched at all until members_formed(): the view reads
 the smallest alive/ key below its node's own id (one key: etcd applies the limit while it reads) and
@@ -88,28 +90,50 @@ class MembershipView:
         self._tracked: int | None = None  # the round whose joins/ the last range follows (track_joins())
         self._joins_followed = False  # the tracked range's watcher is on the stream (follow_joins())
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._started = False
+        self._gen = 0  # the watch stream's generation: answers of an earlier stream are dropped
+        self._created = 0  # creates answered on the current stream
+        self._opened_with = 0  # the creates it opened with
+        self._recovering = False  # a thread reopens the stream (reads again first when _retry_reload)
+        self._retry_wait, self._retry_reload = 0.0, False
+        self._thread: threading.Thread | None = None  # the last such thread
 
     # ---- lifecycle ----------------------------------------------------------
     def start(self, read: tuple[RangeRead, list[list[KeyValue]], int] | None = None) -> None:
-        """One range read (raises EtcdUnavailableError), then the watch thread. `read`: first_read() as read elsewhere
-        (with this node's registration: one request fewer), its keys and revision, instead of the read."""
-        if self._thread is not None:
+        """One range read (raises EtcdUnavailableError), then the watch stream, whose answers the connection's reader
+        thread applies here: the view has no thread of its own while the stream works (one reopens a stream that
+        broke or must be read again, and ends when it is open). `read`: first_read() as read elsewhere (with this
+        node's registration: one request fewer), its keys and revision, instead of the read."""
+        if self._started:
             return
         if read is not None and read[0] != self.first_read():
             read = None  # the view changed since that read was made: it reads itself (start() reads, or raises)
         self._reload(read)
-        self._thread = threading.Thread(target=self._run, name="elastic-rt-view", daemon=True)
-        self._thread.start()
+        self._started = True
+        try:
+            opened = not self._reload_wanted and self._open()
+        except EtcdUnavailableError as exc:
+            log.debug("node %s: membership watch: %s", self._node_id, exc)
+            with self.lock:
+                self._recover_later(self._backoff.next(), False)
+            return
+        if not opened:
+            with self.lock:
+                self._recover_later(0.0, False)
 
     def stop(self) -> None:
         self._stop.set()
         self.reconnect()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        with self.lock:
+            self._gen += 1  # what the stream still delivers is dropped
+            self._stream = None
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5)
+        self._set_connected(False)
 
     def reconnect(self) -> None:
-        """Drop the stream; the thread reopens it on the client's current endpoint (after a failover)."""
+        """Drop the stream; another is opened on the client's current endpoint (after a failover)."""
         with self.lock:
             stream = self._stream
         if stream is not None:
@@ -132,8 +156,7 @@ class MembershipView:
                 self._read_again()
 
     def _read_again(self) -> None:
-        """Have the watch thread read again and reopen its stream (closing it ends the iteration).
-        Caller holds the lock."""
+        """Read again and reopen the stream (closing it has a thread do both). Caller holds the lock."""
         self._reload_wanted = True
         if self._stream is not None:
             self._stream.close()
@@ -290,51 +313,115 @@ class MembershipView:
                 self.lock.wait(left)
             return True
 
-    # ---- the watch thread ---------------------------------------------------
-    def _run(self) -> None:
-        reload = False
-        while not self._stop.is_set():
+    # ---- the watch stream ------------------------------------------------
+    def _open(self) -> bool:
+        """Open the watch stream for the ranges the view holds, from the revisions it has (raises
+        EtcdUnavailableError). False when the view changed meanwhile (members_formed(), track_joins() or a re-read
+        wanted after the ranges were chosen): that stream is closed again, and the caller opens another."""
+        with self.lock:
+            filters, starts = self._deletes_only(), [r + 1 for r in self._revs]
+            ranges = self._watched_ranges(filters)
+            watched = list(self._ranges)
+            self._gen += 1
+            gen = self._gen
+            self._created, self._opened_with = 0, len(watched)
+        stream = self._client.open_watch(ranges, starts, deletes_only=filters,
+                                         on_event=lambda index, events, created: self._on_watch(gen, index, events,
+                                                                                                  created),
+                                         on_end=lambda error: self._on_watch_end(gen, error))
+        with self.lock:
+            if gen != self._gen:
+                return True  # it ended already: its end has the stream opened again
+            if not (self._stop.is_set() or self._reload_wanted or self._deletes_only() != filters
+                    or self._ranges != watched):
+                self._stream = stream
+                self._joins_followed = self._tracked is not None  # its ranges include the tracked joins
+                return True
+            self._gen += 1  # stale: its answers and its end are dropped
+        stream.close()
+        return self._stop.is_set()
+
+    def _on_watch(self, gen: int, index: int, events: list[WatchEvent], created: bool) -> None:
+        """An answer of the watch stream (the connection's reader thread)."""
+        with self.lock:
+            if gen != self._gen:
+                return
+            if created:
+                self._created += 1
+                if self._created == self._opened_with:  # the creates it opened with (more come with add())
+                    self._backoff.reset()
+                    self._set_connected(True)
+                return
+            self._apply(index, events)
+
+    def _on_watch_end(self, gen: int, error: Exception | None) -> None:
+        """The watch stream ended (the connection's reader thread, or the thread that closed it): open another,
+        from a thread, after a backoff when etcd did not answer."""
+        with self.lock:
+            if gen != self._gen:
+                return
+            self._gen += 1
+            self._stream = None
+            if self._stop.is_set():
+                return
+            if error is None:  # closed here: reconnect(), or a re-read wanted
+                self._recover_later(0.0, False)
+            elif isinstance(error, WatchCompacted):
+                log.info("node %s: membership watch: %s; re-reading", self._node_id, error)
+                self._recover_later(0.0, True)
+            elif isinstance(error, EtcdUnavailableError):
+                self._set_connected(False)
+                log.debug("node %s: membership watch: %s", self._node_id, error)
+                self._recover_later(self._backoff.next(), False)
+            else:  # the view must outlive any one bad response
+                self._set_connected(False)
+                log.warning("node %s: membership watch failed: %r; reconnecting", self._node_id, error)
+                self._recover_later(self._backoff.next(), True)
+
+    def _recover_later(self, wait_s: float, reload: bool) -> None:
+        """Have a thread open the stream again after wait_s, reading first with `reload` (caller holds the lock)."""
+        self._retry_wait = max(self._retry_wait, wait_s)
+        self._retry_reload = self._retry_reload or reload
+        if self._recovering or self._stop.is_set():
+            return
+        self._recovering = True
+        self._thread = threading.Thread(target=self._recover, name="elastic-rt-view", daemon=True)
+        self._thread.start()
+
+    def _recover(self) -> None:
+        while True:
+            with self.lock:
+                if self._stop.is_set():
+                    self._recovering = False
+                    return
+                wait, reload = self._retry_wait, self._retry_reload or self._reload_wanted
+                self._retry_wait, self._retry_reload = 0.0, False
+            if wait and self._stop.wait(wait):
+                continue
             try:
-                if reload or self._reload_wanted:
+                if reload:
                     self._reload()
-                    reload = False
                 with self.lock:
-                    filters, starts = self._deletes_only(), [r + 1 for r in self._revs]
-                    ranges = self._watched_ranges(filters)
-                    watched = list(self._ranges)
-                stream = self._client.open_watch(ranges, starts, deletes_only=filters)
-                with self.lock:
-                    self._stream = stream
-                    self._joins_followed = self._tracked is not None  # its ranges include the tracked joins
-                    # members_formed() or track_joins() came after the ranges were chosen: open again
-                    stale = self._reload_wanted or self._deletes_only() != filters or self._ranges != watched
-                if self._stop.is_set() or stale:
-                    stream.close()
-                created = 0
-                for index, events, is_created in stream:
-                    if is_created:
-                        created += 1
-                        if created == len(watched):  # the creates it opened with (more come with add())
-                            self._backoff.reset()
-                            self._set_connected(True)
-                        continue
-                    self._apply(index, events)
-            except WatchCompacted as exc:
-                log.info("node %s: membership watch: %s; re-reading", self._node_id, exc)
-                reload = True
+                    again = self._reload_wanted
+                opened = not again and self._open()
             except EtcdUnavailableError as exc:
                 self._set_connected(False)
                 log.debug("node %s: membership watch: %s", self._node_id, exc)
-                self._stop.wait(self._backoff.next())
+                with self.lock:
+                    self._recover_later(self._backoff.next(), reload)
+                continue
             except Exception as exc:  # noqa: BLE001 - the view must outlive any one bad response
                 self._set_connected(False)
                 log.warning("node %s: membership watch failed: %r; reconnecting", self._node_id, exc)
-                reload = True
-                self._stop.wait(self._backoff.next())
-            finally:
                 with self.lock:
-                    self._stream = None
-        self._set_connected(False)
+                    self._recover_later(self._backoff.next(), True)
+                continue
+            with self.lock:
+                if opened and (self._stream is not None or self._stop.is_set()):
+                    self._recovering = False
+                    return
+                if not opened:
+                    self._retry_reload = self._retry_reload or self._reload_wanted
 
     def _set_connected(self, connected: bool) -> None:
         with self.lock:

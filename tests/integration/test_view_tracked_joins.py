@@ -168,16 +168,16 @@ def test_joins_tracked_while_the_stream_opens_leave_the_view_connected(etcd_clie
     c, keys = etcd_client, RunKeys(run_id)
     c.put(keys.alive("m"), b"{}")
     view = MembershipView(c, keys, node_id="m", alive_puts=False)
-    real_iter = WatchStream.__iter__
+    real_init = WatchStream.__init__
     tracked = []
 
-    def iterate(stream):
+    def opened(stream, *a, **k):  # the creates are sent; their answers may be on their way already
+        real_init(stream, *a, **k)
         if not tracked:
             tracked.append(1)
             view.track_joins(0, [], 1)
-        yield from real_iter(stream)
 
-    monkeypatch.setattr(WatchStream, "__iter__", iterate)
+    monkeypatch.setattr(WatchStream, "__init__", opened)
     view.start()
     try:
         assert view.wait_for(lambda: view.connected, 10)
@@ -194,16 +194,16 @@ def test_joins_untracked_before_etcd_answered_their_create_leave_the_view_connec
     c.put(keys.alive("m"), b"{}")
     view = MembershipView(c, keys, node_id="m", alive_puts=False)
     view.track_joins(0, [], 1)  # tracked before the stream opens: its range is one of the stream's creates
-    real_iter = WatchStream.__iter__
+    real_init = WatchStream.__init__
     done = []
 
-    def iterate(stream):
+    def opened(stream, *a, **k):  # the creates are sent; their answers may be on their way already
+        real_init(stream, *a, **k)
         if not done:
             done.append(1)
             view.untrack_joins()
-        yield from real_iter(stream)
 
-    monkeypatch.setattr(WatchStream, "__iter__", iterate)
+    monkeypatch.setattr(WatchStream, "__init__", opened)
     view.start()
     try:
         assert view.wait_for(lambda: view.connected, 10)

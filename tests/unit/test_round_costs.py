@@ -24,7 +24,7 @@ from elastic_rt.rendezvous.monitor import incarnation
 from elastic_rt.rendezvous.view import MembershipView
 from elastic_rt.rendezvous.wire import (
     ACK, DATA, END_HEADERS, END_STREAM, HEAD_SIZE, HEADERS, PING, PREFACE, SETTINGS, WINDOW_UPDATE, frame, frame_head,
-    split_messages,
+    message, split_messages,
 )
 
 
@@ -215,3 +215,38 @@ def test_a_bdp_pings_answer_goes_alone_when_nothing_is_written_for_a_while(membe
         pass
     assert got == (PING, ACK, 0, BDP_PING)
     assert counted.sent[-1] == frame(PING, ACK, 0, BDP_PING)
+
+
+# ---- a push stream: its answers handed over on the reader thread, outside the connection's lock, in order -------
+def test_a_push_streams_items_come_in_order_on_the_reader_thread_and_may_call_back_into_the_connection(
+        member_and_connection):
+    import threading
+
+    from hpack import Encoder
+
+    from elastic_rt.rendezvous.wire import CallError
+
+    member, conn, _ = member_and_connection
+    got: list = []
+    threads: set[str] = set()
+    done = threading.Event()
+
+    def on_item(item):
+        threads.add(threading.current_thread().name)
+        got.append(item)
+        if item == b"bb":
+            conn.cancel(stream)  # back into the connection (its lock), from the thread that reads it
+        if isinstance(item, CallError):
+            done.set()
+
+    stream = conn.open("/etcdserverpb.Watch/Watch", first=(b"w",), on_item=on_item)
+    encoder = Encoder()
+    encoder.header_table_size = 0  # as the client's SETTINGS ask
+    headers = encoder.encode([(":status", "200"), ("content-type", "application/grpc")])
+    member.sock.sendall(frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, stream.id, headers)
+                        + frame(DATA, 0, stream.id, message(b"a") + message(b"bb") + message(b"ccc")))
+    assert done.wait(10)
+    assert got[:2] == [b"a", b"bb"] and isinstance(got[-1], CallError)  # nothing after the end it asked for
+    assert got[-1].code().name == "CANCELLED" and len(got) in (3, 4)  # b"ccc" came before the cancel, or not
+    assert threads == {conn._reader.name}  # noqa: SLF001 - the reader thread's, no other
+    assert stream.replies is None  # nothing queued for a thread to take
