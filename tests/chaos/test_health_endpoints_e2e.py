@@ -41,7 +41,9 @@ def test_failed_probe_fails_readyz_and_keeps_livez(etcd_endpoint, run_id, nodes)
     started = []
     for name, port in zip("ab", ports):
         args = launch_args(etcd_endpoint, run_id, name, nnodes="2", nproc=1, steps=100_000, step_sleep=0.1,
-                           extra=["--probe-timeout", "0.01"])
+                           # 256 MiB cannot be all-reduced in 10 ms on any machine: the probe fails for certain (with
+                           # the default 4 MiB, two agents that start their probes together can finish in time)
+                           extra=["--probe-timeout", "0.01", "--probe-bytes", str(256 << 20)])
         started.append(Node(with_metrics_port(args, port), name=name))
     nodes.extend(started)
     for port, node in zip(ports, started):
