@@ -113,9 +113,8 @@ class MembershipView:
         try:
             opened = not self._reload_wanted and self._open()
         except EtcdUnavailableError as exc:
-            log.debug("node %s: membership watch: %s", self._node_id, exc)
             with self.lock:
-                self._recover_later(self._backoff.next(), False)
+                self._failed(exc, reload=False)
             return
         if not opened:
             with self.lock:
@@ -366,17 +365,25 @@ class MembershipView:
                 return
             if error is None:  # closed here: reconnect(), or a re-read wanted
                 self._recover_later(0.0, False)
-            elif isinstance(error, WatchCompacted):
-                log.info("node %s: membership watch: %s; re-reading", self._node_id, error)
-                self._recover_later(0.0, True)
-            elif isinstance(error, EtcdUnavailableError):
-                self._set_connected(False)
-                log.debug("node %s: membership watch: %s", self._node_id, error)
-                self._recover_later(self._backoff.next(), False)
-            else:  # the view must outlive any one bad response
-                self._set_connected(False)
-                log.warning("node %s: membership watch failed: %r; reconnecting", self._node_id, error)
-                self._recover_later(self._backoff.next(), True)
+            else:
+                self._failed(error, reload=False)
+
+    def _failed(self, error: Exception, *, reload: bool) -> None:
+        """The stream broke, or could not be opened (or read again first, with `reload`): have it opened again,
+        at once and after a read for a compacted revision, else after a backoff, reading again first with `reload`
+        when etcd did not answer and always after anything else (the view must outlive any one bad response).
+        Caller holds the lock."""
+        if isinstance(error, WatchCompacted):
+            log.info("node %s: membership watch: %s; re-reading", self._node_id, error)
+            self._recover_later(0.0, True)
+            return
+        self._set_connected(False)
+        if isinstance(error, EtcdUnavailableError):
+            log.debug("node %s: membership watch: %s", self._node_id, error)
+        else:
+            log.warning("node %s: membership watch failed: %r; reconnecting", self._node_id, error)
+            reload = True
+        self._recover_later(self._backoff.next(), reload)
 
     def _recover_later(self, wait_s: float, reload: bool) -> None:
         """Have a thread open the stream again after wait_s, reading first with `reload` (caller holds the lock)."""
@@ -404,17 +411,9 @@ class MembershipView:
                 with self.lock:
                     again = self._reload_wanted
                 opened = not again and self._open()
-            except EtcdUnavailableError as exc:
-                self._set_connected(False)
-                log.debug("node %s: membership watch: %s", self._node_id, exc)
-                with self.lock:
-                    self._recover_later(self._backoff.next(), reload)
-                continue
             except Exception as exc:  # noqa: BLE001 - the view must outlive any one bad response
-                self._set_connected(False)
-                log.warning("node %s: membership watch failed: %r; reconnecting", self._node_id, exc)
                 with self.lock:
-                    self._recover_later(self._backoff.next(), True)
+                    self._failed(exc, reload=reload)
                 continue
             with self.lock:
                 if opened and (self._stream is not None or self._stop.is_set()):
