@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.runs < 1 or args.etcd_members < 1:
         p.error("--runs and --etcd-members must be >= 1")
-    from provenance import provenance  # benchmarks/provenance.py: benchmarks/ is sys.path[0]
+    from provenance import machine_speed, provenance  # benchmarks/provenance.py: benchmarks/ is sys.path[0]
     from results_file import write_results
 
     src = os.path.abspath(args.src)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results(args.out, "agent-round-cpu", stamp, {
         "benchmark": "agent_round_cpu", "date": stamp, "provenance": git, "src": src, "runs": args.runs,
         "etcd": {"binary": cluster.binary, "version": version[:1], "members": args.etcd_members},
-        "cpus": os.cpu_count(), "loadavg_start": list(load_start), "loadavg_end": list(load_end), **result}, text)
+        "cpus": os.cpu_count(), **machine_speed(), "loadavg_start": list(load_start), "loadavg_end": list(load_end), **result}, text)
     return 0
 
 

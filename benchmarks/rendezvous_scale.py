@@ -58,11 +58,12 @@ class Node:
 
     def rendezvous(self) -> None:
         self.state = "meeting" if not self.done else "rejoining"
+        t0 = time.monotonic()  # when this node learnt it must (re-)form: its agent's restart begins
         try:
             info = self.h.next_rendezvous()
-            self.done.append({"t": time.monotonic(), "rank": info.rank, "world": info.world_size})
+            self.done.append({"t0": t0, "t": time.monotonic(), "rank": info.rank, "world": info.world_size})
         except BaseException as exc:  # noqa: BLE001  (reported, never raised in a worker thread)
-            self.done.append({"t": time.monotonic(), "error": f"{type(exc).__name__}: {exc}"[:300]})
+            self.done.append({"t0": t0, "t": time.monotonic(), "error": f"{type(exc).__name__}: {exc}"[:300]})
         if self.state != "dead":
             self.state = "ticking"
 
@@ -318,6 +319,17 @@ class Run:
                 p.join(10)
 
 
+def _spread(reports: list[list[dict]], t0: float) -> dict:
+    """When the nodes learnt of the change (t0) and when each met (t), seconds after t0: min, median, p90, p99
+    and max over nodes, so that a slow round tells a tail of late nodes from a late close."""
+    rows = [r for block in reports for r in block if "t" in r]
+
+    def q(xs: list[float]) -> list[float]:
+        xs = sorted(xs)
+        return [xs[min(len(xs) - 1, int(f * len(xs)))] for f in (0.0, 0.5, 0.9, 0.99)] + [xs[-1]] if xs else []
+    return {"learnt_s": q([r["t0"] - t0 for r in rows if "t0" in r]), "met_s": q([r["t"] - t0 for r in rows])}
+
+
 def _met(reports: list[list[dict]], t0: float, expect_world: int) -> tuple[float | None, str]:
     rows = [r for block in reports for r in block]
     bad = [r for r in rows if "error" in r or r.get("world") != expect_world]
@@ -378,6 +390,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
                                  "wall": time.monotonic() - t0}
             row["meet_host"] = host_delta(host_counters(), host0, row["meet_cpu_s"]["wall"])
         row["meet_s"], row["error"] = _met(reports, t0, n)
+        row["meet_spread"] = _spread(reports, t0)
         row["client_cpu_ms_per_node_round"] = 1000 * row["meet_cpu_s"]["clients"] / n
         row["round"] = metrics_delta(etcd_metrics(cluster), before)
         row["events_per_node_round"] = row["round"]["events"] / n
@@ -418,6 +431,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         row["reform_cpu_s"] = {"clients": cpu_s(clients) - cpu0[0], "etcd": cpu_s(members) - cpu0[1],
                                "wall": time.monotonic() - t_kill}
         row["reform_s"], why = _met(reports, t_kill, n - 1)
+        row["reform_spread"] = _spread(reports, t_kill)
         row["reform_round"] = metrics_delta(etcd_metrics(cluster), before)
         row["reform_req_per_node"] = sum(
             v for k, v in row["reform_round"]["requests"].items() if k != "LeaseKeepAlive") / (n - 1)
@@ -519,7 +533,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     sys.path.insert(0, REPO)
-    from provenance import provenance  # benchmarks/provenance.py: benchmarks/ is sys.path[0]
+    from provenance import machine_speed, provenance  # benchmarks/provenance.py: benchmarks/ is sys.path[0]
     from results_file import write_results
 
     git = provenance(args.allow_dirty)
@@ -528,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, t_start, stopped = [], time.monotonic(), {}
     load_start = list(os.getloadavg())
+    speed = machine_speed()
     with EtcdCluster(args.etcd_members, binary=args.etcd_binary) as cluster:
         etcd = etcd_facts(cluster)
         print(f"etcd {etcd['version']} ({etcd['members']} members, {etcd['binary']}), load {load_start[0]:.1f}",
@@ -547,7 +562,9 @@ def main(argv: list[str] | None = None) -> int:
 
     stamp = datetime.date.today().isoformat()
     text = (f"rendezvous scale benchmark {stamp}: code {git['commit']}{' (dirty)' if git['dirty'] else ''}; "
-            f"torch {torch.__version__}, {os.cpu_count()} CPU(s), load average {load_start[0]:.1f} at the start, "
+            f"torch {torch.__version__}, {os.cpu_count()} CPU(s) ({speed['cpu_model'] or 'model unknown'}; "
+            f"{speed['python_loop_2m_s']:.3f} s for a 2M-addition Python loop), "
+            f"load average {load_start[0]:.1f} at the start, "
             f"etcd {etcd['version']} ({etcd['members']} members on loopback, {etcd['binary']}), handlers in "
             f"{args.procs or f'max(8, N / {args.per_proc})'} processes (procs column) with a GIL switch interval of "
             f"{args.switch_interval_ms:g} ms, --rdzv-conf {args.rdzv_conf}, "
@@ -559,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                       for k, n in stopped.items()))
     payload = {
         "benchmark": "rendezvous-scale", "date": stamp, "provenance": git,
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__, **speed,
                  "loadavg_at_start": load_start, "loadavg_at_end": list(os.getloadavg())},
         "etcd": etcd,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
