@@ -54,8 +54,9 @@ class NodeLease:
         self._listener = LivenessListener(local_addr)
         self.incarnation = uuid.uuid4().hex[:12]
         self._info = json.dumps({**info, "liveness_port": self._listener.port, "incarnation": self.incarnation}).encode()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held across a grant's requests: never taken by a caller of lease_id
         self._lease_id = 0
+        self._published = 0  # the lease the alive key is registered on (lease_id): read without the lock
         self._registered = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -68,8 +69,11 @@ class NodeLease:
 
     @property
     def lease_id(self) -> int:
-        with self._lock:
-            return self._lease_id
+        """The lease this node's alive key is registered on (0 before start() and after stop()). Read without the
+        lock: the lease thread holds it across a re-grant's requests, and the rendezvous reads this while it holds the
+        membership view's lock, which the connection's reader thread needs to deliver those requests' answers (and
+        on_granted needs): taking the lock here deadlocked a node whose lease was granted anew mid-round."""
+        return self._published
 
     def unrenewed_for_s(self) -> float:
         """Seconds since etcd last confirmed this lease (longer than the TTL: peers may have re-formed)."""
@@ -105,6 +109,7 @@ class NodeLease:
                     log.warning("node %s: another agent holds this node id (%s); waiting up to %.0f s for its lease "
                                 "to run out", self._node_id, _describe(held), left)
                 self._client.wait_for_any([held.key], [], after_revision=held.mod_revision, timeout_s=left)
+        self._on_granted()  # outside the lock (see lease_id)
         self._thread = threading.Thread(target=self._run, name="elastic-rt-lease", daemon=True)
         self._thread.start()
         return self._lease_id
@@ -123,7 +128,7 @@ class NodeLease:
                      _describe(held))
             self._registered = True
             self.last_renewed = self._clock()
-            self._on_granted()
+            self._published = self._lease_id
         return ok
 
     def take_read(self) -> tuple[RangeRead, list[list[KeyValue]], int] | None:
@@ -158,11 +163,19 @@ class NodeLease:
         self._registered = True
         self.last_renewed = sent
         self._next_beat = sent + self.beat_s
-        self._on_granted()
+        self._published = self._lease_id  # the caller calls on_granted once it has let go of the lock
 
     def _beat(self) -> bool:
         """One beat; True when etcd confirmed the lease (or it was granted anew), False when no answer came yet
         from a member that is there (the next beat is due at once)."""
+        before = self._published
+        try:
+            return self._beat_locked()
+        finally:
+            if self._published != before:
+                self._on_granted()  # outside the lock (see lease_id)
+
+    def _beat_locked(self) -> bool:
         sent = self._clock()
         with self._lock:
             if not self._registered:  # the last grant's put failed: the lease may be gone too, start over
@@ -226,7 +239,7 @@ class NodeLease:
                 self._client.revoke_lease(self._lease_id)
             except EtcdUnavailableError as exc:
                 log.warning("node %s: could not revoke lease (%s); it expires in %g s", self._node_id, exc, self._ttl_s)
-        self._lease_id = 0
+        self._lease_id = self._published = 0
 
 
 def _describe(kv: KeyValue) -> str:

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
@@ -378,3 +379,55 @@ def test_a_node_whose_lease_lapsed_while_it_waited_joins_again_at_once(etcd_endp
         for h in (a, b, c):
             h.leave()
             h.close()
+
+
+def test_leases_granted_anew_while_a_first_meeting_waits_wedge_no_node(etcd_endpoint, etcd_client, run_id):
+    """Every waiting node's lease lapses at once, five times over (a starved machine: 1,024 simulated nodes on two
+    cores lost hundreds of leases at once). Each node's lease thread registers it again while its rendezvous thread
+    decides on the view: the rendezvous read the lease id under the view's lock while the lease thread held its own
+    lock across the grant's requests (and called into the view), and the node hung for good (1 try in 3 of a single
+    lapse hung; the round never formed). Now every node joins again each time, and the round forms when the last
+    node comes."""
+    names = "abcde"
+    hs = {n: _handler(etcd_endpoint, run_id, n, 5, 5, lease_ttl=3, last_call_timeout=120, join_timeout=90)
+          for n in names}
+    done: dict[str, int] = {}
+    errors: list[BaseException] = []
+
+    def go(n):
+        try:
+            done[n] = hs[n].next_rendezvous().world_size
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    keys = hs["a"].keys
+    threads = [threading.Thread(target=go, args=(n,), daemon=True) for n in "abcd"]
+
+    def registered(leases: set[int]) -> bool:  # etcd's view: four joins, four alive keys, none on `leases`
+        joins = etcd_client.list_prefix(keys.join_prefix(0), keys_only=True)[0]
+        alive = [kv for kv in etcd_client.list_prefix(keys.alive_prefix, keys_only=True)[0] if not kv.key.endswith("/e")]
+        return len(joins) == 4 and len(alive) == 4 and not {kv.lease for kv in [*joins, *alive]} & leases
+
+    try:
+        for t in threads:
+            t.start()
+        assert _poll(lambda: registered(set()))
+        for lapse in range(5):
+            leases = {kv.lease for kv in etcd_client.list_prefix(keys.alive_prefix, keys_only=True)[0]}
+            for lease in leases:
+                etcd_client.revoke_lease(lease)
+            assert _poll(lambda: registered(leases)), f"lapse {lapse}: a node did not register and join again"
+        threads.append(threading.Thread(target=go, args=("e",), daemon=True))
+        threads[-1].start()
+        deadline = time.monotonic() + 60
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not errors, errors
+        assert done == dict.fromkeys(names, 5)
+    finally:  # in threads: a wedged node's leave() would wait on its view's lock for good
+        closers = [threading.Thread(target=lambda h=h: (h.leave(), h.close()), daemon=True) for h in hs.values()]
+        for t in closers:
+            t.start()
+        deadline = time.monotonic() + 30
+        for t in closers:
+            t.join(max(0.0, deadline - time.monotonic()))
