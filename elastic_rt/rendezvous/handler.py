@@ -141,7 +141,8 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         self._clock = clock
         self._rng = rng
         self._signer = KeySigner(secret)
-        self._run_lease = RunLease(client, self.keys, ttl_s=max(600.0, 2 * settings.store_timeout_s), clock=clock)
+        self._run_lease = RunLease(client, self.keys, ttl_s=max(600.0, 2 * settings.store_timeout_s),
+                                   wait_s=settings.lease_ttl_s / 6, clock=clock)
         self.health = EtcdHealth(node_id=settings.node_id, clock=clock)
         self._view = MembershipView(client, self.keys, node_id=settings.node_id, clock=clock, alive_puts=False)
         self._lease = NodeLease(

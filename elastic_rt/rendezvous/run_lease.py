@@ -37,11 +37,12 @@ class RunLease:
     sends only when one is due). A lease that ran out during a long etcd outage is granted anew by rank 0; store
     writes that meet the old one fall back to no lease (EtcdStore)."""
 
-    def __init__(self, client: EtcdClient, keys: RunKeys, *, ttl_s: float,
+    def __init__(self, client: EtcdClient, keys: RunKeys, *, ttl_s: float, wait_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
         self._keys = keys
         self.ttl_s = ttl_s
+        self._wait_s = wait_s  # a keep-alive's wait for its answer: beat() runs on the node lease's own thread
         self._clock = clock
         self._lock = threading.Lock()
         self.lease_id = 0
@@ -144,12 +145,20 @@ class RunLease:
         return self.lease_id
 
     def beat(self) -> None:
-        """Rank 0 only: a keep-alive when one is due; a lease found gone is granted anew. Never raises."""
+        """Rank 0 only: a keep-alive when one is due; a lease found gone is granted anew. Never raises.
+
+        It runs on the node lease's thread (NodeLease's on_beat), so it waits at most `wait_s` for an answer: a busy
+        etcd renews on the request and answers late, and waiting for that answer (up to a request deadline) held back
+        the node lease's next beats until its TTL ran out. No answer yet: the next beat sends another keep-alive (etcd
+        answers each; a late one that says the lease lives counts)."""
         with self._lock:
             if not self._keeper or self.lease_id == 0 or self._clock() < self._due:
                 return
             try:
-                if self._client.refresh_lease(self.lease_id, timeout_s=5.0, attempts=1) <= 0:
+                renewal = self._client.keep_alive(self.lease_id, every_s=self._wait_s, silent_s=float("inf"))
+                if renewal is None:
+                    return
+                if renewal.ttl <= 0:
                     log.info("run %s: its lease ran out (a long etcd outage?); granting a new one",
                              self._keys.run_id)
                     self.lease_id = self._found_or_granted()

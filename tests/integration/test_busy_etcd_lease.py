@@ -55,6 +55,13 @@ def _hostport(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _kept(lease: NodeLease, lease_id: int, etcd_client, run_id: str, why: str) -> None:
+    """The node lease is the one granted at the start, never found gone, and its alive key is still on it."""
+    assert lease.lease_id == lease_id and lease.renewals_lost == 0, why
+    kv, _ = etcd_client.get(RunKeys(run_id).alive("n0"))
+    assert kv is not None and kv.lease == lease_id
+
+
 def test_a_lease_survives_keep_alives_answered_late_by_a_busy_etcd(etcd_server, etcd_client, run_id):
     m = etcd_server.members[0]
     beats = _Beats()
@@ -65,9 +72,7 @@ def test_a_lease_survives_keep_alives_answered_late_by_a_busy_etcd(etcd_server, 
             lease_id = lease.start()
             assert beats.wait_for(8, 60), f"{beats.confirmed} beats confirmed in 60 s; reachability {beats.transitions}"
             assert beats.transitions == [True], "a late answer was taken for an unreachable etcd"
-            assert lease.lease_id == lease_id and lease.renewals_lost == 0
-            kv, _ = etcd_client.get(RunKeys(run_id).alive("n0"))
-            assert kv is not None and kv.lease == lease_id
+            _kept(lease, lease_id, etcd_client, run_id, "the lease was granted anew")
         finally:
             lease.stop(revoke=True)
             client.close()
@@ -85,9 +90,33 @@ def test_a_silent_member_is_given_up_and_the_next_one_keeps_the_lease(etcd_serve
             seen = beats.confirmed
             assert beats.wait_for(seen + 4, 30), f"reachability {beats.transitions}"
             assert client.current_endpoint == second.endpoint
-            assert lease.lease_id == lease_id and lease.renewals_lost == 0, "the lease lapsed before the failover"
-            kv, _ = etcd_client.get(RunKeys(run_id).alive("n0"))
-            assert kv is not None and kv.lease == lease_id
+            _kept(lease, lease_id, etcd_client, run_id, "the lease lapsed before the failover")
+        finally:
+            lease.stop(revoke=True)
+            client.close()
+
+
+def test_the_run_leases_keep_alive_never_holds_the_node_lease_back(etcd_server, etcd_client, run_id):
+    """Rank 0 keeps the run's lease alive from the node lease's own thread (on_beat). Against an etcd that answers
+    every keep-alive 4 s late, past the node's 3 s TTL (requests still arrive on time), a run-lease keep-alive that
+    waited for its own answer held that thread for 4 s, the node lease's next beats went out too late, and the node
+    lease ran out. Here a run-lease keep-alive is due at every beat (its TTL 3 s): the node lease must live on."""
+    from elastic_rt.rendezvous.run_lease import RunLease
+
+    m = etcd_server.members[0]
+    beats = _Beats()
+    with TcpProxy(m.host, m.client_port) as proxy:
+        client = EtcdClient(EtcdConfig(endpoints=(_hostport(proxy.endpoint),), request_timeout_s=10.0))
+        run_lease = RunLease(client, RunKeys(run_id), ttl_s=TTL_S, wait_s=TTL_S / 6)
+        health = EtcdHealth(node_id="n0")
+        lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=TTL_S, info={"addr": "127.0.0.1"}, health=health,
+                          local_addr="127.0.0.1", on_beat=lambda: (run_lease.beat(), beats.on_beat()))
+        try:
+            assert run_lease.adopt(None, keeper=True) > 0
+            lease_id = lease.start()
+            proxy.delay(4.0, answers_only=True)
+            assert beats.wait_for(beats.confirmed + 3, 60), f"{beats.confirmed} beats confirmed in 60 s"
+            _kept(lease, lease_id, etcd_client, run_id, "the node lease ran out")
         finally:
             lease.stop(revoke=True)
             client.close()
