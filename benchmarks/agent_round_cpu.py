@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from etcd_testbed.server import EtcdCluster
 
     register()
+    speed = machine_speed()  # before the runs, as the results file says
     load_start = os.getloadavg()
     first: dict[str, list[float]] = {"cpu": [], "main": [], "switches": [], "wall": []}
     second: dict[str, list[float]] = {"cpu": [], "main": [], "switches": [], "wall": []}
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results(args.out, "agent-round-cpu", stamp, {
         "benchmark": "agent_round_cpu", "date": stamp, "provenance": git, "src": src, "runs": args.runs,
         "etcd": {"binary": cluster.binary, "version": version[:1], "members": args.etcd_members},
-        "cpus": os.cpu_count(), **machine_speed(), "loadavg_start": list(load_start), "loadavg_end": list(load_end), **result}, text)
+        "cpus": os.cpu_count(), **speed, "loadavg_start": list(load_start), "loadavg_end": list(load_end), **result}, text)
     return 0
 
 

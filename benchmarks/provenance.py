@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = "benchmarks/results/"
@@ -48,8 +49,6 @@ def machine_speed() -> dict:
     thread takes for a fixed pure-Python loop (2,000,000 additions, the best of 3), taken before the run. Sessions
     land on different hosts; a slower core makes every client CPU figure larger, so compare runs only where this is
     close."""
-    import time
-
     model = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

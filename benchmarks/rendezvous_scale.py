@@ -327,7 +327,7 @@ def _spread(reports: list[list[dict]], t0: float) -> dict:
     def q(xs: list[float]) -> list[float]:
         xs = sorted(xs)
         return [xs[min(len(xs) - 1, int(f * len(xs)))] for f in (0.0, 0.5, 0.9, 0.99)] + [xs[-1]] if xs else []
-    return {"learnt_s": q([r["t0"] - t0 for r in rows if "t0" in r]), "met_s": q([r["t"] - t0 for r in rows])}
+    return {"learnt_s": q([r["t0"] - t0 for r in rows]), "met_s": q([r["t"] - t0 for r in rows])}
 
 
 def _met(reports: list[list[dict]], t0: float, expect_world: int) -> tuple[float | None, str]:

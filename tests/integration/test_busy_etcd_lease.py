@@ -41,12 +41,14 @@ class _Beats:
             return self.cond.wait_for(lambda: self.confirmed >= count, timeout_s)
 
 
-def _lease(endpoints: tuple[tuple[str, int], ...], run_id: str, beats: _Beats) -> tuple[NodeLease, EtcdClient]:
+def _lease(endpoints: tuple[tuple[str, int], ...], run_id: str, beats: _Beats,
+           on_beat=lambda: None) -> tuple[NodeLease, EtcdClient]:
+    """A node lease through `endpoints`; each confirmed beat calls `on_beat`, then counts in `beats`."""
     client = EtcdClient(EtcdConfig(endpoints=endpoints, request_timeout_s=10.0))
     health = EtcdHealth(node_id="n0")
     health.add_listener(beats.on_health)
     lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=TTL_S, info={"addr": "127.0.0.1"}, health=health,
-                      local_addr="127.0.0.1", on_beat=beats.on_beat)
+                      local_addr="127.0.0.1", on_beat=lambda: (on_beat(), beats.on_beat()))
     return lease, client
 
 
@@ -106,11 +108,8 @@ def test_the_run_leases_keep_alive_never_holds_the_node_lease_back(etcd_server, 
     m = etcd_server.members[0]
     beats = _Beats()
     with TcpProxy(m.host, m.client_port) as proxy:
-        client = EtcdClient(EtcdConfig(endpoints=(_hostport(proxy.endpoint),), request_timeout_s=10.0))
-        run_lease = RunLease(client, RunKeys(run_id), ttl_s=TTL_S, wait_s=TTL_S / 6)
-        health = EtcdHealth(node_id="n0")
-        lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=TTL_S, info={"addr": "127.0.0.1"}, health=health,
-                          local_addr="127.0.0.1", on_beat=lambda: (run_lease.beat(), beats.on_beat()))
+        lease, client = _lease((_hostport(proxy.endpoint),), run_id, beats, on_beat=lambda: run_lease.beat())
+        run_lease = RunLease(client, RunKeys(run_id), ttl_s=TTL_S, wait_s=TTL_S / 6)  # beats begin at start()
         try:
             assert run_lease.adopt(None, keeper=True) > 0
             lease_id = lease.start()
