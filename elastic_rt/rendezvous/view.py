@@ -41,6 +41,15 @@ from elastic_rt.rendezvous.keys import RunKeys
 log = logging.getLogger(__name__)
 
 
+def _reentrant(lock: threading.Condition) -> bool:
+    """Whether the thread that holds `lock` can take it again."""
+    with lock:
+        if not lock.acquire(blocking=False):
+            return False
+        lock.release()
+        return True
+
+
 class MembershipView:
     """round, closed, alive/*, waiting/*, rounds/R/final (and joins/R/*, for a view given that range) as last
     seen; `version` counts changes.
@@ -67,6 +76,9 @@ class MembershipView:
         self._smallest: str | None = None  # while alive_puts is False: the alive/ key watched (None: no smaller node)
         self._reload_wanted = False
         self.reloads = 0
+        if lock is not None and not _reentrant(lock):
+            raise ValueError("a membership view's lock must be re-entrant (a Condition over an RLock): closing its "
+                             "stream can deliver the stream's end on the thread that holds it")
         self.lock = lock or threading.Condition()
         self.round: KeyValue | None = None
         self.closed = False
@@ -95,6 +107,7 @@ class MembershipView:
         self._created = 0  # creates answered on the current stream
         self._opened_with = 0  # the creates it opened with
         self._recovering = False  # a thread reopens the stream (reads again first when _retry_reload)
+        self._stranded = False  # no thread could be started to reopen it: revive() tries again
         self._retry_wait, self._retry_reload = 0.0, False
         self._thread: threading.Thread | None = None  # the last such thread
 
@@ -392,8 +405,24 @@ class MembershipView:
         if self._recovering or self._stop.is_set():
             return
         self._recovering = True
-        self._thread = threading.Thread(target=self._recover, name="elastic-rt-view", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._recover, name="elastic-rt-view", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no thread to be had (a process or cgroup thread limit): revive() tries again
+            self._recovering, self._stranded = False, True
+            self._set_connected(False)
+            log.warning("node %s: membership watch: could not start a thread to reopen it (%s); trying again at the "
+                        "next lease beat", self._node_id, exc)
+            return
+        self._thread = thread
+
+    def revive(self) -> None:
+        """Reopen a stream that ended while no thread could be started to reopen it (the lease thread calls this
+        after every beat; nothing to do otherwise)."""
+        with self.lock:
+            if self._stranded:
+                self._stranded = False
+                self._recover_later(0.0, True)
 
     def _recover(self) -> None:
         while True:

@@ -87,3 +87,29 @@ def test_stop_ends_the_stream_and_leaves_no_thread(etcd_client, run_id):
         time.sleep(0.01)
     with view.lock:
         assert view._stream is None and not view.connected  # noqa: SLF001
+
+
+def test_a_stream_that_no_thread_could_reopen_is_reopened_at_the_next_revive(etcd_client, run_id, monkeypatch):
+    """Its stream ended while the process could start no thread (a thread limit): the view says it is not connected,
+    is not left waiting on a recovery that never started, and revive() (the lease thread calls it after every beat)
+    reopens it; what changed meanwhile is read."""
+    import elastic_rt.rendezvous.view as view_module
+
+    keys = RunKeys(run_id)
+    with _connected_view(etcd_client, run_id) as view:
+        real = threading.Thread
+
+        class NoThread(real):
+            def start(self):
+                raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(view_module.threading, "Thread", NoThread)
+        view.reconnect()  # the stream ends; reopening it needs a thread
+        assert view.wait_for(lambda: not view.connected, 10)
+        view.revive()  # still no thread: it stays as it is, and says so again
+        monkeypatch.setattr(view_module.threading, "Thread", real)
+        etcd_client.put(keys.alive("d"), b"{}")  # while no stream was open
+        view.revive()
+        assert view.wait_for(lambda: view.connected and "d" in view.alive, 10)
+        etcd_client.put(keys.alive("e"), b"{}")
+        assert view.wait_for(lambda: "e" in view.alive, 10)
