@@ -6,9 +6,6 @@ The rules, in the order they are tried (handler.py's docstring says why):
   Between rounds (this node holds no join key)
     B1  the join deadline passed                            -> TIMEOUT
     B2  the run is closed                                   -> CLOSED
-    B3a no `round` key, and the view knows a smaller live node, for less than fallback_s since this node first saw
-        no round                                            -> WAIT (that node opens round 0: it knows no smaller one;
-        the view follows its alive/ key, so a node that goes is seen, and the next smallest opens it)
     B3  no `round` key                                      -> CREATE_ROUND (0, create-only; this node's join of 0 in
                                                                the same transaction)
     B4  the current round's final is not elastic-rt's       -> RendezvousDataError (one line, no waiting)
@@ -127,7 +124,6 @@ class NodeState:
     smaller: str | None = None  # a node with a smaller id, learnt from its join
     asked_at: int = 0  # the view's reload count when it was asked to read again for `smaller`
     written: KeyValue | None = None  # J's final as this node's own create-only write returned it
-    no_round_since: float | None = None  # B3a: when this node first found no `round` key and a smaller live node
 
     abandon_check_s: float = 5.0  # B7: how long a check of a running round's members stands without a change
     incarnation: str = ""  # this agent process's (B6b)
@@ -204,11 +200,6 @@ def _between_rounds(view: RoundView, node: NodeState, now: float) -> Action:
         return Action(Step.CLOSED, node)  # B2
     rnd = view.round
     if rnd is None:
-        smallest, since = view.smallest_alive, node.no_round_since
-        if smallest is not None and smallest < node.node_id and (since is None or now - since < node.fallback_s):
-            since = now if since is None else since
-            return Action(Step.WAIT, replace(node, no_round_since=since), version=view.version,
-                          wait_s=max(0.01, min(since + node.fallback_s, node.deadline) - now))  # B3a
         return Action(Step.CREATE_ROUND, node, lease=view.lease, track=_closes(view, node, 0))  # B3
     final = view.finals.get(rnd)
     if final is None and node.previous_round != rnd:
