@@ -15,9 +15,11 @@ a node that is not yet a member must know. Watching every deletion instead makes
 an event at every node: at a first meeting of 1,024 simulated nodes on 2 cores, a few lapses woke 1,023
 nodes each, which made more keepalives late and more leases lapse (hundreds to thousands of watch
 events per node; the meeting never formed). Here a lapse is an event at no node unless it is the smallest's; then each
-node reads the next smallest (a small read and a new stream per node: the one fan-out left, for one node).
-A node that registers later with a smaller id is learnt by whoever acts as closer from its join, and
-refresh() makes the view read again (rounds.py). When a round forms, members_formed() counts every
+node reads the next smallest and watches it instead, on the stream it has (a thread, a read of one key and one watch
+request per node: the one fan-out left, for one node; reading every range again on a new stream cost each node about
+five times the watch requests, and an overloaded etcd whose lapses cascaded got them all at once). A node that
+registers later with a smaller id is learnt by whoever acts as closer from its join, and refresh() makes the view
+find the smallest again the same way (rounds.py). When a round forms, members_formed() counts every
 member alive (the final says they were, at its revision) unless a deletion after that revision was
 seen, and replaces the alive watcher on the same stream with one that sees every change of alive/, from
 the final's revision: one watch request per node and no read, where re-reading alive/ cost each node
@@ -75,7 +77,8 @@ class MembershipView:
         self._below = (keys.alive_prefix, keys.alive(node_id).encode())  # alive/ keys of smaller node ids
         self._smallest: str | None = None  # while alive_puts is False: the alive/ key watched (None: no smaller node)
         self._reload_wanted = False
-        self.reloads = 0
+        self._smallest_wanted = False  # a thread reads the smallest alive/ key again and watches it (_find_smallest)
+        self.reloads = 0  # reads of the view's ranges, and of the smallest alive/ key (decide()'s J6 counts both)
         if lock is not None and not _reentrant(lock):
             raise ValueError("a membership view's lock must be re-entrant (a Condition over an RLock): closing its "
                              "stream can deliver the stream's end on the thread that holds it")
@@ -160,12 +163,22 @@ class MembershipView:
             self.lock.notify_all()
 
     def refresh(self) -> None:
-        """Read again (a node with a smaller id than this one registered after the last read): while the view
-        watches the smallest node only, the read finds it. Nothing to do for a view that follows
+        """Find the smallest live node again (a node with a smaller id than this one registered after the last read):
+        while the view watches the smallest node only, the read finds it. Nothing to do for a view that follows
         every alive/ change."""
         with self.lock:
             if self._deletes_only():
-                self._read_again()
+                self._find_smallest()
+
+    def _find_smallest(self) -> None:
+        """Have a thread read the smallest alive/ key below this node's again and watch it instead of the one
+        watched now, on the same stream (_swap_smallest); with no stream open, the thread that reopens it reads
+        every range anyway. Caller holds the lock."""
+        if self._stream is None:
+            self._read_again()
+            return
+        self._smallest_wanted = True
+        self._recover_later(0.0, False)
 
     def _read_again(self) -> None:
         """Read again and reopen the stream (closing it has a thread do both). Caller holds the lock."""
@@ -432,7 +445,17 @@ class MembershipView:
                     return
                 wait, reload = self._retry_wait, self._retry_reload or self._reload_wanted
                 self._retry_wait, self._retry_reload = 0.0, False
+                smallest = self._smallest_wanted and self._stream is not None and not reload
+                if self._smallest_wanted and not smallest:  # no stream to swap a watcher on: a read of every
+                    self._smallest_wanted, reload = False, True  # range finds the smallest too
             if wait and self._stop.wait(wait):
+                continue
+            if smallest:
+                if self._read_smallest():
+                    with self.lock:
+                        if self._stream is not None and not self._smallest_wanted:
+                            self._recovering = False
+                            return
                 continue
             try:
                 if reload:
@@ -445,11 +468,48 @@ class MembershipView:
                     self._failed(exc, reload=reload)
                 continue
             with self.lock:
-                if opened and (self._stream is not None or self._stop.is_set()):
+                if opened and (self._stop.is_set() or (self._stream is not None and not self._smallest_wanted)):
                     self._recovering = False
                     return
                 if not opened:
                     self._retry_reload = self._retry_reload or self._reload_wanted
+
+    def _read_smallest(self) -> bool:
+        """Read the smallest alive/ key below this node's and watch it on the open stream (the recovery thread). False
+        when the read failed: tried again after a backoff; a stream that ended meanwhile is reopened after a read of
+        every range."""
+        with self.lock:
+            self._smallest_wanted = False
+            gen = self._gen
+        try:
+            (found,), rev = self._client.read_ranges([self._below], keys_only=frozenset({0}), first_only=frozenset({0}))
+        except Exception as exc:  # noqa: BLE001 - the view must outlive any one bad response
+            with self.lock:
+                log.debug("node %s: membership watch: finding the smallest node again: %s", self._node_id, exc)
+                self._smallest_wanted = True
+                self._retry_wait = max(self._retry_wait, self._backoff.next())
+            return False
+        with self.lock:
+            if gen == self._gen and self._stream is not None and self._deletes_only():
+                self._swap_smallest(found[0] if found else None, rev)
+            elif self._deletes_only():
+                self._retry_reload = True  # the stream ended meanwhile: its reopening reads the smallest too
+        return True
+
+    def _swap_smallest(self, kv: KeyValue | None, rev: int) -> None:
+        """The smallest alive/ key below this node's as read at `rev` (None: there is none): the alive map as a read of
+        every range would have it, and its watcher, from rev + 1, replaces the one of the node that left, on the same
+        stream (dropped, not cancelled: members_formed()). Caller holds the lock; the other ranges stay watched."""
+        index, stream = self._alive_index, self._stream
+        self._smallest = kv.key if kv is not None else None
+        self._replace_alive([kv] if kv is not None else [], self._clock(), rev)
+        stream.forget(index, cancel=False)
+        self._floors[index] = self._revs[index] = rev
+        (lo, hi), = self._watched_ranges(frozenset({index}))[index:index + 1]
+        stream.add(index, (lo, hi), rev + 1, deletes_only=True)
+        self.reloads += 1
+        self.version += 1
+        self.lock.notify_all()
 
     def _set_connected(self, connected: bool) -> None:
         with self.lock:
@@ -579,7 +639,7 @@ class MembershipView:
                 # the smallest node left: until the next read finds the next smallest (the stream is closed and
                 # reopened after it), smallest_alive stays as it was: somebody smaller may still be alive
                 if kv.key == self._smallest:
-                    self._read_again()
+                    self._find_smallest()
             elif known and node == self.smallest_alive:
                 self.smallest_alive = min(self.alive) if self.alive else None
         elif kind == "waiting":

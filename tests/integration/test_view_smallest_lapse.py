@@ -1,0 +1,166 @@
+"""When the smallest live node's lease lapses before a first round forms, every other node must find the next
+smallest: that is the one fan-out left while views watch the smallest node only (view.py). It costs each node one
+small read and one watch request on the stream it has: no new stream, no read of the view's other ranges.
+Counted at a real etcd's own /metrics (a server of its own, so that no other test's traffic is counted), for nine
+nodes, each view on a client of its own, as agents have."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from etcd_testbed.server import EtcdCluster
+from elastic_rt.errors import EtcdUnavailableError
+from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.view import MembershipView
+
+NODES = [f"n{i:02d}" for i in range(10)]
+
+
+def _counts(member) -> dict[str, float]:
+    """etcd's gRPC counters: messages received by method, and streams started (Watch: one per stream)."""
+    with urllib.request.urlopen(f"http://{member.endpoint}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if fam.name == "grpc_server_msg_received" and s.name.endswith("_total"):
+                out[s.labels["grpc_method"]] = out.get(s.labels["grpc_method"], 0.0) + s.value
+            elif fam.name == "grpc_server_started" and s.name.endswith("_total") and s.labels["grpc_method"] == "Watch":
+                out["watch streams"] = out.get("watch streams", 0.0) + s.value
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+@pytest.fixture
+def cluster():
+    with EtcdCluster(1) as c:
+        yield c
+
+
+def test_the_smallest_nodes_lapse_costs_each_node_one_read_and_one_watch_request(cluster, run_id):
+    m = cluster.members[0]
+    config = EtcdConfig(endpoints=((m.host, m.client_port),))
+    writer = EtcdClient(config)
+    clients: list[EtcdClient] = []
+    views: list[MembershipView] = []
+    keys = RunKeys(run_id)
+    try:
+        smallest_lease = writer.grant_lease(60)
+        writer.put(keys.alive(NODES[0]), b"{}", lease=smallest_lease)
+        for node in NODES[1:]:
+            writer.put(keys.alive(node), b"{}")
+        for node in NODES[1:]:
+            clients.append(EtcdClient(config))
+            views.append(MembershipView(clients[-1], keys, node_id=node, alive_puts=False))
+            views[-1].start()
+        for view in views:
+            assert view.wait_for(lambda v=view: v.connected and v.smallest_alive == NODES[0], 10)
+        streams = [v._stream for v in views]
+        reloads = [v.reloads for v in views]
+        before = _counts(m)
+
+        writer.revoke_lease(smallest_lease)  # the smallest node's lease lapses
+
+        for view in views[1:]:
+            assert view.wait_for(lambda v=view: v.smallest_alive == NODES[1] and NODES[0] in v.departed, 10)
+        assert views[0].wait_for(lambda: views[0].smallest_alive is None and NODES[0] in views[0].departed, 10)
+        # each view has sent its new watcher's create (before it told its readers): wait until etcd counted them
+        deadline = time.monotonic() + 10
+        while _delta(_counts(m), before).get("Watch", 0) < len(views) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        spent = _delta(_counts(m), before)
+
+        assert spent.get("watch streams", 0) == 0, f"a view opened a new watch stream: {spent}"
+        assert spent.get("Watch", 0) == len(views), f"one watch request per node: {spent}"
+        assert spent.get("Txn", 0) + spent.get("Range", 0) == len(views), f"one read per node: {spent}"
+        for view, stream, before_reloads in zip(views, streams, reloads):
+            with view.lock:
+                assert view._stream is stream and view.connected
+                assert view.reloads == before_reloads + 1  # decide()'s J6: the smallest was found again
+
+        # the new smallest is watched on the same streams: its lapse is the next event
+        writer.delete(keys.alive(NODES[1]))
+        for view in views[2:]:
+            assert view.wait_for(lambda v=view: v.smallest_alive == NODES[2] and NODES[1] in v.departed, 10)
+        assert views[1].wait_for(lambda: views[1].smallest_alive is None and NODES[1] in views[1].departed, 10)
+        # a smaller node that registers later is found by refresh() (the closer learnt it from its join)
+        writer.put(keys.alive("a0"), b"{}")
+        views[3].refresh()
+        assert views[3].wait_for(lambda: views[3].smallest_alive == "a0", 10)
+        with views[3].lock:
+            assert views[3]._stream is streams[3]
+        writer.delete(keys.alive("a0"))
+        assert views[3].wait_for(lambda: views[3].smallest_alive == NODES[2] and "a0" in views[3].departed, 10)
+    finally:
+        for view in views:
+            view.stop()
+        for client in clients + [writer]:
+            client.close()
+
+
+def _smallest_only_view(etcd_client, keys, node: str) -> MembershipView:
+    view = MembershipView(etcd_client, keys, node_id=node, alive_puts=False)
+    view.start()
+    assert view.wait_for(lambda: view.connected and view.smallest_alive is not None, 10)
+    return view
+
+
+def test_a_failed_read_of_the_next_smallest_is_tried_again_on_the_same_stream(etcd_client, run_id, monkeypatch):
+    keys = RunKeys(run_id)
+    for node in ("a", "b", "m"):
+        etcd_client.put(keys.alive(node), b"{}")
+    view = _smallest_only_view(etcd_client, keys, "m")
+    try:
+        stream = view._stream
+        read, failed = etcd_client.read_ranges, []
+
+        def fails_once(*args, **kwargs):
+            if not failed:
+                failed.append(args)
+                raise EtcdUnavailableError("etcd at test: no answer (injected once)")
+            return read(*args, **kwargs)
+
+        monkeypatch.setattr(etcd_client, "read_ranges", fails_once)
+        etcd_client.delete(keys.alive("a"))
+        assert view.wait_for(lambda: view.smallest_alive == "b" and "a" in view.departed, 10)
+        assert len(failed) == 1
+        with view.lock:
+            assert view._stream is stream and view.connected
+        etcd_client.delete(keys.alive("b"))  # and the node found after the retry is watched
+        assert view.wait_for(lambda: view.smallest_alive is None and "b" in view.departed, 10)
+    finally:
+        view.stop()
+
+
+def test_a_refresh_while_no_stream_is_open_reads_every_range_when_it_reopens(etcd_client, run_id, monkeypatch):
+    keys = RunKeys(run_id)
+    for node in ("c", "m"):
+        etcd_client.put(keys.alive(node), b"{}")
+    view = _smallest_only_view(etcd_client, keys, "m")
+    try:
+        open_watch, held = etcd_client.open_watch, threading.Event()
+
+        def held_open(*args, **kwargs):  # the reopening waits until the refresh below was asked for
+            assert held.wait(10)
+            return open_watch(*args, **kwargs)
+
+        monkeypatch.setattr(etcd_client, "open_watch", held_open)
+        reloads = view.reloads
+        view.reconnect()  # the stream ends; a thread reads nothing (no re-read wanted) and reopens it
+        assert view.wait_for(lambda: view._stream is None, 10)
+        etcd_client.put(keys.alive("b"), b"{}")
+        view.refresh()
+        held.set()
+        assert view.wait_for(lambda: view.smallest_alive == "b" and view._stream is not None, 10)
+        assert view.reloads == reloads + 1  # one read of every range, at the reopening
+    finally:
+        view.stop()
