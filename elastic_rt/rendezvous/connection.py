@@ -18,12 +18,14 @@ taken for a silent member because this process could not run.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import queue
 import select
 import socket
 import ssl
 import struct
+import termios
 import threading
 import time
 from typing import Callable
@@ -37,6 +39,8 @@ from elastic_rt.rendezvous.wire import (
 
 log = logging.getLogger(__name__)
 SEND_TIMEOUT_S = 2.0  # a member that takes none of our bytes for this long: the connection is broken
+_READ_MAX = 262144  # bytes one read takes from the kernel
+_INT = struct.Struct("i")
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
@@ -249,11 +253,27 @@ class Connection(StreamTable):
             return stream.replies.get(timeout=timeout_s) if timeout_s is None or timeout_s > 0 \
                 else stream.replies.get_nowait()
         except queue.Empty:
-            self.pump()
+            try:
+                self._catch_up(stream)
+            finally:
+                self._deliver()
             try:
                 return stream.replies.get_nowait()
             except queue.Empty:
                 raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s") from None
+
+    def _catch_up(self, stream: Stream) -> None:
+        """Read what the kernel holds for this connection now, all of it (a backlog of other streams' data, a watch's,
+        may be ahead of `stream`'s answer), or until `stream` has an item; not what arrives meanwhile."""
+        try:
+            held = _INT.unpack(fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, bytes(_INT.size)))[0]
+        except OSError:
+            held = 1  # unknown: one read
+        while held > 0 and stream.replies.empty():
+            got = self._pump()
+            if not got:
+                return
+            held -= got
 
     def _run(self) -> None:
         poller = select.poll()
@@ -307,26 +327,28 @@ class Connection(StreamTable):
             finally:
                 self._delivering.release()
 
-    def _pump(self) -> None:
+    def _pump(self) -> int:
+        """One read of what the kernel holds (at most _READ_MAX bytes), handled; how many bytes it read."""
         with self._lock:
             if self.error is not None:
-                return
+                return 0
             try:
-                data = self._sock.recv(262144, socket.MSG_DONTWAIT)
+                data = self._sock.recv(_READ_MAX, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
-                return
+                return 0
             except OSError as exc:
                 self._fail(self._broken(exc))
-                return
+                return 0
             if not data:
                 self._fail(CallError(_UNAVAILABLE, "Socket closed" if not self.answered
                                      else "etcd closed the connection"))
-                return
+                return 0
             self.heard_at = time.monotonic()
             try:
                 self._receive(data)
             except CallError:
                 pass  # the connection failed (every call was told)
+            return len(data)
 
     def _receive(self, data: bytes) -> None:
         if self._tls is not None:
@@ -337,7 +359,7 @@ class Connection(StreamTable):
         self._in.write(data)
         out = bytearray()
         try:
-            while chunk := self._tls.read(262144):
+            while chunk := self._tls.read(_READ_MAX):
                 out += chunk
         except ssl.SSLWantReadError:
             pass

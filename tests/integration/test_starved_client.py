@@ -10,13 +10,18 @@ etcd's answer arrives, for several times the call's deadline. Which thread then 
 
 from __future__ import annotations
 
+import fcntl
 import random
+import socket
+import struct
+import termios
 import threading
 import time
 
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
 
 DEADLINE_S = 0.2
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux
 
 
 def _starve(values: list[float]) -> float:
@@ -89,3 +94,51 @@ def test_a_unary_call_answered_while_the_process_was_starved_counts(etcd_server)
         assert got[0].value == b"v"
     finally:
         client.close()
+
+
+def _kernel_holds(sock: socket.socket) -> int:
+    """Bytes the kernel holds for `sock`, not yet read."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0]
+
+
+def test_a_reply_behind_a_backlog_larger_than_one_read_counts(etcd_server, run_id):
+    """The reader thread is held (a push stream's receiver blocks it) while etcd sends the connection a watch
+    backlog several times one read (256 KiB), and then the reply to a call: the caller, past its deadline, reads
+    everything the kernel holds, not one read of it."""
+    m = etcd_server.members[0]
+    config = EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=DEADLINE_S)
+    client, writer = EtcdClient(config), EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),)))
+    held, release = threading.Event(), threading.Event()
+    prefix = f"/{run_id}/"
+    try:
+        rev = writer.put(prefix + "k", b"v")
+        sock = client._endpoints[0].connection(1.0)._sock
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 8 << 20)  # room for the backlog (root, as CI runs)
+
+        def blocks(index, events, created):
+            if events and not held.is_set():
+                held.set()
+                release.wait(30)
+
+        ends: list = []
+        streams = [client.open_watch([(prefix + "block", (prefix + "block\0").encode())], [rev + 1],
+                                     on_event=blocks, on_end=ends.append),
+                   client.open_watch([(prefix + "big/", (prefix + "big0").encode())], [rev + 1],
+                                     on_event=lambda *_: None, on_end=ends.append)]
+        writer.put(prefix + "block", b"x")
+        assert held.wait(10), "the blocking receiver was not reached"
+        value = b"v" * (100 << 10)
+        for i in range(10):  # about 1 MiB of watch events, four times one read
+            writer.put(f"{prefix}big/{i}", value)
+        deadline = time.monotonic() + 10
+        while _kernel_holds(sock) < 10 * len(value) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _kernel_holds(sock) >= 10 * len(value), f"the backlog did not arrive: {_kernel_holds(sock)} bytes"
+
+        kv, _ = client.get(prefix + "k")  # its reply comes behind the backlog; the reader thread reads nothing
+        assert kv is not None and kv.value == b"v"
+        assert held.is_set() and not release.is_set() and not ends
+    finally:
+        release.set()
+        client.close()
+        writer.close()
