@@ -337,7 +337,9 @@ def _met(reports: list[list[dict]], t0: float, expect_world: int) -> tuple[float
     rows = [r for block in reports for r in block]
     bad = [r for r in rows if "error" in r or r.get("world") != expect_world]
     if bad:
-        return None, f"{len(bad)} of {len(rows)} nodes: {bad[0].get('error') or 'world ' + str(bad[0].get('world'))}"
+        names = ", ".join(r["node"] for r in bad[:4]) + (", ..." if len(bad) > 4 else "")
+        return None, (f"{len(bad)} of {len(rows)} nodes ({names}): "
+                      f"{bad[0].get('error') or 'world ' + str(bad[0].get('world'))}")
     return max(r["t"] for r in rows) - t0, ""
 
 
