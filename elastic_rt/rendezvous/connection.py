@@ -264,11 +264,14 @@ class Connection(StreamTable):
 
     def _catch_up(self, stream: Stream) -> None:
         """Read what the kernel holds for this connection now, all of it (a backlog of other streams' data, a watch's,
-        may be ahead of `stream`'s answer), or until `stream` has an item; not what arrives meanwhile."""
+        may be ahead of `stream`'s answer), or until `stream` has an item: at most as many bytes as it held when this
+        began."""
+        if self.error is not None:
+            return  # every call was told (its queue holds the error)
         try:
             held = _INT.unpack(fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, bytes(_INT.size)))[0]
-        except OSError:
-            held = 1  # unknown: one read
+        except (OSError, ValueError):  # ValueError: the reader thread closed the socket (its descriptor is -1)
+            held = 1  # unknown: one read, which fails cleanly on a closed socket
         while held > 0 and stream.replies.empty():
             got = self._pump()
             if not got:

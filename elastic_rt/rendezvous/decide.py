@@ -96,7 +96,7 @@ class RoundView:
     departed: Collection[str]
     smallest_alive: str | None
     follows_alive: bool  # the view sees every alive/ change (else only the smallest live node's deletion)
-    reloads: int  # how often the view has read its ranges
+    reloads: int  # how often the view has read its ranges or found the smallest live node again
     alive: Mapping[str, KeyValue] | None  # every live node, from a view that follows alive/ (None: none does)
     joins: Mapping[str, KeyValue] | None  # the tracker's joins of the joined round (None: no tracker)
 

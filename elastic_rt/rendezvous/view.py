@@ -423,7 +423,8 @@ class MembershipView:
             thread.start()
         except RuntimeError as exc:  # no thread to be had (a process or cgroup thread limit): revive() tries again
             self._recovering, self._stranded = False, True
-            self._set_connected(False)
+            if self._stream is None:  # else the open stream still works: only the smallest node is not found again
+                self._set_connected(False)
             log.warning("node %s: membership watch: could not start a thread to reopen it (%s); trying again at the "
                         "next lease beat", self._node_id, exc)
             return
@@ -435,7 +436,7 @@ class MembershipView:
         with self.lock:
             if self._stranded:
                 self._stranded = False
-                self._recover_later(0.0, True)
+                self._recover_later(0.0, self._stream is None)  # with a stream open: the smallest node's read only
 
     def _recover(self) -> None:
         while True:
@@ -448,10 +449,15 @@ class MembershipView:
                 smallest = self._smallest_wanted and self._stream is not None and not reload
                 if self._smallest_wanted and not smallest:  # no stream to swap a watcher on: a read of every
                     self._smallest_wanted, reload = False, True  # range finds the smallest too
+                if not smallest and self._stream is not None:  # never a second stream beside an open one
+                    if not reload:
+                        self._recovering = False
+                        return
+                    self._read_again()  # its end comes back here (_on_watch_end): this loop reopens it
             if wait and self._stop.wait(wait):
                 continue
             if smallest:
-                if self._read_smallest():
+                if self._read_smallest():  # raises nothing: a failed read is tried again after a backoff
                     with self.lock:
                         if self._stream is not None and not self._smallest_wanted:
                             self._recovering = False
@@ -636,8 +642,8 @@ class MembershipView:
             if known:
                 self.departed[node], self._departed_rev[node] = now, kv.mod_revision
             if self._deletes_only():
-                # the smallest node left: until the next read finds the next smallest (the stream is closed and
-                # reopened after it), smallest_alive stays as it was: somebody smaller may still be alive
+                # the smallest node left: until the next read finds the next smallest (_find_smallest: its watcher is
+                # swapped on this stream), smallest_alive stays as it was: somebody smaller may still be alive
                 if kv.key == self._smallest:
                     self._find_smallest()
             elif known and node == self.smallest_alive:

@@ -18,7 +18,11 @@ import termios
 import threading
 import time
 
+import grpc
+import pytest
+
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+from elastic_rt.rendezvous.wire import CallError
 
 DEADLINE_S = 0.2
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux
@@ -142,3 +146,24 @@ def test_a_reply_behind_a_backlog_larger_than_one_read_counts(etcd_server, run_i
         release.set()
         client.close()
         writer.close()
+
+
+def test_a_late_caller_on_a_socket_closed_under_it_gets_unavailable(etcd_server):
+    """The connection's socket closed (its descriptor gone) while its error is not yet set: a caller past its deadline
+    gets the connection's failure (UNAVAILABLE), not a ValueError from reading a closed descriptor."""
+    m = etcd_server.members[0]
+    client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),)))
+    try:
+        conn = client._endpoints[0].connection(1.0)
+        stream = conn.open("/etcdserverpb.Lease/LeaseTimeToLive", timeout_s=5.0, first=())  # never answered
+        kept, closed = conn._sock, socket.socket()
+        closed.close()
+        conn._sock = closed  # the caller's view of it; the reader thread still polls the one it had, which is quiet
+        try:
+            with pytest.raises(CallError) as err:
+                stream.next(0.01)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            kept.close()
+    finally:
+        client.close()

@@ -164,3 +164,38 @@ def test_a_refresh_while_no_stream_is_open_reads_every_range_when_it_reopens(etc
         assert view.reloads == reloads + 1  # one read of every range, at the reopening
     finally:
         view.stop()
+
+
+def test_a_lapse_while_no_thread_can_start_keeps_the_stream_and_revive_finds_the_next_smallest(etcd_client, run_id,
+                                                                                               monkeypatch):
+    """The smallest node lapses while the process can start no thread (a thread limit): the open stream still works,
+    so the view stays connected on it, and revive() (after a lease beat) finds the next smallest on that stream,
+    never a second stream beside it."""
+    import elastic_rt.rendezvous.view as view_module
+
+    keys = RunKeys(run_id)
+    for node in ("a", "b", "m"):
+        etcd_client.put(keys.alive(node), b"{}")
+    view = _smallest_only_view(etcd_client, keys, "m")
+    try:
+        stream = view._stream
+        real = threading.Thread
+
+        class NoThread(real):
+            def start(self):
+                raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(view_module.threading, "Thread", NoThread)
+        etcd_client.delete(keys.alive("a"))
+        assert view.wait_for(lambda: "a" in view.departed, 10)
+        with view.lock:
+            assert view.connected and view._stream is stream and view._stranded
+        monkeypatch.setattr(view_module.threading, "Thread", real)
+        view.revive()
+        assert view.wait_for(lambda: view.smallest_alive == "b", 10)
+        with view.lock:
+            assert view.connected and view._stream is stream
+        etcd_client.delete(keys.alive("b"))  # the node found is watched on that stream
+        assert view.wait_for(lambda: view.smallest_alive is None and "b" in view.departed, 10)
+    finally:
+        view.stop()
