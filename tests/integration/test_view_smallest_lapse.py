@@ -107,18 +107,19 @@ def test_the_smallest_nodes_lapse_costs_each_node_one_read_and_one_watch_request
             client.close()
 
 
-def _smallest_only_view(etcd_client, keys, node: str) -> MembershipView:
-    view = MembershipView(etcd_client, keys, node_id=node, alive_puts=False)
+def _smallest_only_view(etcd_client, run_id: str, registered: tuple[str, ...]) -> tuple[MembershipView, RunKeys]:
+    """Node m's view, watching the smallest of `registered` (alive/ keys put first) below m."""
+    keys = RunKeys(run_id)
+    for node in registered:
+        etcd_client.put(keys.alive(node), b"{}")
+    view = MembershipView(etcd_client, keys, node_id="m", alive_puts=False)
     view.start()
     assert view.wait_for(lambda: view.connected and view.smallest_alive is not None, 10)
-    return view
+    return view, keys
 
 
 def test_a_failed_read_of_the_next_smallest_is_tried_again_on_the_same_stream(etcd_client, run_id, monkeypatch):
-    keys = RunKeys(run_id)
-    for node in ("a", "b", "m"):
-        etcd_client.put(keys.alive(node), b"{}")
-    view = _smallest_only_view(etcd_client, keys, "m")
+    view, keys = _smallest_only_view(etcd_client, run_id, ("a", "b", "m"))
     try:
         stream = view._stream
         read, failed = etcd_client.read_ranges, []
@@ -142,10 +143,7 @@ def test_a_failed_read_of_the_next_smallest_is_tried_again_on_the_same_stream(et
 
 
 def test_a_refresh_while_no_stream_is_open_reads_every_range_when_it_reopens(etcd_client, run_id, monkeypatch):
-    keys = RunKeys(run_id)
-    for node in ("c", "m"):
-        etcd_client.put(keys.alive(node), b"{}")
-    view = _smallest_only_view(etcd_client, keys, "m")
+    view, keys = _smallest_only_view(etcd_client, run_id, ("c", "m"))
     try:
         open_watch, held = etcd_client.open_watch, threading.Event()
 
@@ -160,7 +158,7 @@ def test_a_refresh_while_no_stream_is_open_reads_every_range_when_it_reopens(etc
         etcd_client.put(keys.alive("b"), b"{}")
         view.refresh()
         held.set()
-        assert view.wait_for(lambda: view.smallest_alive == "b" and view._stream is not None, 10)
+        assert view.wait_for(lambda: view.smallest_alive == "b", 10)  # the read notifies; the stream's opening does not
         assert view.reloads == reloads + 1  # one read of every range, at the reopening
     finally:
         view.stop()
@@ -173,10 +171,7 @@ def test_a_lapse_while_no_thread_can_start_keeps_the_stream_and_revive_finds_the
     never a second stream beside it."""
     import elastic_rt.rendezvous.view as view_module
 
-    keys = RunKeys(run_id)
-    for node in ("a", "b", "m"):
-        etcd_client.put(keys.alive(node), b"{}")
-    view = _smallest_only_view(etcd_client, keys, "m")
+    view, keys = _smallest_only_view(etcd_client, run_id, ("a", "b", "m"))
     try:
         stream = view._stream
         real = threading.Thread
