@@ -376,7 +376,7 @@ class Lapse:
 
         m = cluster.members[0]
         self._client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
-        self._key, self.node, self._at = RunKeys(run_id).alive(node), node, at
+        self._key, self._at = RunKeys(run_id).alive(node), at
         self._out: dict = {"node": node, "revoked_at_s": None, "lease": None, "error": ""}
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

@@ -266,12 +266,10 @@ class Connection(StreamTable):
         """Read what the kernel holds for this connection now, all of it (a backlog of other streams' data, a watch's,
         may be ahead of `stream`'s answer), or until `stream` has an item: at most as many bytes as it held when this
         began."""
-        if self.error is not None:
-            return  # every call was told (its queue holds the error)
         try:
             held = _INT.unpack(fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, bytes(_INT.size)))[0]
         except (OSError, ValueError):  # ValueError: the reader thread closed the socket (its descriptor is -1)
-            held = 1  # unknown: one read, which fails cleanly on a closed socket
+            held = 1  # unknown: one read (_pump: nothing on a failed connection, a clean failure on a closed socket)
         while held > 0 and stream.replies.empty():
             got = self._pump()
             if not got:

@@ -457,11 +457,7 @@ class MembershipView:
             if wait and self._stop.wait(wait):
                 continue
             if smallest:
-                if self._read_smallest():  # raises nothing: a failed read is tried again after a backoff
-                    with self.lock:
-                        if self._stream is not None and not self._smallest_wanted:
-                            self._recovering = False
-                            return
+                self._read_smallest()  # raises nothing; the loop's top ends this thread once nothing is left to do
                 continue
             try:
                 if reload:
@@ -480,10 +476,10 @@ class MembershipView:
                 if not opened:
                     self._retry_reload = self._retry_reload or self._reload_wanted
 
-    def _read_smallest(self) -> bool:
-        """Read the smallest alive/ key below this node's and watch it on the open stream (the recovery thread). False
-        when the read failed: tried again after a backoff; a stream that ended meanwhile is reopened after a read of
-        every range."""
+    def _read_smallest(self) -> None:
+        """Read the smallest alive/ key below this node's and watch it on the open stream (the recovery thread). A read
+        that failed is tried again after a backoff; a stream that ended meanwhile is reopened after a read of every
+        range."""
         with self.lock:
             self._smallest_wanted = False
             gen = self._gen
@@ -494,13 +490,12 @@ class MembershipView:
                 log.debug("node %s: membership watch: finding the smallest node again: %s", self._node_id, exc)
                 self._smallest_wanted = True
                 self._retry_wait = max(self._retry_wait, self._backoff.next())
-            return False
+            return
         with self.lock:
             if gen == self._gen and self._stream is not None and self._deletes_only():
                 self._swap_smallest(found[0] if found else None, rev)
             elif self._deletes_only():
                 self._retry_reload = True  # the stream ended meanwhile: its reopening reads the smallest too
-        return True
 
     def _swap_smallest(self, kv: KeyValue | None, rev: int) -> None:
         """The smallest alive/ key below this node's as read at `rev` (None: there is none): the alive map as a read of
@@ -511,8 +506,7 @@ class MembershipView:
         self._replace_alive([kv] if kv is not None else [], self._clock(), rev)
         stream.forget(index, cancel=False)
         self._floors[index] = self._revs[index] = rev
-        (lo, hi), = self._watched_ranges(frozenset({index}))[index:index + 1]
-        stream.add(index, (lo, hi), rev + 1, deletes_only=True)
+        stream.add(index, self._watched_ranges(frozenset({index}))[index], rev + 1, deletes_only=True)
         self.reloads += 1
         self.version += 1
         self.lock.notify_all()

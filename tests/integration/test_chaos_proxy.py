@@ -5,15 +5,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from etcd_testbed.server import EtcdCluster
 from elastic_rt.chaos.proxy import TcpProxy
 from elastic_rt.errors import ConfigError, EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+from tests.support.etcd_metrics import grpc_counts
 
 
 def _ipv6_loopback() -> bool:
@@ -230,14 +229,8 @@ def test_etcd_client_through_proxy_fails_within_deadline_then_recovers(etcd_host
 
 def _keepalive_counts(member) -> tuple[float, float]:
     """(LeaseKeepAlive streams etcd saw started, keep-alive messages it received), from its /metrics."""
-    with urllib.request.urlopen(f"http://{member.endpoint}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    counts = {"grpc_server_started": 0.0, "grpc_server_msg_received": 0.0}
-    for fam in text_string_to_metric_families(text):
-        if fam.name in counts:
-            counts[fam.name] += sum(s.value for s in fam.samples
-                                    if s.name.endswith("_total") and s.labels.get("grpc_method") == "LeaseKeepAlive")
-    return counts["grpc_server_started"], counts["grpc_server_msg_received"]
+    counts = grpc_counts(member)
+    return counts.started.get("LeaseKeepAlive", 0.0), counts.received.get("LeaseKeepAlive", 0.0)
 
 
 def test_lease_keepalives_share_one_stream_and_a_silent_member_costs_one_beat(etcd_host):

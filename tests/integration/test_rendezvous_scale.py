@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from etcd_testbed.server import EtcdCluster
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
+from tests.support.etcd_metrics import delta, grpc_counts
 
 N = 64
 # Requests per node per round, keepalives aside. Today: lease grant, the alive put with the view's
@@ -42,22 +41,8 @@ def etcd():
 
 
 def requests_by_method(cluster) -> dict[str, float]:
-    url = f"http://{cluster.members[0].endpoint}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "etcd_debugging_mvcc_events":  # watch events sent, "events" in the results
-            out["events"] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
-        if fam.name == "grpc_server_msg_received":
-            for s in fam.samples:
-                if s.name.endswith("_total"):
-                    out[s.labels["grpc_method"]] = out.get(s.labels["grpc_method"], 0.0) + s.value
-    return out
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+    counts = grpc_counts(cluster.members[0])
+    return {**counts.received, "events": counts.events}  # watch events sent: "events" in the results
 
 
 def _handlers(cluster, run_id, n):

@@ -8,36 +8,23 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from etcd_testbed.server import EtcdCluster
 from elastic_rt.errors import EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.view import MembershipView
+from tests.support.etcd_metrics import delta, grpc_counts
 
 NODES = [f"n{i:02d}" for i in range(10)]
 
 
 def _counts(member) -> dict[str, float]:
-    """etcd's gRPC counters: messages received by method, and streams started (Watch: one per stream)."""
-    with urllib.request.urlopen(f"http://{member.endpoint}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if fam.name == "grpc_server_msg_received" and s.name.endswith("_total"):
-                out[s.labels["grpc_method"]] = out.get(s.labels["grpc_method"], 0.0) + s.value
-            elif fam.name == "grpc_server_started" and s.name.endswith("_total") and s.labels["grpc_method"] == "Watch":
-                out["watch streams"] = out.get("watch streams", 0.0) + s.value
-    return out
-
-
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+    """etcd's gRPC messages received by method, and the Watch streams it started."""
+    counts = grpc_counts(member)
+    return {**counts.received, "watch streams": counts.started.get("Watch", 0.0)}
 
 
 @pytest.fixture
@@ -75,9 +62,9 @@ def test_the_smallest_nodes_lapse_costs_each_node_one_read_and_one_watch_request
         assert views[0].wait_for(lambda: views[0].smallest_alive is None and NODES[0] in views[0].departed, 10)
         # each view has sent its new watcher's create (before it told its readers): wait until etcd counted them
         deadline = time.monotonic() + 10
-        while _delta(_counts(m), before).get("Watch", 0) < len(views) and time.monotonic() < deadline:
+        while delta(_counts(m), before).get("Watch", 0) < len(views) and time.monotonic() < deadline:
             time.sleep(0.05)
-        spent = _delta(_counts(m), before)
+        spent = delta(_counts(m), before)
 
         assert spent.get("watch streams", 0) == 0, f"a view opened a new watch stream: {spent}"
         assert spent.get("Watch", 0) == len(views), f"one watch request per node: {spent}"
