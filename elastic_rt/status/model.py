@@ -54,11 +54,15 @@ class NodeStatus:
     failing: tuple[str, ...] = ()  # "check: reason" of each failing /livez or /readyz check
 
 
+_RATIOS = (("step_time", "elastic_rt_step_time_ratio"), ("compute", "elastic_rt_compute_time_ratio"))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Straggler:
     node: str
     local_rank: int
-    ratio: float | None
+    ratio: float | None  # the larger of its step-time and compute-time ratios to the job's medians
+    signal: str | None = None  # which of the two that is: "step_time" or "compute" (Signal's values)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +179,17 @@ def _last_failure(readings: Mapping[str, AgentReading], lost: tuple[str, ...], n
                        lost=lost)
 
 
+def _straggler(node: str, rank: int, reading: AgentReading) -> Straggler:
+    """A flagged rank with the ratio that flagged it: in a lock-step job every rank's step time is the
+    slowest one's, so a slow rank stands out only by its compute time."""
+    ratios = {signal: v for signal, name in _RATIOS
+              if (v := reading.value(name, local_rank=str(rank))) is not None}
+    if not ratios:
+        return Straggler(node=node, local_rank=rank, ratio=None)
+    signal = max(ratios, key=ratios.get)
+    return Straggler(node=node, local_rank=rank, ratio=ratios[signal], signal=signal)
+
+
 def _goodput(readings: list[AgentReading]) -> float | None:
     held = wall = 0.0
     for r in readings:
@@ -202,10 +217,7 @@ def build(run: RunState, readings: Mapping[str, AgentReading], *, now: float) ->
         by_reason = {labels.get("reason", "?"): int(v) for labels, v in r.values("elastic_rt_restarts_total") if v}
         if sum(by_reason.values()) > sum(busiest.values()):
             busiest = by_reason
-    stragglers = tuple(
-        Straggler(node=n.node, local_rank=rank,
-                  ratio=answered[n.node].value("elastic_rt_step_time_ratio", local_rank=str(rank)))
-        for n in nodes for rank in n.stragglers)
+    stragglers = tuple(_straggler(n.node, rank, answered[n.node]) for n in nodes for rank in n.stragglers)
     lost = tuple(n.node for n in nodes if n.state is NodeState.LOST)
     advertised = [rec.nnodes for rec in run.nodes.values() if rec.alive and rec.nnodes]
     return JobStatus(

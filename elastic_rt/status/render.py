@@ -97,7 +97,9 @@ def render_text(s: JobStatus) -> str:
         lines.append(_failure(s.last_failure))
     if s.stragglers:
         lines.append("stragglers: " + ", ".join(
-            f"{x.node} local rank {x.local_rank}" + (f" at {x.ratio:.2f}x the job median" if x.ratio else "")
+            f"{x.node} local rank {x.local_rank}" + (
+                f" at {x.ratio:.2f}x the job median {'compute time' if x.signal == 'compute' else 'step time'}"
+                if x.ratio else "")
             for x in s.stragglers))
     lines += [f"problem: {p}" for p in s.problems]
     lines.append("")

@@ -40,7 +40,8 @@ def alive(node: str, **kw) -> NodeRecord:
 
 
 def agent(node: str, *, clock: list[float], restarts=(), failures=(), standby: bool = False, step_time_s=0.1,
-          straggler: bool = False, checkpoint_step: int | None = None) -> AgentReading:
+          straggler: bool = False, compute_ratio: float | None = None,
+          checkpoint_step: int | None = None) -> AgentReading:
     """What a real AgentMetrics (and goodput/failure metrics) of `node` exports after these events."""
     reg = CollectorRegistry()
     m = AgentMetrics(registry=reg, run_id="job42", node=node, sysfs_root=None, timex_reader=None,
@@ -62,6 +63,8 @@ def agent(node: str, *, clock: list[float], restarts=(), failures=(), standby: b
     m.on_worker_state(0, "healthy")
     g.on_totals({"productive": 60.0, "restart": 20.0}, uncommitted_s=20.0, ratio=0.8)
     g.on_step_times({0: step_time_s}, job_median_s=0.1)
+    if compute_ratio is not None:
+        g.on_compute_times({0: compute_ratio * 0.01}, job_median_s=0.01)
     g.on_stragglers({0} if straggler else set(), {0})
     monitor = render("livez", [("monitor", CheckResult.of(True, "monitor loop ticked 0.1 s ago"))], verbose=True)[1]
     ready = render("readyz", [("etcd", CheckResult.of(True, "reachable")), ("rdma", CheckResult.of(False, "mlx5_1/1 DOWN"))],
@@ -105,7 +108,8 @@ def test_a_worker_crash_then_a_node_loss():
     assert s.restarts == {"worker_failure": 1, "peer_lost": 1}  # the busiest node's
     assert s.world_size == 2 and s.checkpoint_step == 400 and s.checkpoint_age_s == pytest.approx(30)
     assert s.goodput == pytest.approx((2 * 80) / (2 * 100))  # (productive + uncommitted) / wall, both nodes
-    assert [(x.node, x.local_rank, x.ratio) for x in s.stragglers] == [("b", 0, pytest.approx(3.0))]
+    assert [(x.node, x.local_rank, x.ratio, x.signal) for x in s.stragglers] == [
+        ("b", 0, pytest.approx(3.0), "step_time")]
     b = s.nodes[1]
     assert b.steps_per_s == pytest.approx(1 / 0.3) and b.stragglers == (0,) and b.restarts == 2
     assert b.failing == ("rdma: mlx5_1/1 DOWN",) and b.activity == "monitor loop ticked 0.1 s ago"
@@ -230,3 +234,15 @@ def test_etcd_that_fails_at_once_is_asked_again_until_the_timeout(monkeypatch):
             assert 1.0 <= now[0] <= 2.0  # it gave up within --timeout, having tried for most of it
         else:
             assert command.read_state(object(), opts, clock=clock, sleep=sleep) == expected and not answers
+
+
+def test_a_lock_step_straggler_shows_the_compute_ratio_that_flagged_it():
+    """In a lock-step job the slow rank's step time is everyone's (ratio 1): the compute time names it, and
+    status shows that ratio, not the step time's."""
+    clock = [NOW]
+    readings = {"a": agent("a", clock=clock, compute_ratio=1.0),
+                "b": agent("b", clock=clock, step_time_s=0.1, straggler=True, compute_ratio=6.0)}
+    s = build(run_state(a=alive("a"), b=alive("b")), readings, now=NOW)
+    assert [(x.node, x.local_rank, x.ratio, x.signal) for x in s.stragglers] == [
+        ("b", 0, pytest.approx(6.0), "compute")]
+    assert "stragglers: b local rank 0 at 6.00x the job median compute time" in render_text(s)
