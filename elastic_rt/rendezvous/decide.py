@@ -50,6 +50,11 @@ The rules, in the order they are tried (handler.py's docstring says why):
 
 fallback_s = max(2 s, last_call_timeout_s); abandon_check_s = 5 s. The next fallback read is scheduled by the executor, jittered.
 
+An advance to round R (ADVANCE_ROUND, CHECK_ABANDONED's advance) that loses its compare to another node's advance to R
+puts this node's join of R in the same transaction where B5 would join it next (`round` holds R, R has no final, the
+run is not closed, and R is not this node's previous round): the advance and B5's join in one request. Not
+CREATE_ROUND: a loser there joins after its view delivered round 0, as before.
+
 A node that puts a join (JOIN from B5, CREATE_ROUND, ADVANCE_ROUND, CHECK_ABANDONED's advance) expecting to close the round (J6 ahead of time: no
 smaller live node known) reads the round's joins in the same transaction and tracks them from there (`track`): J7
 costs no request of its own. Not for a round R > 0 that a view which does not follow alive/ yet joins (J7's tracker of

@@ -24,7 +24,7 @@ from elastic_rt.rendezvous.etcd_access import access_error, check_tls, needs_tls
 from elastic_rt.rendezvous.etcd_endpoint import Endpoint, Renewal, WatchCompacted, WatchStream, label
 from elastic_rt.rendezvous.wire import CallError
 
-__all__ = ["EtcdClient", "EtcdConfig", "KeyValue", "Put", "RangeRead", "Renewal", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
+__all__ = ["EtcdClient", "EtcdConfig", "IfHeld", "KeyValue", "Put", "RangeRead", "Renewal", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
 
 log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -112,6 +112,24 @@ class GuardedPut:
 
     put: Put
     expected_mod_revision: int | None
+
+
+@dataclass(frozen=True)
+class IfHeld:
+    """compare_and_put_then_read's `otherwise`: where its compare fails, `puts` are made in the same request (a
+    transaction nested in the failure branch: etcd 3.3 and later) while `key` holds `value` and no key of `absent`
+    exists."""
+
+    key: str
+    value: bytes
+    absent: tuple[str, ...] = ()
+    puts: tuple[Put, ...] = ()
+
+    def txn(self):
+        compare = [etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.VALUE, key=self.key.encode(),
+                                   value=self.value), *(_compare_mod(k, None) for k in self.absent)]
+        return etcdrpc.RequestOp(request_txn=etcdrpc.TxnRequest(compare=compare, success=[*map(_put_op, self.puts)],
+                                                                failure=[]))
 
 
 def _compare_mod(key: str, expected_mod_revision: int | None):
@@ -320,17 +338,34 @@ class EtcdClient:
         """compare_and_put, and in the same transaction (one request, one revision: after the put, when it was made)
         read_ranges(read); `also`: keys put with `key`, only when it is (before the read). Returns (succeeded, the
         key as it is after it, the ranges' keys, that revision)."""
+        ok, _, kv, ranges, revision = self.compare_and_put_else(key, value, expected_mod_revision=expected_mod_revision,
+                                                                lease=lease, timeout_s=timeout_s, read=read, also=also)
+        return ok, kv, ranges, revision
+
+    def compare_and_put_else(
+        self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
+        timeout_s: float | None = None, read: RangeRead, also: tuple[Put, ...] = (), otherwise: IfHeld | None = None,
+    ) -> tuple[bool, bool, KeyValue | None, list[list[KeyValue]], int]:
+        """compare_and_put_then_read, and where the compare fails, `otherwise`'s puts in the same request when its
+        condition holds (before the read). Returns (succeeded, otherwise's puts made, the key as it is after the
+        transaction, the ranges' keys, that revision)."""
         cmp = _compare_mod(key, expected_mod_revision)
         get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
         puts = [_put_op(Put(key, value, lease)), *map(_put_op, also)]
         reads = _range_ops(read)
-        req = etcdrpc.TxnRequest(compare=[cmp], success=[*puts, get, *reads], failure=[get, *reads])
+        nested = [otherwise.txn()] if otherwise is not None else []
+        req = etcdrpc.TxnRequest(compare=[cmp], success=[*puts, get, *reads], failure=[*nested, get, *reads])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t), timeout_s)
-        _expect_results(resp, len(reads) + 1 + (len(puts) if resp.succeeded else 0))
+        _expect_results(resp, len(reads) + 1 + (len(puts) if resp.succeeded else len(nested)))
+        made = False
+        if nested and not resp.succeeded:
+            inner = resp.responses[0].response_txn
+            made = bool(inner.succeeded)
+            _expect_results(inner, len(otherwise.puts) if made else 0)
         responses = resp.responses[-len(reads) - 1:]
         rng = responses[0].response_range
         ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in responses[1:]]
-        return bool(resp.succeeded), (_kv(rng.kvs[0]) if rng.kvs else None), ranges, resp.header.revision
+        return bool(resp.succeeded), made, (_kv(rng.kvs[0]) if rng.kvs else None), ranges, resp.header.revision
 
     def create_with(self, key: str, value: bytes, guarded: GuardedPut) -> tuple[bool, KeyValue | None,
                                                                               tuple[bool, KeyValue | None] | None]:

@@ -14,7 +14,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from elastic_rt.rendezvous.decide import (
     Action, Membership, NodeState, RoundView, Step, abandoned, closable, decide, decode_final,
 )
-from elastic_rt.rendezvous.etcd_client import EtcdClient, GuardedPut, KeyValue, Put, RangeRead
+from elastic_rt.rendezvous.etcd_client import EtcdClient, GuardedPut, IfHeld, KeyValue, Put, RangeRead
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import free_port
 from elastic_rt.rendezvous.signing import KeySigner
@@ -167,14 +167,25 @@ class Rounds:
     def _open_round(self, action: Action, rnd: int, *, expected: int | None) -> NodeState:
         """Set `round` to rnd (compare-and-set against `expected`, None: create it) and put this node's join of rnd in
         the same transaction (reading rnd's joins there too with `track`); then wait up to 1 s for the view to show
-        the round (decide()'s J4a waits on if it does not yet). A node that lost the race joins next, as decide()
-        says."""
-        join = Put(self.keys.join(rnd, self.settings.node_id), self._join_value, action.lease)
-        opened, held, ranges, revision = self._client.compare_and_put_then_read(
-            self.keys.round, str(rnd).encode(), expected_mod_revision=expected, also=(join,),
-            read=RangeRead([self.keys.join_range(rnd)] if action.track else []))
+        the round (decide()'s J4a waits on if it does not yet). A node whose advance of `round` lost the race to
+        another node's advance to the same round joins that round in the transaction too, where B5 would have it join
+        next: `round` holds rnd, which has no final, and the run is not closed (a re-form's survivors race to open the
+        next round: one request each, not a lost compare and then a join)."""
+        keys = self.keys
+        join = Put(keys.join(rnd, self.settings.node_id), self._join_value, action.lease)
+        # Not for round 0's creation: the nodes that race to create it are those that take themselves for its closer
+        # (their views have not seen a smaller node yet), and one that joined at once would follow the joins from
+        # there, an event per join, until it learns of a smaller one (at 64 nodes: up to 5 events per node where
+        # there were 3). B5 never joins a node's own round again.
+        if expected is None or action.state.previous_round == rnd:
+            otherwise = None
+        else:
+            otherwise = IfHeld(keys.round, str(rnd).encode(), (keys.final(rnd), keys.closed), (join,))
+        opened, joined, held, ranges, revision = self._client.compare_and_put_else(
+            keys.round, str(rnd).encode(), expected_mod_revision=expected, also=(join,), otherwise=otherwise,
+            read=RangeRead([keys.join_range(rnd)] if action.track else []))
         state = action.state
-        if opened:
+        if opened or joined:
             state = replace(state, joined=rnd, joined_with=action.lease, read_due=self._next_read(state))
             if action.track:  # before the wait: the joins' watcher, where it is needed, starts from the read
                 self._track(state, rnd, ranges[0], revision)

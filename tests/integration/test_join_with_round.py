@@ -1,8 +1,9 @@
 """A node's join against a real etcd: the node that opens a round (creates `round`, or advances it) puts its join of
 that round in the same transaction, and a node that expects to close the round reads the round's joins there too,
 adding a watcher for them only when it has to wait for more: a one-node job's restart is two requests (open and join,
-then the final) where it was four, and no watch request. A node that loses the race to open a round writes nothing
-and joins the round the winner opened."""
+then the final) where it was four, and no watch request. A node that loses the race to open a round joins the round
+the winner opened in the same transaction (where it has no final and the run is not closed), and writes nothing
+else."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import time
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_rt.rendezvous.etcd_client import Put, RangeRead
+from elastic_rt.rendezvous.etcd_client import IfHeld, Put, RangeRead
 from elastic_rt.rendezvous.etcd_endpoint import WatchStream
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
 from tests.support.rendezvous import together
 
 _REQUESTS = ("get", "put", "delete", "read_many", "read_ranges", "put_then_read", "compare_and_put",
-             "compare_and_put_then_read", "create_with", "grant_lease", "delete_ranges")
+             "compare_and_put_then_read", "compare_and_put_else", "create_with", "grant_lease", "delete_ranges")
 
 
 def _handler(endpoint: str, run_id: str, node: str, nnodes: tuple[int, int]):
@@ -61,6 +62,75 @@ def test_a_failed_compare_puts_none_of_the_keys_that_go_with_it(etcd_client, run
     assert [(x.key, x.mod_revision) for x in ranges[0]] == [(keys.join(1, "m"), revision)]  # read after the puts
 
 
+def test_a_failed_compare_makes_the_otherwise_puts_only_while_its_condition_holds(etcd_client, run_id):
+    """The failure branch's nested transaction: the join of round 1 is put (and read) only while `round` holds 1,
+    round 1 has no final and the run is not closed; a compare that succeeds makes only its own puts."""
+    c, keys = etcd_client, RunKeys(run_id)
+    join = Put(keys.join(1, "m"), b"{}")
+    otherwise = IfHeld(keys.round, b"1", (keys.final(1), keys.closed), (join,))
+
+    def open_1():  # as a node that saw round 0 (now gone or moved on) opens round 1
+        return c.compare_and_put_else(keys.round, b"1", expected_mod_revision=None, also=(join,), otherwise=otherwise,
+                                      read=RangeRead([keys.join_range(1)]))
+
+    c.put(keys.round, b"2")  # moved past 1: nothing is put
+    assert open_1()[:2] == (False, False) and c.get(keys.join(1, "m"))[0] is None
+    c.put(keys.round, b"1")
+    c.put(keys.final(1), b"{}")  # round 1 is closed
+    assert open_1()[:2] == (False, False) and c.get(keys.join(1, "m"))[0] is None
+    c.delete(keys.final(1))
+    c.put(keys.closed, b"")  # the run is
+    assert open_1()[:2] == (False, False) and c.get(keys.join(1, "m"))[0] is None
+    c.delete(keys.closed)
+    ok, made, kv, ranges, revision = open_1()  # another node opened round 1: this one joins it
+    assert (ok, made, kv.value) == (False, True, b"1")
+    assert [(x.key, x.mod_revision) for x in ranges[0]] == [(keys.join(1, "m"), revision)]  # read after the put
+    c.delete(keys.round)
+    c.delete(keys.join(1, "m"))
+    ok, made, kv, ranges, revision = open_1()  # no `round`: this node creates it, with its join
+    assert (ok, made, kv.value, kv.mod_revision) == (True, False, b"1", revision)
+    assert [x.key for x in ranges[0]] == [keys.join(1, "m")]
+
+
+def test_a_node_that_loses_the_race_to_open_a_round_joins_it_in_the_same_request(etcd_endpoint, etcd_client, run_id,
+                                                                                   monkeypatch):
+    """Node m (a one-node job) was the member of round 0; another node opened round 1 before m's view delivered it.
+    m's open of round 1 loses the compare and puts its join of round 1 in the same transaction: the round forms with
+    it after one request and the final, where m used to try the open again until its view delivered the round, then
+    join with a request of its own."""
+    from elastic_rt.rendezvous.view import MembershipView
+
+    keys = RunKeys(run_id)
+    h = _handler(etcd_endpoint, run_id, "m", (1, 1))
+    try:
+        assert h.next_rendezvous().rank == 0 and h.membership.round == 0
+        view, real, held = h._view, MembershipView._on_watch, []
+
+        def late(self, gen, index, events, created):  # the round's event reaches m's view 1 s late, lock not held
+            if self is view and not held and any(ev.kv.key == keys.round for ev in events):
+                held.append(threading.Timer(1.0, real, (self, gen, index, events, created)))
+                held[0].start()
+                return None
+            return real(self, gen, index, events, created)
+
+        monkeypatch.setattr(MembershipView, "_on_watch", late)
+        round0, _ = etcd_client.get(keys.round)
+        assert etcd_client.compare_and_put(keys.round, b"1", expected_mod_revision=round0.mod_revision)[0]
+        deadline = time.monotonic() + 10  # the other node's open has come to m's connection, and was held
+        while not held:
+            assert time.monotonic() < deadline, "m's view never received round 1"
+            time.sleep(0.01)
+        calls = _count(monkeypatch, h)
+        info = h.next_rendezvous()
+        assert info.rank == 0 and h.membership.round == 1
+        assert calls == ["compare_and_put_else", "compare_and_put"], calls  # the lost open with the join; the final
+        join, _ = etcd_client.get(keys.join(1, "m"))
+        assert join is not None and join.lease == h._lease.lease_id
+    finally:
+        h.leave()
+        h.close()
+
+
 def test_put_then_read_reads_at_the_puts_revision(etcd_client, run_id):
     c, keys = etcd_client, RunKeys(run_id)
     c.put(keys.join(0, "a"), b"a")
@@ -78,7 +148,7 @@ def test_a_one_node_jobs_restart_is_two_requests_and_no_watch(etcd_endpoint, etc
         assert first.rank == 0 and first.world_size == 1
         # the lease, the alive key (with the view's read), round 0 created with the join (and its read), the run's
         # lease granted, the final with the run lease's key
-        assert calls == ["grant_lease", "compare_and_put_then_read", "compare_and_put_then_read", "grant_lease",
+        assert calls == ["grant_lease", "compare_and_put_then_read", "compare_and_put_else", "grant_lease",
                          "create_with"], calls
         lease_key, _ = etcd_client.get(keys.run_lease)
         final, _ = etcd_client.get(keys.final(0))
@@ -94,7 +164,7 @@ def test_a_one_node_jobs_restart_is_two_requests_and_no_watch(etcd_endpoint, etc
         monkeypatch.setattr(WatchStream, "add", lambda self, i, r, *a, **k: added.append(r) or add(self, i, r, *a, **k))
         second = h.next_rendezvous()
         assert second.rank == 0 and second.world_size == 1
-        assert calls == ["compare_and_put_then_read", "compare_and_put"], calls  # open and join; the final
+        assert calls == ["compare_and_put_else", "compare_and_put"], calls  # open and join; the final
         assert added == []  # the round closed on the joins read with the join: no watcher of them
         assert h.membership.round == 1
         join, _ = etcd_client.get(keys.join(1, "m"))
@@ -179,7 +249,7 @@ def test_a_node_whose_view_lags_its_own_opening_keeps_its_join(etcd_endpoint, ru
         calls = _count(monkeypatch, h)
         h.next_rendezvous()
         assert lagged and h.membership.round == 1
-        assert calls == ["compare_and_put_then_read", "compare_and_put"], calls  # no delete, no second join
+        assert calls == ["compare_and_put_else", "compare_and_put"], calls  # no delete, no second join
     finally:
         h.leave()
         h.close()
