@@ -171,7 +171,7 @@ class Rounds:
         another node's advance to the same round joins that round in the transaction too, where B5 would have it join
         next: `round` holds rnd, which has no final, and the run is not closed (a re-form's survivors race to open the
         next round: one request each, not a lost compare and then a join)."""
-        keys = self.keys
+        keys, value = self.keys, str(rnd).encode()
         join = Put(keys.join(rnd, self.settings.node_id), self._join_value, action.lease)
         # Not for round 0's creation: the nodes that race to create it are those that take themselves for its closer
         # (their views have not seen a smaller node yet), and one that joined at once would follow the joins from
@@ -180,9 +180,9 @@ class Rounds:
         if expected is None or action.state.previous_round == rnd:
             otherwise = None
         else:
-            otherwise = IfHeld(keys.round, str(rnd).encode(), (keys.final(rnd), keys.closed), (join,))
+            otherwise = IfHeld(keys.round, value, (keys.final(rnd), keys.closed), (join,))
         opened, joined, held, ranges, revision = self._client.compare_and_put_else(
-            keys.round, str(rnd).encode(), expected_mod_revision=expected, also=(join,), otherwise=otherwise,
+            keys.round, value, expected_mod_revision=expected, also=(join,), otherwise=otherwise,
             read=RangeRead([keys.join_range(rnd)] if action.track else []))
         state = action.state
         if opened or joined:

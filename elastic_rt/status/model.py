@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Mapping
 
 from elastic_rt.decisions import RestartReason
+from elastic_rt.goodput.stragglers import Signal
 from elastic_rt.status.agents import AgentReading
 from elastic_rt.status.etcd_state import NodeRecord, RunState
 
@@ -54,7 +55,7 @@ class NodeStatus:
     failing: tuple[str, ...] = ()  # "check: reason" of each failing /livez or /readyz check
 
 
-_RATIOS = (("step_time", "elastic_rt_step_time_ratio"), ("compute", "elastic_rt_compute_time_ratio"))
+_RATIOS = ((Signal.STEP_TIME, "elastic_rt_step_time_ratio"), (Signal.COMPUTE, "elastic_rt_compute_time_ratio"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +63,7 @@ class Straggler:
     node: str
     local_rank: int
     ratio: float | None  # the larger of its step-time and compute-time ratios to the job's medians
-    signal: str | None = None  # which of the two that is: "step_time" or "compute" (Signal's values)
+    signal: Signal | None = None  # which of the two that is
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ import json
 import time
 from enum import Enum
 
+from elastic_rt.goodput.stragglers import Signal
 from elastic_rt.status.model import JobStatus, LastFailure, NodeStatus
 
 JSON_SCHEMA_VERSION = 1
@@ -98,7 +99,7 @@ def render_text(s: JobStatus) -> str:
     if s.stragglers:
         lines.append("stragglers: " + ", ".join(
             f"{x.node} local rank {x.local_rank}" + (
-                f" at {x.ratio:.2f}x the job median {'compute time' if x.signal == 'compute' else 'step time'}"
+                f" at {x.ratio:.2f}x the job median {'compute time' if x.signal is Signal.COMPUTE else 'step time'}"
                 if x.ratio else "")
             for x in s.stragglers))
     lines += [f"problem: {p}" for p in s.problems]
