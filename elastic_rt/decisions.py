@@ -1,5 +1,5 @@
 """The typed vocabulary of the agent's decisions: why a worker group stops, what the agent does about it, why a
-worker failed, and the collective backends' error words. A leaf module (it imports nothing from elastic_rt), so every package may use it.
+worker failed, what a straggler is judged by, and the collective backends' error words. A leaf module (it imports nothing from elastic_rt), so every package may use it.
 
 Each value is a `str` whose text is the label value exported in metrics and written to the goodput journal
 (`elastic_rt_restarts_total{reason}`, `elastic_rt_worker_failures_total{cause}`): dashboards and alert rules
@@ -117,6 +117,17 @@ class DetectionAction(_Word):
 
 
 DETECTION_ACTIONS = tuple(a.value for a in DetectionAction)  # the flags' choices
+
+
+class Signal(_Word):
+    """What a rank's speed is judged by (goodput/stragglers.py); `elastic-rt status` names the one that flagged it."""
+
+    STEP_TIME = "step_time"  # median time per step (Δtime/Δstep of its heartbeats)
+    COMPUTE = "compute"  # median time per step spent outside backward(): the rank's own work
+
+    @property
+    def describe(self) -> str:
+        return "steps in" if self is Signal.STEP_TIME else "computes (outside backward() and collectives) for"
 
 
 class FailureCause(_Described):

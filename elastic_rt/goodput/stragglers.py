@@ -17,10 +17,9 @@ import logging
 import statistics
 import threading
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from typing import Callable, Mapping
 
-from elastic_rt.decisions import DETECTION_ACTIONS, DetectionAction
+from elastic_rt.decisions import DETECTION_ACTIONS, DetectionAction, Signal
 from elastic_rt.errors import ConfigError
 from elastic_rt.sections import option, positive
 
@@ -40,17 +39,6 @@ def _windows(value: int) -> int:
 _NODE_KEY = "elastic-rt/speed/node/{}"
 _VERDICT_KEY = "elastic-rt/speed/verdict"
 _MAX_AGE = 3  # aggregations after which a node that published nothing new no longer counts
-
-
-class Signal(str, Enum):
-    """What a rank is judged by."""
-
-    STEP_TIME = "step_time"  # median time per step (Δtime/Δstep of its heartbeats)
-    COMPUTE = "compute"  # median time per step spent outside backward(): the rank's own work
-
-    @property
-    def describe(self) -> str:
-        return "steps in" if self is Signal.STEP_TIME else "computes (outside backward() and collectives) for"
 
 
 # One node's window: its number, and per signal {local_rank: median seconds}

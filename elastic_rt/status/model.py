@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Mapping
 
-from elastic_rt.decisions import RestartReason
-from elastic_rt.goodput.stragglers import Signal
+from elastic_rt.decisions import RestartReason, Signal
 from elastic_rt.status.agents import AgentReading
 from elastic_rt.status.etcd_state import NodeRecord, RunState
 

@@ -7,7 +7,7 @@ import json
 import time
 from enum import Enum
 
-from elastic_rt.goodput.stragglers import Signal
+from elastic_rt.decisions import Signal
 from elastic_rt.status.model import JobStatus, LastFailure, NodeStatus
 
 JSON_SCHEMA_VERSION = 1
