@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The client CPU of one agent's rendezvous round, as an agent runs it: one handler in this process, a job of
 one node (`--nnodes 1`), on a real etcd. Each run is a new run id: a first round (the handler's start-up
-included: connection, lease, view, liveness) and then a second round of the same handler (a restart).
+included: connection, lease, view, liveness), then a second round of the same handler (a restart) and a third (a
+restart from round 2 on, where rank 0 also deletes the rounds before the previous one: a long job's restarts).
 The CPU is getrusage's (every thread of this process, microseconds; etcd runs in child processes and is
 not counted), with the share of the thread that called next_rendezvous() (the rest: the connection's reader, the
 view's watch and the lease's threads), the process's context switches and the round's wall time (a wait
@@ -66,13 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     first: dict[str, list[float]] = {"cpu": [], "main": [], "switches": [], "wall": []}
     second: dict[str, list[float]] = {"cpu": [], "main": [], "switches": [], "wall": []}
+    third: dict[str, list[float]] = {"cpu": [], "main": [], "switches": [], "wall": []}
     with EtcdCluster(args.etcd_members, binary=args.etcd_binary) as cluster:
         version = subprocess.run([cluster.binary, "--version"], capture_output=True, text=True).stdout.splitlines()
         for _ in range(args.runs):
             h = rendezvous_handler_registry.create_handler(RendezvousParameters(
                 "etcd-v3", cluster.endpoints, f"agent-cpu-{uuid.uuid4().hex[:6]}", 1, 1, local_addr="127.0.0.1",
                 node_id="n0"))
-            for series in (first, second):
+            for series in (first, second, third):
                 time.sleep(0.3)
                 before, started = usage(), time.perf_counter()
                 h.next_rendezvous()
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_median_ms": statistics.median(series["wall"]), "wall_runs_ms": series["wall"],
                 "main_thread_runs_ms": series["main"], "context_switches_runs": series["switches"]}
 
-    result = {"first_round": summary(first), "second_round": summary(second)}
+    result = {"first_round": summary(first), "second_round": summary(second), "third_round": summary(third)}
     head = (f"agent round CPU {datetime.date.today().isoformat()}: elastic_rt of {src} at code {git['commit']}"
             f"{' (dirty)' if git['dirty'] else ''} ({os.path.dirname(elastic_rt.__file__)}); one handler in this "
             f"process, a 1-node job, {args.runs} runs; {os.cpu_count()} CPU(s), load average {load_start[0]:.1f} at "
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             f"({args.etcd_members} members on loopback, {cluster.binary})")
     lines = [head, "", "| round | median CPU ms | min | max | of which the calling thread (median) | context switches "
              "(median) | wall ms (median) |", "|---|---|---|---|---|---|---|"]
-    for name, key in (("first (start-up included)", "first_round"), ("second (a restart)", "second_round")):
+    for name, key in (("first (start-up included)", "first_round"), ("second (a restart)", "second_round"),
+                      ("third (a restart from round 2 on)", "third_round")):
         r = result[key]
         lines.append(f"| {name} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} | "
                      f"{r['main_thread_median_ms']:.2f} | {r['context_switches_median']:g} | {r['wall_median_ms']:.1f} |")

@@ -145,6 +145,12 @@ def _put_op(put: Put):
     return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=put.key.encode(), value=put.value, lease=put.lease))
 
 
+def _delete_ops(ranges) -> list:
+    """A DeleteRange operation of every key k with start <= k < end, for each (start, end)."""
+    return [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=a.encode(), range_end=b.encode()))
+            for a, b in ranges]
+
+
 def _expect_results(resp, operations: int) -> None:
     """A transaction's answer has one result per operation of the branch etcd took (else EtcdUnavailableError)."""
     if len(resp.responses) != operations:
@@ -321,14 +327,16 @@ class EtcdClient:
 
     def compare_and_put(
         self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, deletes: tuple[tuple[str, str], ...] = (),
     ) -> tuple[bool, KeyValue | None]:
-        """Put if the key's mod_revision is `expected` (None: only if absent).
+        """Put if the key's mod_revision is `expected` (None: only if absent), and then only, delete every key k with
+        start <= k < end of each of `deletes` (in the same transaction and revision).
 
         Returns (succeeded, the key as it is after the transaction).
         """
-        ok, kv, _, _ = self.compare_and_put_then_read(key, value, expected_mod_revision=expected_mod_revision,
-                                                      lease=lease, timeout_s=timeout_s, read=RangeRead([]))
+        ok, _, kv, _, _ = self.compare_and_put_else(key, value, expected_mod_revision=expected_mod_revision,
+                                                    lease=lease, timeout_s=timeout_s, read=RangeRead([]),
+                                                    deletes=deletes)
         return ok, kv
 
     def compare_and_put_then_read(
@@ -345,18 +353,19 @@ class EtcdClient:
     def compare_and_put_else(
         self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
         timeout_s: float | None = None, read: RangeRead, also: tuple[Put, ...] = (), otherwise: IfHeld | None = None,
+        deletes: tuple[tuple[str, str], ...] = (),
     ) -> tuple[bool, bool, KeyValue | None, list[list[KeyValue]], int]:
         """compare_and_put_then_read, and where the compare fails, `otherwise`'s puts in the same request when its
-        condition holds (before the read). Returns (succeeded, otherwise's puts made, the key as it is after the
-        transaction, the ranges' keys, that revision)."""
+        condition holds (before the read); `deletes` as compare_and_put's. Returns (succeeded, otherwise's puts made,
+        the key as it is after the transaction, the ranges' keys, that revision)."""
         cmp = _compare_mod(key, expected_mod_revision)
         get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
-        puts = [_put_op(Put(key, value, lease)), *map(_put_op, also)]
+        writes = [_put_op(Put(key, value, lease)), *map(_put_op, also), *_delete_ops(deletes)]
         reads = _range_ops(read)
         nested = [otherwise.txn()] if otherwise is not None else []
-        req = etcdrpc.TxnRequest(compare=[cmp], success=[*puts, get, *reads], failure=[*nested, get, *reads])
+        req = etcdrpc.TxnRequest(compare=[cmp], success=[*writes, get, *reads], failure=[*nested, get, *reads])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t), timeout_s)
-        _expect_results(resp, len(reads) + 1 + (len(puts) if resp.succeeded else len(nested)))
+        _expect_results(resp, len(reads) + 1 + (len(writes) if resp.succeeded else len(nested)))
         made = False
         if nested and not resp.succeeded:
             inner = resp.responses[0].response_txn
@@ -367,21 +376,22 @@ class EtcdClient:
         ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in responses[1:]]
         return bool(resp.succeeded), made, (_kv(rng.kvs[0]) if rng.kvs else None), ranges, resp.header.revision
 
-    def create_with(self, key: str, value: bytes, guarded: GuardedPut) -> tuple[bool, KeyValue | None,
-                                                                              tuple[bool, KeyValue | None] | None]:
-        """compare_and_put(key, value, expected_mod_revision=None) and, when it puts, `guarded` in the same request and
-        revision (a transaction nested in the put's branch: etcd 3.3 and later). Returns (put, the key as it is after
-        the transaction, and when it put: (guarded's put made, its key as it is after it); else None)."""
+    def create_with(self, key: str, value: bytes, guarded: GuardedPut, *, deletes: tuple[tuple[str, str], ...] = (),
+                    ) -> tuple[bool, KeyValue | None, tuple[bool, KeyValue | None] | None]:
+        """compare_and_put(key, value, expected_mod_revision=None, deletes=deletes) and, when it puts, `guarded` in the
+        same request and revision (a transaction nested in the put's branch: etcd 3.3 and later). Returns (put, the key
+        as it is after the transaction, and when it put: (guarded's put made, its key as it is after it); else None)."""
         gkey = guarded.put.key
         get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
         gget = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=gkey.encode()))
         inner = etcdrpc.TxnRequest(compare=[_compare_mod(gkey, guarded.expected_mod_revision)],
                                    success=[_put_op(guarded.put), gget], failure=[gget])
         req = etcdrpc.TxnRequest(compare=[_compare_mod(key, None)],
-                                 success=[_put_op(Put(key, value)), get, etcdrpc.RequestOp(request_txn=inner)],
+                                 success=[_put_op(Put(key, value)), get, etcdrpc.RequestOp(request_txn=inner),
+                                          *_delete_ops(deletes)],
                                  failure=[get])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
-        _expect_results(resp, 3 if resp.succeeded else 1)
+        _expect_results(resp, 3 + len(deletes) if resp.succeeded else 1)
         rng = resp.responses[1 if resp.succeeded else 0].response_range
         kv = _kv(rng.kvs[0]) if rng.kvs else None
         if not resp.succeeded:
@@ -412,9 +422,7 @@ class EtcdClient:
         return self._delete_ranges(ranges, compare=[cmp])
 
     def _delete_ranges(self, ranges: list[tuple[str, str]], *, compare: list) -> int:
-        ops = [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=a.encode(), range_end=b.encode()))
-               for a, b in ranges]
-        req = etcdrpc.TxnRequest(compare=compare, success=ops, failure=[])
+        req = etcdrpc.TxnRequest(compare=compare, success=_delete_ops(ranges), failure=[])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         return sum(int(r.response_delete_range.deleted) for r in resp.responses) if resp.succeeded else 0
 

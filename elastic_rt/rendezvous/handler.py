@@ -316,12 +316,9 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
                         why, m.round + 1)
         bootstrap = RendezvousStoreInfo(master_addr=master[0], master_port=master[1])
         self._watch_neighbours(names, found)
-        if m.rank == 0 and m.round >= 2:  # rounds before the previous one are history
-            try:
-                k, before = self.keys, m.round - 1
-                self._client.delete_ranges([(k.rounds_prefix, k.round_prefix(before)),
-                                            (k.joins_prefix, k.join_prefix(before)),
-                                            (k.stores_prefix, k.round_store(before))])
+        if m.rank == 0 and m.round >= 2 and self._rounds.history_deleted != m.round:  # before the previous: history
+            try:  # (a final that rank 0 wrote itself deleted them in its transaction)
+                self._client.delete_ranges(list(self.keys.history(m.round - 1)))
             except EtcdUnavailableError as exc:
                 log.info("node %s: old rounds not cleaned up now: %s", self.settings.node_id, exc)
         if log.isEnabledFor(logging.INFO):  # the member list is N names: built only when it is logged

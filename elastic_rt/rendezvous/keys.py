@@ -106,6 +106,12 @@ class RunKeys:
     def round_store(self, rnd: int) -> str:
         return f"{self.stores_prefix}{rnd:010d}/"
 
+    def history(self, rnd: int) -> tuple[tuple[str, str], ...]:
+        """(start, end) ranges of every round before `rnd` (its keys, joins and worker stores): what rank 0 deletes
+        once round rnd + 1 formed. Each end is a prefix of a round's keys, so `round` and the other keys are outside."""
+        return ((self.rounds_prefix, self.round_prefix(rnd)), (self.joins_prefix, self.join_prefix(rnd)),
+                (self.stores_prefix, self.round_store(rnd)))
+
     @property
     def alive_range(self) -> tuple[str, bytes]:
         return self.alive_prefix, prefix_end(self.alive_prefix)

@@ -75,6 +75,8 @@ class Rounds:
         # view itself follows the joins (track_joins())
         self._tracker: MembershipView | None = None
         self._ignored_closed = 0  # the mod_revision of the last unsigned `closed` warned about
+        self.history_deleted = -1  # the last round whose final this node wrote with the deletion of the rounds before
+        # the previous one (keys.history): rank 0 need not delete them again
         self._join_value = json.dumps({"addr": settings.local_addr, "incarnation": incarnation}).encode()
         self._steps: dict[Step, Callable[[Action], NodeState]] = {
             Step.CLOSED: self._closed, Step.TIMEOUT: self._timeout, Step.FORMED: self._formed,
@@ -273,12 +275,16 @@ class Rounds:
             final["master"] = [s.local_addr, free_port()]
         key = self.keys.final(action.round)
         value = self._signer.seal(key, final)
+        # rank 0 deletes the rounds before the previous one once a round formed (the handler): with its own final
+        history = self.keys.history(action.round - 1) if action.members[0] == s.node_id and action.round >= 2 else ()
         claim = self._claim_lease()
         if claim is None:
-            _, written = self._client.compare_and_put(key, value, expected_mod_revision=None)
+            made, written = self._client.compare_and_put(key, value, expected_mod_revision=None, deletes=history)
         else:  # the run lease's key with the final: one request
-            _, written, outcome = self._client.create_with(key, value, claim)
+            made, written, outcome = self._client.create_with(key, value, claim, deletes=history)
             self._settle_lease(outcome)
+        if made and history:
+            self.history_deleted = action.round
         return replace(action.state, written=written)
 
     def _wait(self, action: Action) -> NodeState:

@@ -13,7 +13,7 @@ import time
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_rt.rendezvous.etcd_client import IfHeld, Put, RangeRead
+from elastic_rt.rendezvous.etcd_client import GuardedPut, IfHeld, Put, RangeRead
 from elastic_rt.rendezvous.etcd_endpoint import WatchStream
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
@@ -60,6 +60,48 @@ def test_a_failed_compare_puts_none_of_the_keys_that_go_with_it(etcd_client, run
                                                            also=(join,), read=RangeRead([keys.join_range(1)]))
     assert ok and kv.value == b"1" and kv.mod_revision == revision
     assert [(x.key, x.mod_revision) for x in ranges[0]] == [(keys.join(1, "m"), revision)]  # read after the puts
+
+
+def _history(c, keys: RunKeys, rounds: range) -> None:
+    for rnd in rounds:  # a round's key, a join and a worker store key each
+        c.put(keys.final(rnd), b"{}")
+        c.put(keys.join(rnd, "m"), b"{}")
+        c.put(keys.round_store(rnd) + "k", b"v")
+
+
+def _left(c, keys: RunKeys) -> list[str]:
+    return sorted(kv.key[len(keys.base):] for p in (keys.rounds_prefix, keys.joins_prefix, keys.stores_prefix)
+                  for kv in c.read_many([], [p])[1][0])
+
+
+@pytest.mark.parametrize("how", ["compare_and_put", "create_with"])
+def test_a_finals_write_deletes_the_rounds_before_the_previous_only_when_it_puts(etcd_client, run_id, how):
+    """The deletion of history that rides with rank 0's final (keys.history): made in the put's revision, only when
+    the final is put, and never of `round`, the previous round or the new one."""
+    c, keys = etcd_client, RunKeys(run_id)
+    c.put(keys.round, b"3")
+    _history(c, keys, range(3))
+    final = keys.final(3)
+
+    def write():
+        if how == "compare_and_put":
+            return c.compare_and_put(final, b"final", expected_mod_revision=None, deletes=keys.history(2))
+        claim = GuardedPut(Put(keys.run_lease, b"1"), expected_mod_revision=None)
+        ok, kv, _ = c.create_with(final, b"final", claim, deletes=keys.history(2))
+        return ok, kv
+
+    c.put(final, b"another node's")
+    before = _left(c, keys)
+    ok, kv = write()
+    assert not ok and kv.value == b"another node's"
+    assert _left(c, keys) == before  # a final not put deletes nothing
+    c.delete(final)
+    ok, kv = write()
+    assert ok and kv.value == b"final"
+    assert _left(c, keys) == ["joins/0000000002/m", "rounds/0000000002/final", "rounds/0000000003/final",
+                              "stores/0000000002/k"]
+    assert c.get(keys.round)[0].value == b"3"
+    assert kv.mod_revision == c.read_many([], [keys.rounds_prefix])[2]  # the last write: one request, one revision
 
 
 def test_a_failed_compare_makes_the_otherwise_puts_only_while_its_condition_holds(etcd_client, run_id):
@@ -171,6 +213,14 @@ def test_a_one_node_jobs_restart_is_two_requests_and_no_watch(etcd_endpoint, etc
         assert join is not None and join.lease == h._lease.lease_id
         final, _ = etcd_client.get(keys.final(1))
         assert final is not None and final.mod_revision > join.mod_revision
+        calls.clear()
+        third = h.next_rendezvous()
+        assert third.rank == 0 and h.membership.round == 2
+        # open and join; the final, with rank 0's deletion of round 0 (no third request)
+        assert calls == ["compare_and_put_else", "compare_and_put"], calls
+        assert etcd_client.get(keys.final(0))[0] is None and etcd_client.get(keys.join(0, "m"))[0] is None
+        assert etcd_client.get(keys.final(1))[0] is not None and etcd_client.get(keys.join(1, "m"))[0] is not None
+        assert etcd_client.get(keys.final(2))[0] is not None
     finally:
         h.leave()
         h.close()
