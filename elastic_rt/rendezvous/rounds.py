@@ -21,6 +21,10 @@ from elastic_rt.rendezvous.signing import KeySigner
 from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)
+# The largest round whose final also deletes the rounds before the previous one: that deletion is O(keys) (a join
+# per node, a few worker store keys per node) in every member's apply loop, and at scale the final, which every node
+# waits for, must not wait on it. Larger rounds' rank 0 deletes them after the round, in a request of its own.
+HISTORY_WITH_FINAL_MAX_NODES = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,8 +279,10 @@ class Rounds:
             final["master"] = [s.local_addr, free_port()]
         key = self.keys.final(action.round)
         value = self._signer.seal(key, final)
-        # rank 0 deletes the rounds before the previous one once a round formed (the handler): with its own final
-        history = self.keys.history(action.round - 1) if action.members[0] == s.node_id and action.round >= 2 else ()
+        # rank 0 deletes the rounds before the previous one once a round formed (the handler): in a small round, with
+        # its own final (no request of its own)
+        history = (self.keys.history(action.round - 1) if action.members[0] == s.node_id and action.round >= 2
+                   and len(action.members) <= HISTORY_WITH_FINAL_MAX_NODES else ())
         claim = self._claim_lease()
         if claim is None:
             made, written = self._client.compare_and_put(key, value, expected_mod_revision=None, deletes=history)

@@ -15,6 +15,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_rt.rendezvous.etcd_client import GuardedPut, IfHeld, Put, RangeRead
 from elastic_rt.rendezvous.etcd_endpoint import WatchStream
+from elastic_rt.rendezvous import rounds
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
 from tests.support.rendezvous import together
@@ -87,7 +88,8 @@ def test_a_finals_write_deletes_the_rounds_before_the_previous_only_when_it_puts
         if how == "compare_and_put":
             return c.compare_and_put(final, b"final", expected_mod_revision=None, deletes=keys.history(2))
         claim = GuardedPut(Put(keys.run_lease, b"1"), expected_mod_revision=None)
-        ok, kv, _ = c.create_with(final, b"final", claim, deletes=keys.history(2))
+        ok, kv, outcome = c.create_with(final, b"final", claim, deletes=keys.history(2))
+        assert (outcome is not None and outcome[0] and outcome[1].mod_revision == kv.mod_revision) == ok  # with it
         return ok, kv
 
     c.put(final, b"another node's")
@@ -221,6 +223,28 @@ def test_a_one_node_jobs_restart_is_two_requests_and_no_watch(etcd_endpoint, etc
         assert etcd_client.get(keys.final(0))[0] is None and etcd_client.get(keys.join(0, "m"))[0] is None
         assert etcd_client.get(keys.final(1))[0] is not None and etcd_client.get(keys.join(1, "m"))[0] is not None
         assert etcd_client.get(keys.final(2))[0] is not None
+    finally:
+        h.leave()
+        h.close()
+
+
+def test_a_large_rounds_rank_0_deletes_the_rounds_before_the_previous_after_the_round(etcd_endpoint, etcd_client,
+                                                                                       run_id, monkeypatch):
+    """Above HISTORY_WITH_FINAL_MAX_NODES members the final carries no deletion (it is O(keys) in every member's apply
+    loop): rank 0 deletes those rounds in a request of its own once the round formed. A one-node job with the bound
+    set to 0 stands for a large round."""
+    monkeypatch.setattr(rounds, "HISTORY_WITH_FINAL_MAX_NODES", 0)
+    keys = RunKeys(run_id)
+    h = _handler(etcd_endpoint, run_id, "m", (1, 1))
+    try:
+        h.next_rendezvous()
+        h.next_rendezvous()
+        calls = _count(monkeypatch, h)
+        h.next_rendezvous()
+        assert h.membership.round == 2
+        assert calls == ["compare_and_put_else", "compare_and_put", "delete_ranges"], calls
+        assert etcd_client.get(keys.final(0))[0] is None and etcd_client.get(keys.join(0, "m"))[0] is None
+        assert etcd_client.get(keys.final(1))[0] is not None and etcd_client.get(keys.join(1, "m"))[0] is not None
     finally:
         h.leave()
         h.close()
