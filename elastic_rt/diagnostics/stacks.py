@@ -117,6 +117,13 @@ def _read(path: str, limit: int = 8192) -> str:
         return f"<unreadable: {exc.strerror or exc}>"
 
 
+def _read_from(path: str, offset: int) -> str:
+    """A worker's raw stacks file from `offset` (the size before this request) on."""
+    with open(path, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
+
+
 def process_state(pid: int) -> str:
     """psutil's status ('running', 'sleeping', 'disk-sleep', 'stopped', ...) or 'gone'."""
     try:
@@ -166,10 +173,12 @@ class StackCollector:
             except OSError as exc:
                 why_not[w.pid] = f"could not signal it: {exc.strerror or exc}"
                 asked.pop(w.pid, None)
-        dumps = self._wait_for(asked, {w.pid: w.raw_path for w in workers})
+        dumps, exited = self._wait_for(asked, {w.pid: w.raw_path for w in workers})
         for w in workers:
             body = dumps.get(w.pid)
-            if body is None:
+            if body is None and w.pid in exited:
+                body = "(no Python stacks: the process exited before it answered)\n"
+            elif body is None:
                 body = f"(no Python stacks: {why_not.get(w.pid, 'no dump within %g s' % self._wait_s)})\n"
                 body += self._py_spy_dump(w.pid)
             header = [
@@ -199,37 +208,50 @@ class StackCollector:
             return f"the process is {state}: it cannot run a signal handler"
         if os.path.exists(w.raw_path + _TAKEN_SUFFIX):
             return f"the script installed its own handler for signal {self.sig}"
-        if not os.path.exists(w.raw_path) or not _catches(w.pid, self.sig):
+        if not os.path.exists(w.raw_path):
             return f"no stack handler for signal {self.sig} in this process (not started by the worker entry point?)"
+        if not _catches(w.pid, self.sig):  # Python's shutdown removes faulthandler's handlers
+            return f"its handler for signal {self.sig} is gone: the process is shutting down"
         return ""
 
-    def _wait_for(self, asked: dict[int, int], paths: dict[int, str]) -> dict[int, str]:
-        """New text in each asked worker's raw file, once it stopped growing (or at the deadline)."""
+    def _wait_for(self, asked: dict[int, int], paths: dict[int, str]) -> tuple[dict[int, str], set[int]]:
+        """(new text in each asked worker's raw file, once it stopped growing; the asked workers that exited
+        without answering). Ends when every worker answered or exited, or at the deadline: a worker that outlived
+        SIGTERM's grace is often on its way out (saving, tearing down), and waiting the whole wait_s for one that
+        is gone would hold the restart, and the round every other node waits on, for nothing."""
         deadline = self._clock() + self._wait_s
         sizes = dict(asked)
         stable_since: dict[int, float] = {}
         done: dict[int, str] = {}
-        while asked and len(done) < len(asked):
+        exited: set[int] = set()
+        while asked and len(done) + len(exited) < len(asked):
             now = self._clock()
             for pid, before in asked.items():
-                if pid in done:
+                if pid in done or pid in exited:
                     continue
+                gone = process_state(pid) in ("zombie", "dead", "gone")  # before the size: then the file is final
                 try:
                     size = os.path.getsize(paths[pid])
                 except OSError:
+                    if gone:
+                        exited.add(pid)
+                    continue
+                if gone:
+                    if size > before:
+                        done[pid] = _read_from(paths[pid], before)
+                    else:
+                        exited.add(pid)
                     continue
                 if size > before and size == sizes[pid]:
                     if now - stable_since.setdefault(pid, now) >= self._settle_s:
-                        with open(paths[pid], errors="replace") as f:
-                            f.seek(before)
-                            done[pid] = f.read()
+                        done[pid] = _read_from(paths[pid], before)
                 else:
                     sizes[pid] = size
                     stable_since.pop(pid, None)
             if now >= deadline:
                 break
             self._sleep(0.05)
-        return done
+        return done, exited
 
     def _py_spy_dump(self, pid: int) -> str:
         if not self._py_spy:

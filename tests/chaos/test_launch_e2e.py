@@ -21,6 +21,10 @@ def nodes():
     yield started
     for n in started:
         n.cleanup()
+    # pytest shows a test's captured output only when it failed: then every node's whole log is there, not
+    # only the tail of the one a wait gave up on
+    for n in started:
+        print(f"\n===== node {n.name} (exit {n.proc.poll()}) =====\n{n.output}")
 
 
 def _start(nodes, endpoint, run_id, node_id, **kw) -> Node:

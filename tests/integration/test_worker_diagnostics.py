@@ -141,6 +141,67 @@ def test_stacks_of_a_blocked_worker_and_a_script_that_takes_the_signal(tmp_path)
     assert "user handler ran" not in taker.stdout.read()
 
 
+def _exits_on_the_signal(tmp_path, writes: str) -> tuple[subprocess.Popen, WorkerRef]:
+    """A process that catches the stack signal and exits on it, after appending `writes` to its raw file (as a
+    worker on its way out after SIGTERM does: its dump may come, or it may be gone first)."""
+    raw = raw_path(str(tmp_path), 0)
+    open(raw, "w").close()
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, threading
+        def leave(*_):
+            with open({raw!r}, "a") as f:
+                f.write({writes!r})
+            os._exit(0)
+        signal.signal({SIG}, leave)
+        print("ready", flush=True)
+        threading.Event().wait()
+    """)], stdout=subprocess.PIPE, text=True)
+    wait_line(proc, "ready")
+    return proc, WorkerRef(local_rank=0, global_rank=3, pid=proc.pid, raw_path=raw)
+
+
+@pytest.mark.parametrize("writes,expected", [("", "the process exited before it answered"),
+                                             ("Current thread 0x1 (most recent call first):\n", "Current thread 0x1")])
+def test_stacks_wait_ends_when_the_worker_exits(tmp_path, writes, expected):
+    """SIGTERM's grace ran out on a worker that is exiting: the collection ends as soon as it is gone (with what it
+    wrote, if anything), not at the end of wait_s, which would hold the restart and the next round."""
+    proc, ref = _exits_on_the_signal(tmp_path, writes)
+    now = [0.0]
+
+    def sleep(s: float) -> None:  # the first poll found it alive: let it exit, then go on in fake time
+        proc.wait(timeout=60)
+        now[0] += s
+
+    try:
+        out = StackCollector(root=str(tmp_path / "stacks"), sig=SIG, wait_s=3.0, clock=lambda: now[0], sleep=sleep,
+                             py_spy="").collect([ref], label="sigterm-grace-expired")
+    finally:
+        proc.kill()
+        proc.wait()
+    text = open(os.path.join(out, f"rank3-local0-pid{ref.pid}.txt")).read()
+    assert expected in text and "no dump within" not in text
+    assert now[0] < 3.0  # ended one poll after the exit, not at the deadline
+
+
+def test_stacks_of_a_worker_whose_handler_is_gone_are_not_asked_for(tmp_path):
+    """The entry point's handler was installed (its raw file exists) and is gone, as after Python's shutdown
+    removed it: the signal is not sent (it would kill the process), and the file says why."""
+    ref_file = raw_path(str(tmp_path), 0)
+    open(ref_file, "w").close()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(600)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        wait_line(proc, "ready")
+        ref = WorkerRef(local_rank=0, global_rank=2, pid=proc.pid, raw_path=ref_file)
+        out = StackCollector(root=str(tmp_path / "stacks"), sig=SIG, py_spy="").collect([ref], label="x")
+        text = open(os.path.join(out, f"rank2-local0-pid{proc.pid}.txt")).read()
+        assert f"its handler for signal {SIG} is gone: the process is shutting down" in text
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_flight_recorder_dump_on_request_with_gloo(tmp_path):
     proc = worker(tmp_path, """
         import sys, time, torch, torch.distributed as dist
