@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STACK_SIGNAL = "SIGRTMIN+6"  # see docs/failures.md: free in glibc, torch, Slurm and Lightning
 _TAKEN_SUFFIX = ".taken"
-UNANSWERABLE = ("stopped", "tracing-stop", "disk-sleep", "zombie", "dead", "gone")  # cannot run a handler
+EXITED = ("zombie", "dead", "gone")  # process_state()s of a process that will never write again
+UNANSWERABLE = ("stopped", "tracing-stop", "disk-sleep", *EXITED)  # cannot run a handler
 _worker_file: Any = None  # kept open for faulthandler for the life of the worker
 
 
@@ -229,7 +230,7 @@ class StackCollector:
             for pid, before in asked.items():
                 if pid in done or pid in exited:
                     continue
-                gone = process_state(pid) in ("zombie", "dead", "gone")  # before the size: then the file is final
+                gone = process_state(pid) in EXITED  # read before the size: then the file is final
                 try:
                     size = os.path.getsize(paths[pid])
                 except OSError:
