@@ -24,8 +24,10 @@ a member of a round the view knows one alive/ key, the smallest below its own id
 watches it for deletion (the closer is the smallest live node; at a first meeting every
 registration, or every lapse, would otherwise be an event at every node: O(N^2)); when its
 first round forms it counts the members alive (the final lists them, with
-each one's incarnation from its join) and follows every alive/ change from the final's
-revision on, without reading alive/ (N keys at each of N nodes). The agent's
+each one's incarnation from its join) and, from the final's revision on, without reading alive/ (N keys at each of
+N nodes), follows every alive/ change as rank 0 (the next round's closer) and, at every other member, the keys up
+to the smallest's and those of its ring neighbours: a member's lapse is an event at its neighbours and rank 0, and
+a neighbour that finds it lost opens the next round at once (compare-and-set, no join), which every member sees. The agent's
 monitor tick and the rendezvous loop read only the view; an idle job costs etcd the lease
 keepalives and nothing else.
 
@@ -165,6 +167,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
                               settle_lease=self._run_lease.settle,
                               clock=clock, rng=rng)
         self.membership: Membership | None = None
+        self._announced = -1  # the last round whose lost member this node announced (membership_change)
 
     # ---- RendezvousHandler API -------------------------------------------
     def get_backend(self) -> str:
@@ -440,7 +443,35 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
             return RestartReason.ROUND_ADVANCED  # another agent took this node id: the next rendezvous says so
         if self.membership is None or not self._started or not self.etcd_reachable():
             return None
-        return self._monitor.change()
+        reason = self._monitor.change()
+        if reason is RestartReason.PEER_LOST:
+            self._announce(self.membership.round)
+        return reason
+
+    def _announce(self, rnd: int) -> None:
+        """A member of round rnd is lost: open round rnd + 1 now (compare-and-set, no join), before this node's
+        agent stops its workers. The other members see a lost member only if it is one of their ring neighbours
+        (MembershipView.members_formed), and every one of them sees `round` move. Once per round; a lost race or
+        an etcd that does not answer is left to the restart, whose next_rendezvous() opens it anyway."""
+        if self._announced == rnd:
+            return
+        self._announced = rnd
+        with self._view.lock:
+            try:
+                held = self._view.round if self._view.current_round() == rnd else None
+            except RendezvousDataError:
+                held = None  # not a round number: the restart's next_rendezvous() says so
+        if held is None:
+            return  # another node opened the next round already
+        try:
+            opened, _ = self._client.compare_and_put(self.keys.round, str(rnd + 1).encode(),
+                                                     expected_mod_revision=held.mod_revision)
+        except EtcdUnavailableError as exc:
+            log.info("node %s round %d: could not open round %d at once: %s", self.settings.node_id, rnd, rnd + 1, exc)
+            return
+        if opened:
+            log.info("node %s round %d: opened round %d for the members to re-form", self.settings.node_id, rnd,
+                     rnd + 1)
 
     # ---- the protocol -------------------------------------------------------
     def _io(self, fn, *args):
@@ -499,8 +530,9 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         self._started = True
 
     def _formed(self, m: Membership) -> None:
-        """A round formed with this node: the view counts its members alive and from now on follows
-        every alive/ change (until then it knew only who left), then the monitor remembers them."""
+        """A round formed with this node: the view counts its members alive and from now on follows the alive/
+        changes of its ring and the smallest (rank 0: every one; until then it knew only who left), then the
+        monitor remembers them."""
         self._view.members_formed(m.nodes, m.revision)
         self._monitor.formed(m.round, m.nodes, m.incarnations)
 
@@ -512,7 +544,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
     def _watch_neighbours(self, names: list[str], found: Mapping[str, KeyValue | None]) -> None:
         """Hold connections to the ring neighbours' liveness listeners (`names`; their alive/ keys as read with
         the round: the view may not hold their values): a dead agent is evicted the moment its connections
-        close, and the other nodes see it through etcd."""
+        close; its other neighbour and rank 0 see it through etcd, and the rest when `round` moves."""
         peers = [p for n in names if (kv := found.get(self.keys.alive(n))) is not None
                  and (p := parse_peer(n, kv.value, kv.lease)) is not None]
         if self._peer_watch is None:

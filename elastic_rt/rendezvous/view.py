@@ -21,11 +21,16 @@ five times the watch requests, and an overloaded etcd whose lapses cascaded got 
 registers later with a smaller id is learnt by whoever acts as closer from its join, and refresh() makes the view
 find the smallest again the same way (rounds.py). When a round forms, members_formed() counts every
 member alive (the final says they were, at its revision) unless a deletion after that revision was
-seen, and replaces the alive watcher on the same stream with one that sees every change of alive/, from
-the final's revision: one watch request per node and no read, where re-reading alive/ cost each node
-O(N) keys (O(N^2) bytes in all); the old watcher is dropped here, not cancelled in etcd (it watches one key's
-deletion, and goes with the stream). This node's own alive/ key is not watched before that: NodeLease tells
-the view (changed()) when it granted a new lease, so that the rendezvous loop joins again.
+seen, and replaces the alive watcher on the same stream, from the final's revision, without a read (re-reading
+alive/ cost each node O(N) keys, O(N^2) bytes in all): at rank 0, the next round's closer, with one that sees every
+change of alive/; at every other member, with one that sees every change of the alive/ keys up to the smallest's
+(nothing else is alive there: a smaller node that registers comes too), plus one of the keys from its ring neighbour
+before it to the one after it. A member's lapse or registration is then an event at its neighbours and at rank 0,
+not at every node (when every member followed every alive/ change, K lapses at once cost each of N nodes 2 K events:
+the fan-out that turned an overloaded etcd's lapses into a cascade, docs/scale.md); a neighbour that finds it lost
+opens the next round at once (handler.py), and every member sees that. The old watcher is dropped here, not cancelled
+in etcd (it watches one key's deletion, and goes with the stream). This node's own alive/ key is not watched before
+that: NodeLease tells the view (changed()) when it granted a new lease, so that the rendezvous loop joins again.
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ class MembershipView:
         self.alive_puts = alive_puts  # False: only the smallest live node's alive/ key is watched (module docstring)
         self._below = (keys.alive_prefix, keys.alive(node_id).encode())  # alive/ keys of smaller node ids
         self._smallest: str | None = None  # while alive_puts is False: the alive/ key watched (None: no smaller node)
+        self._member = False  # a round with this node formed: the ring's watcher and the smallest's puts (members_formed)
+        self._ring_index: int | None = None  # the range index of the ring neighbours' alive/ keys (members_formed)
         self._reload_wanted = False
         self._smallest_wanted = False  # a thread reads the smallest alive/ key again and watches it (_find_smallest)
         self.reloads = 0  # reads of the view's ranges, and of the smallest alive/ key (decide()'s J6 counts both)
@@ -167,7 +174,7 @@ class MembershipView:
         while the view watches the smallest node only, the read finds it. Nothing to do for a view that follows
         every alive/ change."""
         with self.lock:
-            if self._deletes_only():
+            if self._smallest_only():
                 self._find_smallest()
 
     def _find_smallest(self) -> None:
@@ -189,10 +196,18 @@ class MembershipView:
     def members_formed(self, nodes: tuple[str, ...], revision: int) -> None:
         """A round of `nodes` formed at `revision` (its final's mod_revision): every member was alive then
         (its join, on its lease, was). The view counts each member alive unless it saw the member's alive
-        key deleted after that revision, and, if it watched deletions only, follows every alive/ change
-        from revision + 1 on, on the same stream: a watch request, no read (etcd replays what changed
-        since the final). A member the view never read has, in `alive`, one shared placeholder with no key and
-        no value (the members' incarnations come with the final): no per-member object, key name or event."""
+        key deleted after that revision. A member the view never read has, in `alive`, one shared placeholder with
+        no key and no value (the members' incarnations come with the final): no per-member object, key name or event.
+
+        A view that watched the smallest node's deletion only then follows, on the same stream, from revision + 1
+        (no read): as rank 0 with no smaller node known, every alive/ change (_follow_all: it closes the next
+        round); else every change of the alive/ keys up to the smallest live node's below this node's id (the
+        smallest's registration, and a smaller node that registers; nothing else is there) and of the keys from its
+        ring neighbour before it to the one after it in the round (_form_ring): two watch requests. Not every alive/
+        change at every node: that made each lapse and each registration an event at every node, the fan-out that
+        turned an overloaded etcd's lapses into a cascade (docs/scale.md). A member that leaves is seen by its ring
+        neighbours and rank 0 (and by every node when it is the smallest); they open the next round at once
+        (handler.py), and every other member sees that (MembershipMonitor: ROUND_ADVANCED)."""
         index = self._alive_index
         with self.lock:
             if self._departed_rev:
@@ -204,25 +219,94 @@ class MembershipView:
             unread = [n for n in nodes if n not in alive and n not in departed]
             if unread:
                 alive.update(dict.fromkeys(unread, KeyValue("", b"", revision, revision, 0)))
-                least = min(unread)
-                if self.smallest_alive is None or least < self.smallest_alive:
-                    self.smallest_alive = least
-            if not self.alive_puts and index is not None:
-                stream = self._stream
-                if stream is not None:
-                    # its deletions after the final come again from the new watcher. Not cancelled: the watcher of
-                    # one key's deletion stays idle in etcd until the stream ends, and a first round costs each
-                    # node one watch request and one answer fewer (a watcher etcd has not created yet still is)
-                    stream.forget(index, cancel=False)
-                # Not from the old watcher's revision: that would replay every registration since this
-                # node's first read. The deletions up to the final have come on the same stream before
-                # the final did (a synced watcher's events are sent in revision order).
-                self._floors[index] = self._revs[index] = revision
-                if stream is not None:
-                    stream.add(index, self._ranges[index], revision + 1)
-            self.alive_puts = True
+            least = min(nodes, default=None)
+            if not self.alive_puts and index is not None and least == self._node_id and self.smallest_alive is None:
+                self._follow_all(revision)  # rank 0, and no smaller node known: the closer of the next round
+            elif not self.alive_puts and index is not None:
+                self._form_ring(nodes, revision)
+                if least is not None and least < self._node_id and (self.smallest_alive is None
+                                                                    or least < self.smallest_alive):
+                    self._find_smallest()  # a member smaller than the smallest node this view knows: read it
+            if self.alive_puts and least is not None and (self.smallest_alive is None or least < self.smallest_alive):
+                self.smallest_alive = least
             self.version += 1
             self.lock.notify_all()
+
+    def _follow_all(self, revision: int) -> None:
+        """members_formed() for rank 0 (caller holds the lock): every alive/ change from revision + 1 on, on the same
+        stream, in place of the smallest's and the ring's watchers. It closes the next round: a re-formation
+        closes once every live node joined, and only a view of every alive/ key knows them (one node: O(N) events
+        per lapse in all, not per node); a one-node job's restart needs no read of its own for it."""
+        stream, index, ri = self._stream, self._alive_index, self._ring_index
+        self._untrack()
+        if ri is not None:  # the last range, with no joins tracked
+            if stream is not None:
+                stream.forget(ri)
+            del self._ranges[ri], self._revs[ri], self._floors[ri]
+            self._ring_index = None
+        if stream is not None:
+            # the watcher of one key's deletion is dropped, not cancelled: it stays idle in etcd until the stream ends
+            stream.forget(index, cancel=self._member)
+        # Not from the old watcher's revision: that would replay every registration since this node's first read.
+        # The deletions up to the final have come on the same stream before the final did.
+        self._floors[index] = self._revs[index] = revision
+        self._member = self.alive_puts = True
+        if stream is not None:
+            stream.add(index, self._ranges[index], revision + 1)
+
+    def _form_ring(self, nodes: tuple[str, ...], revision: int) -> None:
+        """members_formed()'s watchers (caller holds the lock): the smallest node's, turned from its deletion to every
+        change up to it, once; the ring's, added, or replaced when this round's neighbours are others."""
+        stream, index = self._stream, self._alive_index
+        self._untrack()  # the joins of the round that formed: no longer needed, and the ring's index goes before them
+        if not self._member:
+            self._member = True
+            if stream is not None:
+                # dropped, not cancelled: the watcher of one key's deletion stays idle in etcd until the stream ends
+                stream.forget(index, cancel=False)
+            # Not from the old watcher's revision: its deletions up to the final came on the same stream before the
+            # final did (a synced watcher's events are sent in revision order)
+            self._floors[index] = self._revs[index] = revision
+            if stream is not None:
+                stream.add(index, self._watched_ranges(frozenset({index}))[index], revision + 1)
+        ring, ri = self._ring(nodes), self._ring_index
+        if ring is None:
+            if ri is None:
+                return  # a one-node round: no neighbour
+            ring = (self._keys.alive(self._node_id), self._keys.alive(self._node_id).encode() + b"\0")
+        if ri is None:
+            self._ring_index = ri = len(self._ranges)
+            self._ranges.append(ring)
+            self._revs.append(revision)
+            self._floors.append(revision)
+        elif self._ranges[ri] == ring:
+            return  # the same neighbours: the watcher stays
+        else:
+            if stream is not None:
+                stream.forget(ri)
+            old, self._ranges[ri] = self._ranges[ri], ring
+            self._floors[ri] = self._revs[ri] = revision
+            placeholder = KeyValue("", b"", revision, revision, 0)
+            for node, kv in list(self.alive.items()):  # values the old ring did not follow may be behind: read again
+                if kv.value and self._covers([ring], node) and not self._covers([old], node):
+                    self.alive[node] = placeholder
+        if stream is not None:
+            stream.add(ri, ring, revision + 1)
+
+    def _ring(self, nodes: tuple[str, ...]) -> tuple[str, bytes] | None:
+        """The alive/ keys from this node's ring neighbour before it to the one after it, in id order (ranks follow it):
+        one range (the first and the last member each have one neighbour in it; the smallest's watcher covers the
+        first member for every node). None for a round of one node, or one without this node."""
+        ordered = sorted(nodes)
+        if self._node_id not in ordered or len(ordered) < 2:
+            return None
+        i = ordered.index(self._node_id)
+        lo, hi = ordered[max(i - 1, 0)], ordered[min(i + 1, len(ordered) - 1)]
+        return self._keys.alive(lo), self._keys.alive(hi).encode() + b"\0"
+
+    def _covers(self, ranges: list[tuple[str, bytes]], node: str) -> bool:
+        key = self._keys.alive(node)
+        return any(lo <= key and key.encode() < hi for lo, hi in ranges)
 
     def track_joins(self, rnd: int, joins: list[KeyValue], revision: int) -> None:
         """Follow round rnd's joins/ too (the closer's): `joins` as read at `revision`, then, from follow_joins()
@@ -275,8 +359,8 @@ class MembershipView:
 
     def registrations(self, keys: list[str], revision: int) -> dict[str, KeyValue | None]:
         """Of `keys` (alive/ keys and the run lease's), what this view answers without a read (caller holds the
-        lock): an alive/ key whose value it read or saw put, while it follows every alive/ change (not a member
-        it holds a placeholder or a key without its value for); the run lease's key once the watcher that covers
+        lock): an alive/ key whose value it read or saw put, while it follows every change of that key (every alive/
+        key, or the smallest's and the ring's: not a member it holds a placeholder or a key without its value for); the run lease's key once the watcher that covers
         it has delivered every event up to `revision` (a watcher's events come in revision order). A value put
         meanwhile is at most as far behind as the watch stream's delivery."""
         found: dict[str, KeyValue | None] = {}
@@ -286,7 +370,7 @@ class MembershipView:
             if key == self._run_lease_key:
                 if i is not None and i < len(self._revs) and self._revs[i] >= revision:
                     found[key] = self.run_lease
-            elif self.alive_puts and key.startswith(prefix):
+            elif key.startswith(prefix) and (self.alive_puts or self._follows(key)):
                 kv = self.alive.get(key[len(prefix):])
                 if kv is not None and kv.value:
                     found[key] = kv
@@ -308,7 +392,22 @@ class MembershipView:
                                          or (held.mod_revision == kv.mod_revision and not held.value)):
                     self.alive[node] = kv
 
+    def _follows(self, key: str) -> bool:
+        """Whether a member's view follows every change of this alive/ key: the smallest node's, or one in its ring's
+        range (caller holds the lock)."""
+        if not self._member:
+            return False
+        ri = self._ring_index
+        return key == self._smallest or (ri is not None and self._ranges[ri][0] <= key
+                                         and key.encode() < self._ranges[ri][1])
+
     def _deletes_only(self) -> frozenset[int]:
+        """The range whose watcher gets no puts: alive/'s, until a round with this node formed."""
+        return frozenset() if self._member else self._smallest_only()
+
+    def _smallest_only(self) -> frozenset[int]:
+        """The range read and watched up to the smallest live node's key only: alive/'s, unless the view follows
+        every alive/ change."""
         return frozenset() if self.alive_puts or self._alive_index is None else frozenset({self._alive_index})
 
     @property
@@ -345,7 +444,7 @@ class MembershipView:
         wanted after the ranges were chosen): that stream is closed again, and the caller opens another."""
         with self.lock:
             filters, starts = self._deletes_only(), [r + 1 for r in self._revs]
-            ranges = self._watched_ranges(filters)
+            ranges = self._watched_ranges(self._smallest_only())
             watched = list(self._ranges)
             self._gen += 1
             gen = self._gen
@@ -484,7 +583,8 @@ class MembershipView:
             self._smallest_wanted = False
             gen = self._gen
         try:
-            (found,), rev = self._client.read_ranges([self._below], keys_only=frozenset({0}), first_only=frozenset({0}))
+            (found,), rev = self._client.read_ranges([self._below], first_only=frozenset({0}),
+                                                     keys_only=frozenset({0}) if self._deletes_only() else frozenset())
         except Exception as exc:  # noqa: BLE001 - the view must outlive any one bad response
             with self.lock:
                 log.debug("node %s: membership watch: finding the smallest node again: %s", self._node_id, exc)
@@ -492,9 +592,9 @@ class MembershipView:
                 self._retry_wait = max(self._retry_wait, self._backoff.next())
             return
         with self.lock:
-            if gen == self._gen and self._stream is not None and self._deletes_only():
+            if gen == self._gen and self._stream is not None and self._smallest_only():
                 self._swap_smallest(found[0] if found else None, rev)
-            elif self._deletes_only():
+            elif self._smallest_only():
                 self._retry_reload = True  # the stream ended meanwhile: its reopening reads the smallest too
 
     def _swap_smallest(self, kv: KeyValue | None, rev: int) -> None:
@@ -502,11 +602,13 @@ class MembershipView:
         every range would have it, and its watcher, from rev + 1, replaces the one of the node that left, on the same
         stream (dropped, not cancelled: members_formed()). Caller holds the lock; the other ranges stay watched."""
         index, stream = self._alive_index, self._stream
+        covered = self._below_covered(kv)
         self._smallest = kv.key if kv is not None else None
-        self._replace_alive([kv] if kv is not None else [], self._clock(), rev)
+        self._replace_alive([kv] if kv is not None else [], self._clock(), rev, covered)
         stream.forget(index, cancel=False)
         self._floors[index] = self._revs[index] = rev
-        stream.add(index, self._watched_ranges(frozenset({index}))[index], rev + 1, deletes_only=True)
+        stream.add(index, self._watched_ranges(frozenset({index}))[index], rev + 1,
+                   deletes_only=bool(self._deletes_only()))
         self.reloads += 1
         self.version += 1
         self.lock.notify_all()
@@ -524,8 +626,12 @@ class MembershipView:
         Caller holds the lock."""
         ranges = list(self._ranges)
         for i in smallest_only:
-            key = self._smallest or self._keys.alive_prefix
-            ranges[i] = (key, key.encode() + b"\0")
+            if self._member:  # every change up to the smallest's key: nothing else is alive there
+                ranges[i] = (self._keys.alive_prefix, self._smallest.encode() + b"\0" if self._smallest
+                             else self._below[1])
+            else:
+                key = self._smallest or self._keys.alive_prefix
+                ranges[i] = (key, key.encode() + b"\0")
         return ranges
 
     def first_read(self) -> RangeRead:
@@ -537,9 +643,9 @@ class MembershipView:
     def _read_spec(self) -> RangeRead:
         """The ranges a read of the view covers now (caller holds the lock): while alive_puts is False, the smallest
         alive/ key if it is below this node's, without its value."""
-        smallest_only = self._deletes_only()
+        smallest_only = self._smallest_only()
         return RangeRead([self._below if i in smallest_only else r for i, r in enumerate(self._ranges)],
-                         keys_only=smallest_only, first_only=smallest_only)
+                         keys_only=self._deletes_only(), first_only=smallest_only)
 
     def _reload(self, done: tuple[RangeRead, list[list[KeyValue]], int] | None = None) -> None:
         if done is not None:
@@ -556,11 +662,16 @@ class MembershipView:
             if self._read_spec() != spec or self._ranges != watched:
                 self._reload_wanted = True  # members_formed() or track_joins() came meanwhile: read again
                 return
+            covered = None
             if smallest_only:
-                self._smallest = ranges[self._alive_index][0].key if ranges[self._alive_index] else None
+                smallest = ranges[self._alive_index][0] if ranges[self._alive_index] else None
+                covered = self._below_covered(smallest)
+                if self._ring_index is not None:
+                    covered.append(self._ranges[self._ring_index])
+                self._smallest = smallest.key if smallest is not None else None
             self.round, self.closed, self.closed_kv, self.run_lease = None, False, None, None
             self.waiting, self.joins, self.finals = {}, {}, {}
-            self._replace_alive([kv for kvs in ranges for kv in kvs], now, rev)
+            self._replace_alive([kv for kvs in ranges for kv in kvs], now, rev, covered)
             self._revs = [rev] * len(self._ranges)
             self._floors = [rev] * len(self._ranges)
             self._reload_wanted = False
@@ -568,11 +679,28 @@ class MembershipView:
             self.version += 1
             self.lock.notify_all()
 
-    def _replace_alive(self, kvs: list[KeyValue], now: float, rev: int) -> None:
-        """Apply a range read's keys (any kind) over an emptied alive map: a node the read no longer has
-        departed now. The caller holds the lock and has emptied the other maps the read covers."""
-        before = set(self.alive)
-        self.alive, self.smallest_alive = {}, None
+    def _below_covered(self, smallest: KeyValue | None) -> list[tuple[str, bytes]] | None:
+        """The alive/ keys a read of the smallest one below this node's speaks for, up to the one it found (all below
+        this node's, with none): for a member's view, whose alive map holds more than what it reads. None (the whole
+        map) before. Caller holds the lock."""
+        if not self._member or self.alive_puts:
+            return None
+        return [(self._keys.alive_prefix, smallest.key.encode() + b"\0" if smallest is not None else self._below[1])]
+
+    def _replace_alive(self, kvs: list[KeyValue], now: float, rev: int,
+                       covered: list[tuple[str, bytes]] | None = None) -> None:
+        """Apply a range read's keys (any kind) over the alive map emptied where the read speaks for it (`covered`:
+        those alive/ ranges; None: all of it): a node the read no longer has departed now. A member's view keeps
+        the members it does not read (its ring's neighbours see them go). The caller holds the lock and has emptied
+        the other maps the read covers."""
+        self.smallest_alive = None
+        if covered is None:
+            before = set(self.alive)
+            self.alive = {}
+        else:
+            before = {node for node in self.alive if self._covers(covered, node)}
+            for node in before:
+                del self.alive[node]
         for kv in kvs:
             self._put(kv, now)
         for node in before - set(self.alive):
@@ -622,7 +750,12 @@ class MembershipView:
         self.alive[node] = kv
         self.departed.pop(node, None)
         self._departed_rev.pop(node, None)
-        if self.smallest_alive is None or node < self.smallest_alive:
+        if self._member and not self.alive_puts:
+            # only a node below this one's id can be the smallest: its key is in the smallest's watched range (every
+            # key up to it), so its deletion comes too
+            if node < self._node_id and (self.smallest_alive is None or node < self.smallest_alive):
+                self.smallest_alive, self._smallest = node, kv.key
+        elif self.smallest_alive is None or node < self.smallest_alive:
             self.smallest_alive = node
 
     def _delete(self, kv: KeyValue, now: float) -> None:
@@ -635,7 +768,7 @@ class MembershipView:
             known = self.alive.pop(node, None) is not None
             if known:
                 self.departed[node], self._departed_rev[node] = now, kv.mod_revision
-            if self._deletes_only():
+            if self._smallest_only():
                 # the smallest node left: until the next read finds the next smallest (_find_smallest: its watcher is
                 # swapped on this stream), smallest_alive stays as it was: somebody smaller may still be alive
                 if kv.key == self._smallest:

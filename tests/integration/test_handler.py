@@ -140,6 +140,33 @@ def test_a_node_that_sees_the_next_round_before_the_lost_peer_still_says_peer_lo
             h.leave()
 
 
+def test_a_lost_member_is_seen_by_its_ring_neighbours_and_rank_0_who_open_the_next_round_for_the_others(
+        etcd_endpoint, run_id, caplog):
+    """c leaves a round of five. Its ring neighbours (b, d) and rank 0 (a: it follows every alive/ change, as the next
+    round's closer) see its deletion; e does not (its view follows d to e, and the keys up to a's): a lapse is an
+    event at a few nodes, not at every node. The first to find c lost opens the next round at once, before its
+    agent stops its workers, and e learns from that."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="elastic_rt")
+    nodes = [_handler(etcd_endpoint, run_id, n, 4, 5) for n in "abcde"]
+    a, b, c, d, e = nodes
+    try:
+        _together(nodes)
+        formed = a.membership.round
+        c.leave()
+        assert _poll(lambda: all(h.membership_change() == "peer_lost" for h in (a, b, d)))
+        assert "opened round %d for the members to re-form" % (formed + 1) in caplog.text
+        assert _poll(lambda: e.membership_change() == "round_advanced")
+        with e._view.lock:
+            assert "c" not in e._view.departed and "c" in e._view.alive  # never an event at e
+        assert sorted(_together([a, b, d, e]).values()) == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    finally:
+        for h in nodes:
+            h.leave()
+            h.close()
+
+
 def test_neighbour_watch_reports_a_dead_agent_while_the_group_runs(etcd_endpoint, run_id):
     """No rendezvous in progress, a 60 s lease: only the ring watch can reveal the death."""
     survivor, proc = _survivor_of_a_doomed_peer(etcd_endpoint, run_id)

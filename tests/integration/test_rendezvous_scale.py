@@ -21,9 +21,10 @@ N = 64
 # Requests per node per round, keepalives aside. Today: lease grant, the alive put with the view's
 # first read in one transaction, its stream's four watchers (first round only), join put, at most one CAS on `round` and
 # one on `final` (only the closer, unless it is late); when the first round forms, the alive/
-# watcher replaced (cancel + create: until then it watched one key, the smallest live node's, so that
-# N registrations or lapses are not N events at each of N nodes; no re-read: the final says who was alive) and one read of
-# the two ring neighbours' alive keys (their liveness ports). Rank 0's store address travels in the
+# watcher replaced (until then it watched one key, the smallest live node's, so that N registrations or lapses are not
+# N events at each of N nodes; then every key up to the smallest's) and one more for the ring neighbours' keys (rank 0:
+# every alive/ key instead), no re-read: the final says who was alive; and one read of the two ring neighbours' and
+# rank 0's alive keys (their liveness ports, the master's address). Rank 0's store address travels in the
 # final, so the round's c10d store is not touched. Before the watches it was ~15 at N = 64 and
 # grew with N (~52 at 256); 12 before the view's first read went with the alive put.
 PER_NODE_PER_ROUND = 11
@@ -34,6 +35,7 @@ PER_NODE_PER_ROUND = 11
 # node) in eight runs of one commit on a 2-core machine; the bound is what rules out the O(N).
 EVENTS_PER_NODE_PER_ROUND = 5
 LEASE_TTL_S = 3.0
+LAPSES = 8
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +119,19 @@ def test_64_nodes_meet_and_reform_at_constant_cost_and_idle_costs_only_keepalive
         print(f"idle: {keepalives_per_node_s:.2f} keepalives per node per second, nothing else")
         assert keepalives_per_node_s <= 1.0 / (LEASE_TTL_S / 3) + 0.5
 
-        # One node leaves: everybody sees it from the watch and the rest re-form at the same cost.
+        # One node leaves: its ring neighbours see it from the watch (rank 0 follows every alive/ change), one of them
+        # opens the next round, and every other node sees the round move: its lapse is an event at those two, not at
+        # every node (the round's move is, once). The rest re-form at the same cost.
         leaver, rest = handlers[-1], handlers[:-1]
+        neighbours = {handlers[0], handlers[-2]}
         t_left = time.monotonic()
+        before = requests_by_method(etcd)
         leaver.leave()
-        assert _poll(lambda: all(h.membership_change() == "peer_lost" for h in rest), 30)
+        assert _poll(lambda: all(h.membership_change() == "peer_lost" for h in neighbours), 30)
+        assert _poll(lambda: all(h.membership_change() in ("round_advanced", "peer_lost") for h in rest), 30)
+        seen = delta(requests_by_method(etcd), before)
+        print(f"a node left: {seen}")
+        assert seen.get("events", 0.0) <= (N - 1) + 8, seen  # `round` at every node, the deletion at a few
         before = requests_by_method(etcd)
         took = _rendezvous_all(rest)
         second = delta(requests_by_method(etcd), before)
@@ -134,6 +144,21 @@ def test_64_nodes_meet_and_reform_at_constant_cost_and_idle_costs_only_keepalive
         # race to another's), the final and a few more; a lost open and a join after it were two
         writes = second.get("Put", 0.0) + second.get("Txn", 0.0)
         assert writes <= (N - 1) + 4, second
+
+        # K leases lapse at once, the agents alive (as an overloaded etcd lets them lapse): each lapse and each
+        # registration again is an event at the lapsed node's ring neighbours, and the round's move at every node
+        # once; when every node followed every alive/ change it was 2 K events at each node (K = 8: 1,008 more)
+        lapsed = rest[10:10 + LAPSES]
+        before = requests_by_method(etcd)
+        client = rest[0]._client
+        for h in lapsed:
+            client.revoke_lease(h._lease.lease_id)
+        assert _poll(lambda: all(h.membership_change() in ("round_advanced", "peer_lost") for h in rest), 30)
+        took = _rendezvous_all(rest)
+        third = delta(requests_by_method(etcd), before)
+        assert {h.membership.round for h in rest} == {2} and {len(h.membership.nodes) for h in rest} == {N - 1}
+        print(f"{LAPSES} leases lapsed, re-formed in {took:.2f} s: {third}")
+        assert third.get("events", 0.0) <= 8 * (N - 1), third  # 315 here; 1,259 when every node followed alive/
     finally:
         for h in handlers:
             h.leave()

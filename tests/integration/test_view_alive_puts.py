@@ -2,13 +2,15 @@
 smallest live node's if that id is below its own (the closer of a round is the smallest live node), for
 deletion: a node that registers or leaves is not an event at every node (O(N) events per lapse at a first
 meeting, each waking a node, was what made a meeting of 1,024 simulated nodes collapse). When a round forms,
-members_formed() counts the members alive without reading alive/ and follows every change from the final's
-revision on, on the same stream."""
+members_formed() counts the members alive without reading alive/ and follows, from the final's revision on, on the
+same stream, every change of the alive/ keys up to the smallest's and from its ring neighbour before it to the one
+after it: a member's lapse is an event at its neighbours (and at every node for the smallest), not at every node."""
 
 from __future__ import annotations
 
 import pytest
 
+from elastic_rt.rendezvous.etcd_client import KeyValue
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.view import MembershipView
 
@@ -31,7 +33,7 @@ def _settled(view, c, keys, value: bytes) -> None:
     assert view.wait_for(lambda: view.round is not None and view.round.value == value, 10)
 
 
-def test_smallest_only_until_a_round_forms_then_every_change_without_a_read(etcd_client, view_and_keys,
+def test_smallest_only_until_a_round_forms_then_its_ring_and_the_smallest_without_a_read(etcd_client, view_and_keys,
                                                                             monkeypatch):
     view, keys = view_and_keys
     c = etcd_client
@@ -62,8 +64,10 @@ def test_smallest_only_until_a_round_forms_then_every_change_without_a_read(etcd
     c.delete(keys.alive("p"))  # p leaves before the round forms, and is back to join it
     c.put(keys.alive("p"), b"{}")
     c.put(keys.alive("q"), b"{}")
+    c.put(keys.alive("s"), b"{}")
     _, final = c.compare_and_put(keys.final(0), b"{}", expected_mod_revision=None)  # the round forms
-    c.delete(keys.alive("q"))  # a member gone after the final, before this node heard of the round
+    c.delete(keys.alive("p"))  # a ring neighbour gone after the final, before this node heard of the round
+    c.delete(keys.alive("s"))  # and a member that is not one
     _settled(view, c, keys, b"1")
 
     reads, cancels = [], []
@@ -72,31 +76,59 @@ def test_smallest_only_until_a_round_forms_then_every_change_without_a_read(etcd
         stream = view._stream
     send = stream._send
     monkeypatch.setattr(stream, "_send", lambda request: cancels.append(request) or send(request))
-    view.members_formed(("b", "m", "p", "q"), final.mod_revision)
-    assert cancels == []  # the smallest node's watcher is dropped, not cancelled: one watch request, the new one
+    view.members_formed(("b", "m", "p", "q", "s"), final.mod_revision)
+    assert cancels == []  # the smallest node's watcher is dropped, not cancelled: two watch requests, the new ones
     with view.lock:
-        assert {"b", "m", "p"} <= set(view.alive) and view.smallest_alive == "b"
-        assert view.alive["p"].value == b""  # known alive from the final, never read
-        assert "p" not in view.departed
+        assert {"b", "m", "p", "q", "s"} <= set(view.alive) and view.smallest_alive == "b"
+        assert view.alive["q"].value == b""  # known alive from the final, never read
         assert view.connected
-    # q's deletion, after the final, comes again from the watcher that replaced the smallest node's
-    assert view.wait_for(lambda: "q" in view.departed and "q" not in view.alive, 10)
+    # p's deletion, after the final, comes again from the ring's watcher (m's neighbours are b and p)
+    assert view.wait_for(lambda: "p" in view.departed and "p" not in view.alive, 10)
+    # s's is not an event here: s is not m's neighbour
+    _settled(view, c, keys, b"2")
+    with view.lock:
+        assert "s" in view.alive and "s" not in view.departed
     assert reads == []
 
-    # from now on every change comes, on the same stream
+    # the ring's keys, from b to p: every change comes, on the same stream; outside it, none does
     endpoint = view.stream_endpoint
     c.put(keys.alive("d"), b'{"incarnation": "1"}')
-    c.delete(keys.alive("b"))
-    assert view.wait_for(lambda: "d" in view.alive and "b" not in view.alive and "b" in view.departed, 10)
+    c.put(keys.alive("x"), b'{"incarnation": "1"}')
+    c.put(keys.alive("p"), b'{"incarnation": "3"}')  # the neighbour that left registers again
+    assert view.wait_for(lambda: "d" in view.alive and "p" in view.alive and "p" not in view.departed, 10)
     c.put(keys.alive("d"), b'{"incarnation": "2"}')
     assert view.wait_for(lambda: view.alive["d"].value == b'{"incarnation": "2"}', 10)
-    c.put(keys.alive("q"), b'{"incarnation": "3"}')  # the member that left registers again
-    assert view.wait_for(lambda: "q" in view.alive and "q" not in view.departed, 10)
-    assert view.stream_endpoint == endpoint
-    view.members_formed(("d", "m", "q"), final.mod_revision)  # a later round: the watch stays as it is
     with view.lock:
-        assert {"d", "m", "p", "q"} == set(view.alive) and view.alive["d"].value == b'{"incarnation": "2"}'
-    assert reads == [] and view.stream_endpoint == endpoint
+        assert "x" not in view.alive
+        assert view.registrations([keys.alive("p"), keys.alive("q")], final.mod_revision) == {
+            keys.alive("p"): view.alive["p"]}  # q is not followed: its value is read
+    # a node smaller than the smallest registers: every member sees it (the smallest's watcher covers every key up
+    # to it), and it is the smallest now; its deletion has the view find the next one
+    c.put(keys.alive("a"), b"{}")
+    assert view.wait_for(lambda: view.smallest_alive == "a", 10)
+    monkeypatch.undo()
+    c.delete(keys.alive("b"))
+    assert view.wait_for(lambda: "b" in view.departed, 10)
+    c.delete(keys.alive("a"))
+    assert view.wait_for(lambda: view.smallest_alive == "d" and "a" in view.departed, 10)  # read: d is next
+    assert view.stream_endpoint == endpoint
+    # a later round, other neighbours: the ring's watcher is replaced (one cancel), a value it did not follow is
+    # not answered any more
+    with view.lock:
+        stream = view._stream
+        view.learn({keys.alive("q"): KeyValue(keys.alive("q"), b'{"incarnation": "q"}', 1, 1, 0)})
+    cancels = []
+    send = stream._send
+    monkeypatch.setattr(stream, "_send", lambda request: cancels.append(request) or send(request))
+    view.members_formed(("d", "m", "q"), final.mod_revision)
+    assert len(cancels) == 1
+    with view.lock:
+        assert {"d", "m", "p", "q", "s"} <= set(view.alive) and view.alive["d"].value == b'{"incarnation": "2"}'
+        assert view.registrations([keys.alive("d"), keys.alive("q")], final.mod_revision) == {
+            keys.alive("d"): view.alive["d"]}
+    c.delete(keys.alive("q"))
+    assert view.wait_for(lambda: "q" in view.departed, 10)
+    assert view.stream_endpoint == endpoint
 
 
 def test_a_view_that_follows_puts_from_the_start_sees_registrations(etcd_client, run_id):
