@@ -21,6 +21,9 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   lapse             with --lapse-smallest-after S (etcd-v3): S s into the meeting, the smallest node's lease is revoked
                     from outside, as etcd does to a lease whose keep-alives came late; its agent lives on and registers
                     again, every other node finds the smallest again (the one fan-out of a first meeting, view.py)
+  reform lapses     with --reform-lapses K (etcd-v3): as the one node is lost, K other members' leases are revoked at
+                    once from outside (agents alive: they register again), as an overloaded etcd lets them lapse;
+                    reform_s then runs until every survivor is in one round of N-1 again (lapsed ones included)
 
     python benchmarks/rendezvous_scale.py                          # 8 ... 1024, all three handlers
     python benchmarks/rendezvous_scale.py --quick --allow-dirty --out /tmp/x   # CI: 8, 16; < 60 s
@@ -64,7 +67,9 @@ class Node:
         t0 = time.monotonic()  # when this node learnt it must (re-)form: its agent's restart begins
         try:
             info = self.h.next_rendezvous()
-            self.done.append({"t0": t0, "t": time.monotonic(), "rank": info.rank, "world": info.world_size})
+            rnd = getattr(getattr(self.h, "membership", None), "round", None)  # etcd-v3's round (None: torch's)
+            self.done.append({"t0": t0, "t": time.monotonic(), "rank": info.rank, "world": info.world_size,
+                              "round": rnd})
         except BaseException as exc:  # noqa: BLE001  (reported, never raised in a worker thread)
             self.done.append({"t0": t0, "t": time.monotonic(), "error": f"{type(exc).__name__}: {exc}"[:300]})
         if self.state != "dead":
@@ -109,6 +114,22 @@ def _tick(nodes: list[Node], kind: str, stop: threading.Event, counts: dict) -> 
 def _wait_done(nodes: list[Node], count: int, deadline: float) -> None:
     while time.monotonic() < deadline and any(len(x.done) < count for x in nodes if x.state != "dead"):
         time.sleep(0.05)
+
+
+def _wait_world(nodes: list[Node], world: int, deadline: float) -> None:
+    """Until every live node's last rendezvous returned a group of `world` in one round, and none is rejoining."""
+    def settled() -> bool:
+        live = [x for x in nodes if x.state != "dead"]
+        last = [x.done[-1] for x in live if x.done]
+        return (len(last) == len(live) and all(x.state == "ticking" for x in live)
+                and all(d.get("world") == world for d in last) and len({d.get("round") for d in last}) == 1)
+
+    while time.monotonic() < deadline and not settled():
+        time.sleep(0.05)
+
+
+def _report_last(nodes: list[Node]) -> list[dict]:
+    return [{"node": x.name, **(x.done[-1] if x.done else {"error": "timeout"})} for x in nodes if x.state != "dead"]
 
 
 def _report(nodes: list[Node], count: int) -> list[dict]:
@@ -190,6 +211,9 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
         elif cmd == "reformed":  # arg: deadline
             _wait_done(nodes, 2, arg)
             conn.send(("reformed", _report(nodes, 2)))
+        elif cmd == "settled":  # arg: (deadline, world)
+            _wait_world(nodes, arg[1], arg[0])
+            conn.send(("settled", _report_last(nodes)))
         elif cmd == "stop":
             stop.set()
             _close(nodes, kind)
@@ -365,6 +389,35 @@ def procs_for(n: int, args) -> int:
     return min(n, max(8, -(-n // args.per_proc)))
 
 
+def lapsing(names: list[str], k: int) -> list[str]:
+    """--reform-lapses: k members spread over the id order, neither the smallest (the closer) nor the last (the
+    node that is lost)."""
+    pool = sorted(names)[1:-1]
+    if k <= 0 or not pool:
+        return []
+    step = len(pool) / min(k, len(pool))
+    return [pool[int(i * step)] for i in range(min(k, len(pool)))]
+
+
+def revoke_all(cluster, run_id: str, nodes: list[str]) -> tuple[int, str]:
+    """Revoke the leases of `nodes`' alive/ keys, from a client of the parent's own, as one batch: (revoked, error)."""
+    from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+    from elastic_rt.rendezvous.keys import RunKeys
+
+    m, keys = cluster.members[0], RunKeys(run_id)
+    client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+    try:
+        found, _, _ = client.read_many([keys.alive(n) for n in nodes], [])
+        for kv in found:
+            if kv is not None:
+                client.revoke_lease(kv.lease)
+        return sum(kv is not None for kv in found), ""
+    except Exception as exc:  # noqa: BLE001 - recorded in the row
+        return 0, f"{type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+
+
 class Lapse:
     """At `at` (monotonic), revoke the lease of `node`'s alive/ key from a client of the parent's own: what etcd does
     to a lease whose keep-alives came late. The node's agent lives on (its next beat finds the lease gone and
@@ -478,7 +531,15 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         t_kill = run.ask(run.owner[victim], "kill", victim)
         if kind != "etcd-v3":
             run.ask_all("fail")  # best case for torch: every survivor's workers fail at once
-        reports = run.ask_all("reformed", t_kill + args.reform_timeout_s, timeout_s=args.reform_timeout_s + 60)
+        lapsed = lapsing(run.names, args.reform_lapses) if kind == "etcd-v3" else []
+        if lapsed:
+            revoked, err = revoke_all(cluster, wargs["run_id"], lapsed)
+            row["reform_lapses"] = {"asked": len(lapsed), "revoked": revoked,
+                                    "revoked_after_s": time.monotonic() - t_kill, "error": err}
+            reports = run.ask_all("settled", (t_kill + args.reform_timeout_s, n - 1),
+                                  timeout_s=args.reform_timeout_s + 60)
+        else:
+            reports = run.ask_all("reformed", t_kill + args.reform_timeout_s, timeout_s=args.reform_timeout_s + 60)
         row["reform_cpu_s"] = {"clients": cpu_s(clients) - cpu0[0], "etcd": cpu_s(members) - cpu0[1],
                                "wall": time.monotonic() - t_kill}
         row["reform_s"], why = _met(reports, t_kill, n - 1)
@@ -503,7 +564,10 @@ def _f(v, fmt: str) -> str:
 
 
 def _lapse_note(r: dict) -> str:
+    lapses = r.get("reform_lapses")
     lapse = r.get("lapse")
+    if lapses is not None:
+        return f"{lapses['revoked']} more leases revoked at the loss {lapses['error']}; "
     if lapse is None:
         return ""
     if lapse["revoked_at_s"] is None:
@@ -566,6 +630,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-reform", action="store_true", help="skip the node-loss phase")
     p.add_argument("--lapse-smallest-after", type=float, default=None, metavar="S",
                    help="etcd-v3: S s into the meeting, revoke the smallest node's lease (its agent registers again)")
+    p.add_argument("--reform-lapses", type=int, default=0, metavar="K",
+                   help="etcd-v3: as the one node is lost, revoke K other members' leases too (their agents register "
+                        "again); the re-form ends when every survivor is in one round of N-1 (default 0)")
     p.add_argument("--switch-interval-ms", type=float, default=50.0,
                    help="the worker processes' GIL switch interval (default 50; Python's own is 5): see procs_for()")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
@@ -586,6 +653,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--switch-interval-ms must be > 0")
     if a.etcd_members < 1:
         p.error("--etcd-members must be >= 1")
+    if a.reform_lapses < 0:
+        p.error("--reform-lapses must be >= 0")
     if a.lapse_smallest_after is not None and a.lapse_smallest_after < 0:
         p.error("--lapse-smallest-after must be >= 0")
     if a.etcd_binary is not None and not (os.path.isfile(a.etcd_binary) and os.access(a.etcd_binary, os.X_OK)):
