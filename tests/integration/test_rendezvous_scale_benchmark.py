@@ -97,3 +97,19 @@ def test_etcd_options(tmp_path, capsys):
     assert "is not an executable file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.parse_args(["--etcd-members", "0"])
+
+
+def test_reform_lapses_spare_the_closer_and_the_lost_node(tmp_path):
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import rendezvous_scale as bench
+    finally:
+        sys.path.remove(os.path.dirname(BENCH))
+    assert bench.parse_args([]).reform_lapses == 0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--reform-lapses", "-1"])
+    names = [f"n{i:04d}" for i in range(1024)]
+    picked = bench.lapsing(names, 64)
+    assert len(set(picked)) == 64 and "n0000" not in picked and "n1023" not in picked
+    assert picked[0] == "n0001" and picked[-1] > "n0900"  # spread over the ring, not one neighbourhood
+    assert bench.lapsing(names[:3], 5) == ["n0001"] and bench.lapsing(names[:2], 1) == [] and bench.lapsing(names, 0) == []
