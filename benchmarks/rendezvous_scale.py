@@ -21,6 +21,8 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   lapse             with --lapse-smallest-after S (etcd-v3): S s into the meeting, the smallest node's lease is revoked
                     from outside, as etcd does to a lease whose keep-alives came late; its agent lives on and registers
                     again, every other node finds the smallest again (the one fan-out of a first meeting, view.py)
+  lost              the node whose lease is revoked: the last by id, or with --lose-smallest (etcd-v3) the smallest,
+                    rank 0, which closes rounds and is the one member that follows every alive/ change
   reform lapses     with --reform-lapses K (etcd-v3): as the one node is lost, K other members' leases are revoked at
                     once from outside (agents alive: they register again), as an overloaded etcd lets them lapse;
                     reform_s then runs until every survivor is in one round of N-1 again (lapsed ones included)
@@ -525,7 +527,9 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         row["ticks_per_node_s"] = (ticks1 - ticks0) / n / idle_s
         if args.no_reform or (args.quick and kind != "etcd-v3"):  # torch's re-form waits out 15 s + 30 s
             return row
-        victim = run.names[-1]  # not the closer (smallest id) and not c10d's store host (the first)
+        # not the closer (smallest id) and not c10d's store host (the first), unless --lose-smallest (etcd-v3)
+        victim = min(run.names) if args.lose_smallest and kind == "etcd-v3" else run.names[-1]
+        row["lost"] = victim
         before = etcd_metrics(cluster)
         cpu0 = (cpu_s(clients), cpu_s(members))
         t_kill = run.ask(run.owner[victim], "kill", victim)
@@ -630,6 +634,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-reform", action="store_true", help="skip the node-loss phase")
     p.add_argument("--lapse-smallest-after", type=float, default=None, metavar="S",
                    help="etcd-v3: S s into the meeting, revoke the smallest node's lease (its agent registers again)")
+    p.add_argument("--lose-smallest", action="store_true",
+                   help="etcd-v3: the node lost is the smallest (rank 0, the closer), not the last")
     p.add_argument("--reform-lapses", type=int, default=0, metavar="K",
                    help="etcd-v3: as the one node is lost, revoke K other members' leases too (their agents register "
                         "again); the re-form ends when every survivor is in one round of N-1 (default 0)")

@@ -105,7 +105,8 @@ def test_reform_lapses_spare_the_closer_and_the_lost_node(tmp_path):
         import rendezvous_scale as bench
     finally:
         sys.path.remove(os.path.dirname(BENCH))
-    assert bench.parse_args([]).reform_lapses == 0
+    assert bench.parse_args([]).reform_lapses == 0 and not bench.parse_args([]).lose_smallest
+    assert bench.parse_args(["--lose-smallest"]).lose_smallest
     with pytest.raises(SystemExit):
         bench.parse_args(["--reform-lapses", "-1"])
     names = [f"n{i:04d}" for i in range(1024)]
