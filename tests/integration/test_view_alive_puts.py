@@ -65,6 +65,7 @@ def test_smallest_only_until_a_round_forms_then_its_ring_and_the_smallest_withou
     c.put(keys.alive("p"), b"{}")
     c.put(keys.alive("q"), b"{}")
     c.put(keys.alive("s"), b"{}")
+    c.put(keys.alive("ba"), b"{}")
     _, final = c.compare_and_put(keys.final(0), b"{}", expected_mod_revision=None)  # the round forms
     c.delete(keys.alive("p"))  # a ring neighbour gone after the final, before this node heard of the round
     c.delete(keys.alive("s"))  # and a member that is not one
@@ -76,13 +77,13 @@ def test_smallest_only_until_a_round_forms_then_its_ring_and_the_smallest_withou
         stream = view._stream
     send = stream._send
     monkeypatch.setattr(stream, "_send", lambda request: cancels.append(request) or send(request))
-    view.members_formed(("b", "m", "p", "q", "s"), final.mod_revision)
+    view.members_formed(("b", "ba", "m", "p", "q", "s"), final.mod_revision)  # m is rank 2 (0 and 1: every change)
     assert cancels == []  # the smallest node's watcher is dropped, not cancelled: two watch requests, the new ones
     with view.lock:
-        assert {"b", "m", "p", "q", "s"} <= set(view.alive) and view.smallest_alive == "b"
+        assert {"b", "ba", "m", "p", "q", "s"} <= set(view.alive) and view.smallest_alive == "b"
         assert view.alive["q"].value == b""  # known alive from the final, never read
         assert view.connected
-    # p's deletion, after the final, comes again from the ring's watcher (m's neighbours are b and p)
+    # p's deletion, after the final, comes again from the ring's watcher (m's neighbours are ba and p)
     assert view.wait_for(lambda: "p" in view.departed and "p" not in view.alive, 10)
     # s's is not an event here: s is not m's neighbour
     _settled(view, c, keys, b"2")
@@ -90,7 +91,7 @@ def test_smallest_only_until_a_round_forms_then_its_ring_and_the_smallest_withou
         assert "s" in view.alive and "s" not in view.departed
     assert reads == []
 
-    # the ring's keys, from b to p: every change comes, on the same stream; outside it, none does
+    # the ring's keys, from ba to p: every change comes, on the same stream; outside it, none does
     endpoint = view.stream_endpoint
     c.put(keys.alive("d"), b'{"incarnation": "1"}')
     c.put(keys.alive("x"), b'{"incarnation": "1"}')
@@ -110,7 +111,7 @@ def test_smallest_only_until_a_round_forms_then_its_ring_and_the_smallest_withou
     c.delete(keys.alive("b"))
     assert view.wait_for(lambda: "b" in view.departed, 10)
     c.delete(keys.alive("a"))
-    assert view.wait_for(lambda: view.smallest_alive == "d" and "a" in view.departed, 10)  # read: d is next
+    assert view.wait_for(lambda: view.smallest_alive == "ba" and "a" in view.departed, 10)  # read: ba is next
     assert view.stream_endpoint == endpoint
     # a later round, other neighbours: the ring's watcher is replaced (one cancel), a value it did not follow is
     # not answered any more
@@ -120,10 +121,10 @@ def test_smallest_only_until_a_round_forms_then_its_ring_and_the_smallest_withou
     cancels = []
     send = stream._send
     monkeypatch.setattr(stream, "_send", lambda request: cancels.append(request) or send(request))
-    view.members_formed(("d", "m", "q"), final.mod_revision)
+    view.members_formed(("ba", "d", "m", "q"), final.mod_revision)
     assert len(cancels) == 1
     with view.lock:
-        assert {"d", "m", "p", "q", "s"} <= set(view.alive) and view.alive["d"].value == b'{"incarnation": "2"}'
+        assert {"ba", "d", "m", "p", "q", "s"} <= set(view.alive) and view.alive["d"].value == b'{"incarnation": "2"}'
         assert view.registrations([keys.alive("d"), keys.alive("q")], final.mod_revision) == {
             keys.alive("d"): view.alive["d"]}
     c.delete(keys.alive("q"))
@@ -138,5 +139,26 @@ def test_a_view_that_follows_puts_from_the_start_sees_registrations(etcd_client,
     try:
         etcd_client.put(keys.alive("b"), b"{}")
         assert view.wait_for(lambda: "b" in view.alive, 10)
+    finally:
+        view.stop()
+
+
+@pytest.mark.parametrize("node, every", [("c", True), ("e", True), ("m", False)])
+def test_rank_0_and_rank_1_follow_every_alive_change_the_others_their_ring(etcd_client, run_id, node, every):
+    """Rank 0 closes the next round, rank 1 when rank 0 is the node lost: both follow every alive/ change."""
+    keys = RunKeys(run_id)
+    for n in ("c", "e", "m", "x", "z"):
+        etcd_client.put(keys.alive(n), b"{}")
+    view = MembershipView(etcd_client, keys, node_id=node, alive_puts=False)
+    view.start()
+    try:
+        assert view.wait_for(lambda: view.connected, 10)
+        _, final = etcd_client.compare_and_put(keys.final(0), b"{}", expected_mod_revision=None)
+        view.members_formed(("c", "e", "m", "x", "z"), final.mod_revision)
+        etcd_client.delete(keys.alive("z"))  # not a ring neighbour of m (m follows e to x)
+        etcd_client.put(keys.round, b"1")
+        assert view.wait_for(lambda: view.round is not None, 10)
+        with view.lock:
+            assert view.alive_puts is every and ("z" in view.departed) is every
     finally:
         view.stop()
