@@ -22,11 +22,11 @@ registers later with a smaller id is learnt by whoever acts as closer from its j
 find the smallest again the same way (rounds.py). When a round forms, members_formed() counts every
 member alive (the final says they were, at its revision) unless a deletion after that revision was
 seen, and replaces the alive watcher on the same stream, from the final's revision, without a read (re-reading
-alive/ cost each node O(N) keys, O(N^2) bytes in all): at rank 0, the next round's closer, with one that sees every
-change of alive/; at every other member, with one that sees every change of the alive/ keys up to the smallest's
+alive/ cost each node O(N) keys, O(N^2) bytes in all): at rank 0 and rank 1 (the next round's closer, and the
+one after it if rank 0 is lost) with one that sees every change of alive/; at every other member, with one that sees every change of the alive/ keys up to the smallest's
 (nothing else is alive there: a smaller node that registers comes too), plus one of the keys from its ring neighbour
-before it to the one after it. A member's lapse or registration is then an event at its neighbours and at rank 0,
-not at every node (when every member followed every alive/ change, K lapses at once cost each of N nodes 2 K events:
+before it to the one after it. A member's lapse or registration is then an event at its neighbours and at ranks 0
+and 1, not at every node (when every member followed every alive/ change, K lapses at once cost each of N nodes 2 K events:
 the fan-out that turned an overloaded etcd's lapses into a cascade, docs/scale.md); a neighbour that finds it lost
 opens the next round at once (handler.py), and every member sees that. The old watcher is dropped here, not cancelled
 in etcd (it watches one key's deletion, and goes with the stream). This node's own alive/ key is not watched before
@@ -200,13 +200,13 @@ class MembershipView:
         no key and no value (the members' incarnations come with the final): no per-member object, key name or event.
 
         A view that watched the smallest node's deletion only then follows, on the same stream, from revision + 1
-        (no read): as rank 0 with no smaller node known, every alive/ change (_follow_all: it closes the next
-        round); else every change of the alive/ keys up to the smallest live node's below this node's id (the
+        (no read): as rank 0 or rank 1 with no smaller node known, every alive/ change (_follow_all: it closes the
+        next round); else every change of the alive/ keys up to the smallest live node's below this node's id (the
         smallest's registration, and a smaller node that registers; nothing else is there) and of the keys from its
         ring neighbour before it to the one after it in the round (_form_ring): two watch requests. Not every alive/
         change at every node: that made each lapse and each registration an event at every node, the fan-out that
         turned an overloaded etcd's lapses into a cascade (docs/scale.md). A member that leaves is seen by its ring
-        neighbours and rank 0 (and by every node when it is the smallest); they open the next round at once
+        neighbours and ranks 0 and 1 (and by every node when it is the smallest); they open the next round at once
         (handler.py), and every other member sees that (MembershipMonitor: ROUND_ADVANCED)."""
         index = self._alive_index
         with self.lock:
@@ -219,11 +219,12 @@ class MembershipView:
             unread = [n for n in nodes if n not in alive and n not in departed]
             if unread:
                 alive.update(dict.fromkeys(unread, KeyValue("", b"", revision, revision, 0)))
-            least = min(nodes, default=None)
-            if not self.alive_puts and index is not None and self._closer_or_next(nodes):
+            ordered = sorted(nodes)  # rank order
+            least = ordered[0] if ordered else None
+            if not self.alive_puts and index is not None and self._closer_or_next(ordered):
                 self._follow_all(revision)  # the closer of the next round, or the one after it if it is lost
             elif not self.alive_puts and index is not None:
-                self._form_ring(nodes, revision)
+                self._form_ring(ordered, revision)
                 if least is not None and least < self._node_id and (self.smallest_alive is None
                                                                     or least < self.smallest_alive):
                     self._find_smallest()  # a member smaller than the smallest node this view knows: read it
@@ -232,13 +233,12 @@ class MembershipView:
             self.version += 1
             self.lock.notify_all()
 
-    def _closer_or_next(self, nodes: tuple[str, ...]) -> bool:
-        """Whether this node is rank 0 or rank 1 of `nodes` with no smaller live node known than rank 0 (caller holds
+    def _closer_or_next(self, ordered: list[str]) -> bool:
+        """Whether this node is rank 0 or rank 1 of the members (`ordered`: in id order) with no smaller live node known than rank 0 (caller holds
         the lock): rank 0 closes the next round; rank 1 closes it when rank 0 is the node lost, and with a view of
         every alive/ key it needs no read for it (at 1,024 nodes, losing rank 0 took 5.30 s to re-form when rank 1
         read alive/ then, against 2.94 s when every member followed every alive/ change)."""
-        ordered = sorted(nodes)[:2]
-        return self._node_id in ordered and (self.smallest_alive is None or self.smallest_alive >= ordered[0])
+        return self._node_id in ordered[:2] and (self.smallest_alive is None or self.smallest_alive >= ordered[0])
 
     def _follow_all(self, revision: int) -> None:
         """members_formed() for rank 0 and rank 1 (caller holds the lock): every alive/ change from revision + 1 on, on
@@ -246,39 +246,33 @@ class MembershipView:
         rank 0 is lost): a re-formation closes once every live node joined, and only a view of every alive/ key
         knows them (two nodes: O(N) events per lapse in all, not per node); a one-node job's restart needs no read
         of its own for it."""
-        stream, index, ri = self._stream, self._alive_index, self._ring_index
+        index, ri = self._alive_index, self._ring_index
         self._untrack()
         if ri is not None:  # the last range, with no joins tracked
-            if stream is not None:
-                stream.forget(ri)
+            if self._stream is not None:
+                self._stream.forget(ri)
             del self._ranges[ri], self._revs[ri], self._floors[ri]
             self._ring_index = None
-        if stream is not None:
-            # the watcher of one key's deletion is dropped, not cancelled: it stays idle in etcd until the stream ends
-            stream.forget(index, cancel=self._member)
+        # the watcher of one key's deletion is dropped, not cancelled: it stays idle in etcd until the stream ends.
         # Not from the old watcher's revision: that would replay every registration since this node's first read.
         # The deletions up to the final have come on the same stream before the final did.
-        self._floors[index] = self._revs[index] = revision
+        cancel = self._member
         self._member = self.alive_puts = True
-        if stream is not None:
-            stream.add(index, self._ranges[index], revision + 1)
+        self._rewatch(index, self._ranges[index], revision, cancel=cancel)
 
-    def _form_ring(self, nodes: tuple[str, ...], revision: int) -> None:
-        """members_formed()'s watchers (caller holds the lock): the smallest node's, turned from its deletion to every
-        change up to it, once; the ring's, added, or replaced when this round's neighbours are others."""
-        stream, index = self._stream, self._alive_index
+    def _form_ring(self, ordered: list[str], revision: int) -> None:
+        """members_formed()'s watchers (caller holds the lock; `ordered`: the members in id order): the smallest node's,
+        turned from its deletion to every change up to it, once; the ring's, added, or replaced when this round's
+        neighbours are others."""
+        index = self._alive_index
         self._untrack()  # the joins of the round that formed: no longer needed, and the ring's index goes before them
         if not self._member:
             self._member = True
-            if stream is not None:
-                # dropped, not cancelled: the watcher of one key's deletion stays idle in etcd until the stream ends
-                stream.forget(index, cancel=False)
-            # Not from the old watcher's revision: its deletions up to the final came on the same stream before the
-            # final did (a synced watcher's events are sent in revision order)
-            self._floors[index] = self._revs[index] = revision
-            if stream is not None:
-                stream.add(index, self._watched_ranges(frozenset({index}))[index], revision + 1)
-        ring, ri = self._ring(nodes), self._ring_index
+            # dropped, not cancelled: the watcher of one key's deletion stays idle in etcd until the stream ends. Not
+            # from the old watcher's revision: its deletions up to the final came on the same stream before the final
+            # did (a synced watcher's events are sent in revision order)
+            self._rewatch(index, self._watched_ranges(frozenset({index}))[index], revision, cancel=False)
+        ring, ri = self._ring(ordered), self._ring_index
         if ring is None:
             if ri is None:
                 return  # a one-node round: no neighbour
@@ -291,22 +285,29 @@ class MembershipView:
         elif self._ranges[ri] == ring:
             return  # the same neighbours: the watcher stays
         else:
-            if stream is not None:
-                stream.forget(ri)
             old, self._ranges[ri] = self._ranges[ri], ring
-            self._floors[ri] = self._revs[ri] = revision
             placeholder = KeyValue("", b"", revision, revision, 0)
             for node, kv in list(self.alive.items()):  # values the old ring did not follow may be behind: read again
                 if kv.value and self._covers([ring], node) and not self._covers([old], node):
                     self.alive[node] = placeholder
-        if stream is not None:
-            stream.add(ri, ring, revision + 1)
+        self._rewatch(ri, ring, revision, cancel=True)  # a new index has no watcher to cancel
 
-    def _ring(self, nodes: tuple[str, ...]) -> tuple[str, bytes] | None:
-        """The alive/ keys from this node's ring neighbour before it to the one after it, in id order (ranks follow it):
-        one range (the first and the last member each have one neighbour in it; the smallest's watcher covers the
-        first member for every node). None for a round of one node, or one without this node."""
-        ordered = sorted(nodes)
+    def _rewatch(self, index: int, key_range: tuple[str, bytes], revision: int, *, cancel: bool,
+                 deletes_only: bool = False) -> None:
+        """Range `index`'s watcher replaced, on the stream there is (none: the next one opens with it), by one of
+        `key_range` from revision + 1: what came up to `revision` is in the view already. `cancel`: ask etcd to
+        cancel the old one (else it stays until the stream ends, its events dropped here). Caller holds the lock."""
+        stream = self._stream
+        if stream is not None:
+            stream.forget(index, cancel=cancel)
+        self._floors[index] = self._revs[index] = revision
+        if stream is not None:
+            stream.add(index, key_range, revision + 1, deletes_only=deletes_only)
+
+    def _ring(self, ordered: list[str]) -> tuple[str, bytes] | None:
+        """The alive/ keys from this node's ring neighbour before it to the one after it, of the members in id order
+        (ranks follow it): one range (the first and the last member each have one neighbour in it; the smallest's
+        watcher covers the first member for every node). None for a round of one node, or one without this node."""
         if self._node_id not in ordered or len(ordered) < 2:
             return None
         i = ordered.index(self._node_id)
@@ -610,14 +611,12 @@ class MembershipView:
         """The smallest alive/ key below this node's as read at `rev` (None: there is none): the alive map as a read of
         every range would have it, and its watcher, from rev + 1, replaces the one of the node that left, on the same
         stream (dropped, not cancelled: members_formed()). Caller holds the lock; the other ranges stay watched."""
-        index, stream = self._alive_index, self._stream
+        index = self._alive_index
         covered = self._below_covered(kv)
         self._smallest = kv.key if kv is not None else None
         self._replace_alive([kv] if kv is not None else [], self._clock(), rev, covered)
-        stream.forget(index, cancel=False)
-        self._floors[index] = self._revs[index] = rev
-        stream.add(index, self._watched_ranges(frozenset({index}))[index], rev + 1,
-                   deletes_only=bool(self._deletes_only()))
+        self._rewatch(index, self._watched_ranges(frozenset({index}))[index], rev, cancel=False,
+                      deletes_only=bool(self._deletes_only()))
         self.reloads += 1
         self.version += 1
         self.lock.notify_all()
