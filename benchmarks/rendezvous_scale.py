@@ -401,13 +401,19 @@ def lapsing(names: list[str], k: int) -> list[str]:
     return [pool[int(i * step)] for i in range(min(k, len(pool)))]
 
 
+def _parent_client(cluster):
+    """An etcd client of the parent's own, on the first member (it revokes leases from outside the nodes)."""
+    from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+
+    m = cluster.members[0]
+    return EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+
+
 def revoke_all(cluster, run_id: str, nodes: list[str]) -> tuple[int, str]:
     """Revoke the leases of `nodes`' alive/ keys, from a client of the parent's own, as one batch: (revoked, error)."""
-    from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
     from elastic_rt.rendezvous.keys import RunKeys
 
-    m, keys = cluster.members[0], RunKeys(run_id)
-    client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+    keys, client = RunKeys(run_id), _parent_client(cluster)
     try:
         found, _, _ = client.read_many([keys.alive(n) for n in nodes], [])
         for kv in found:
@@ -426,11 +432,9 @@ class Lapse:
     registers again)."""
 
     def __init__(self, cluster, run_id: str, node: str, at: float) -> None:
-        from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
         from elastic_rt.rendezvous.keys import RunKeys
 
-        m = cluster.members[0]
-        self._client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+        self._client = _parent_client(cluster)
         self._key, self._at = RunKeys(run_id).alive(node), at
         self._out: dict = {"node": node, "revoked_at_s": None, "lease": None, "error": ""}
         self._thread = threading.Thread(target=self._run, daemon=True)
