@@ -25,8 +25,9 @@ watches it for deletion (the closer is the smallest live node; at a first meetin
 registration, or every lapse, would otherwise be an event at every node: O(N^2)); when its
 first round forms it counts the members alive (the final lists them, with
 each one's incarnation from its join) and, from the final's revision on, without reading alive/ (N keys at each of
-N nodes), follows every alive/ change as rank 0 (the next round's closer) and, at every other member, the keys up
-to the smallest's and those of its ring neighbours: a member's lapse is an event at its neighbours and rank 0, and
+N nodes), follows every alive/ change as rank 0 or rank 1 (the next round's closer, and the one after it) and, at
+every other member, the keys up to the smallest's and those of its ring neighbours: a member's lapse is an event at
+its neighbours and ranks 0 and 1, and
 a neighbour that finds it lost opens the next round at once (compare-and-set, no join), which every member sees. The agent's
 monitor tick and the rendezvous loop read only the view; an idle job costs etcd the lease
 keepalives and nothing else.
@@ -531,7 +532,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
 
     def _formed(self, m: Membership) -> None:
         """A round formed with this node: the view counts its members alive and from now on follows the alive/
-        changes of its ring and the smallest (rank 0: every one; until then it knew only who left), then the
+        changes of its ring and the smallest (ranks 0 and 1: every one; until then it knew only who left), then the
         monitor remembers them."""
         self._view.members_formed(m.nodes, m.revision)
         self._monitor.formed(m.round, m.nodes, m.incarnations)
@@ -544,7 +545,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
     def _watch_neighbours(self, names: list[str], found: Mapping[str, KeyValue | None]) -> None:
         """Hold connections to the ring neighbours' liveness listeners (`names`; their alive/ keys as read with
         the round: the view may not hold their values): a dead agent is evicted the moment its connections
-        close; its other neighbour and rank 0 see it through etcd, and the rest when `round` moves."""
+        close; its other neighbour and ranks 0 and 1 see it through etcd, and the rest when `round` moves."""
         peers = [p for n in names if (kv := found.get(self.keys.alive(n))) is not None
                  and (p := parse_peer(n, kv.value, kv.lease)) is not None]
         if self._peer_watch is None:

@@ -22,8 +22,8 @@ N = 64
 # first read in one transaction, its stream's four watchers (first round only), join put, at most one CAS on `round` and
 # one on `final` (only the closer, unless it is late); when the first round forms, the alive/
 # watcher replaced (until then it watched one key, the smallest live node's, so that N registrations or lapses are not
-# N events at each of N nodes; then every key up to the smallest's) and one more for the ring neighbours' keys (rank 0:
-# every alive/ key instead), no re-read: the final says who was alive; and one read of the two ring neighbours' and
+# N events at each of N nodes; then every key up to the smallest's) and one more for the ring neighbours' keys (ranks 0
+# and 1: every alive/ key instead), no re-read: the final says who was alive; and one read of the two ring neighbours' and
 # rank 0's alive keys (their liveness ports, the master's address). Rank 0's store address travels in the
 # final, so the round's c10d store is not touched. Before the watches it was ~15 at N = 64 and
 # grew with N (~52 at 256); 12 before the view's first read went with the alive put.
@@ -119,7 +119,7 @@ def test_64_nodes_meet_and_reform_at_constant_cost_and_idle_costs_only_keepalive
         print(f"idle: {keepalives_per_node_s:.2f} keepalives per node per second, nothing else")
         assert keepalives_per_node_s <= 1.0 / (LEASE_TTL_S / 3) + 0.5
 
-        # One node leaves: its ring neighbours see it from the watch (rank 0 follows every alive/ change), one of them
+        # One node leaves: its ring neighbours see it from the watch (ranks 0 and 1 follow every alive/ change), one of them
         # opens the next round, and every other node sees the round move: its lapse is an event at those two, not at
         # every node (the round's move is, once). The rest re-form at the same cost.
         leaver, rest = handlers[-1], handlers[:-1]
