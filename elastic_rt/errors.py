@@ -73,6 +73,10 @@ class NodeExcludedError(HealthCheckError):
     exit_code = 4
 
 
+class RoundOverError(ElasticRTError):
+    """A round listener used its round's store after the round ended (the agent met again, or left)."""
+
+
 class RoundRejectedError(ElasticRTError):
     """A round must form again without nodes the pre-flight test excluded (handled by the agent)."""
 

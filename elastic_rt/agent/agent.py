@@ -18,6 +18,7 @@ from elastic_rt.agent.crash_loop import CrashLoopError, CrashLoopJudge, failure_
 from elastic_rt.diagnostics.failure_diagnostics import FailureDiagnostics
 from elastic_rt.diagnostics.exit_aborts import forgive_teardown_exits
 from elastic_rt.agent.process_tree import stop_tree
+from elastic_rt.agent.round_store import RoundStore
 from elastic_rt.agent.scale_up import SCALE_UP_WAIT_S, ScaleUpGate, join_when_warm
 from elastic_rt.agent.warm import WarmPool
 from elastic_rt.agent.warm_start import warm_start
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 
 RoundListener = Callable[..., None]  # called with round, store, group_rank, group_world_size, master_addr
+
+# How long the agent, leaving, waits for its round listeners' store writes in flight (an etcd request each)
+ROUND_STORE_DRAIN_S = 5.0
 
 
 class ElasticRTAgent(LocalElasticAgent):
@@ -83,6 +87,7 @@ class ElasticRTAgent(LocalElasticAgent):
         self._joined = False  # the first rendezvous of this agent is behind it
         self._scale_up_gate = ScaleUpGate(warm_pool, max_wait_s=scale_up_wait_s, log_prefix=self._prefix)
         self._fence: FencePublisher | None = None  # the round, for the workers' checkpoint commits
+        self._round_store: RoundStore | None = None  # the round listeners' store: ends with the round
         if warm_pool is not None:
             warm_pool.log_prefix = self._prefix
 
@@ -107,13 +112,28 @@ class ElasticRTAgent(LocalElasticAgent):
         m = self._membership()
         return f"[{self._node_id} round {m.round if m else '-'}]"
 
+    def _end_round_store(self, wait_s: float = 0.0) -> None:
+        """The round is over for its listeners' threads: their store calls fail from now on."""
+        rs, self._round_store = self._round_store, None
+        if rs is not None and not rs.end(wait_s=wait_s):
+            log.warning("%s a check of round %d was still writing to the store after %g s; leaving anyway",
+                        self._prefix(), rs.round, wait_s)
+
     # ---- worker lifecycle --------------------------------------------------
+    def run(self, role: str = "default") -> RunResult:
+        """torch's run(); then the last round's checks write nothing more (the caller leaves the run next)."""
+        try:
+            return super().run(role)
+        finally:
+            self._end_round_store(ROUND_STORE_DRAIN_S)
+
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         if not self._joined and self._extras is not None:
             join_when_warm(self._warm_pool, running=self._extras.round_running,
                            max_wait_s=self._scale_up_gate.max_wait_s, sleep=self._sleep, log_prefix=self._prefix)
         self._joined = True
         while True:
+            self._end_round_store()  # the old round's checks are moot; their stray writes stay in its own prefix
             t0 = time.monotonic()
             self.observer.on_rendezvous_started()
             super()._rendezvous(worker_group)
@@ -126,9 +146,10 @@ class ElasticRTAgent(LocalElasticAgent):
             )
             if m is None:
                 return
+            self._round_store = RoundStore(worker_group.store, round=m.round)
             try:
                 for listener in self._round_listeners:
-                    listener(round=m.round, store=worker_group.store, group_rank=worker_group.group_rank,
+                    listener(round=m.round, store=self._round_store, group_rank=worker_group.group_rank,
                              group_world_size=worker_group.group_world_size, master_addr=worker_group.master_addr)
                 return
             except RoundRejectedError as exc:  # the pre-flight test excluded nodes: meet again without them

@@ -12,7 +12,7 @@ from elastic_rt.collectors import sntp
 from elastic_rt.collectors.clock import SkewEstimate, skew_warning
 from elastic_rt.collectors.probe import ProbeResult, spawn_probe
 from elastic_rt.decisions import DETECTION_ACTIONS, DetectionAction
-from elastic_rt.errors import ConfigError, ElasticRTError
+from elastic_rt.errors import ConfigError, ElasticRTError, RoundOverError
 from elastic_rt.sections import option, positive
 
 # torch's DynamicRendezvousHandler declares a node dead when its heartbeat, stamped with
@@ -154,7 +154,7 @@ class RoundChecks:
                 nbytes=self._probe_bytes, timeout_s=self._probe_timeout_s, backend=self._probe_backend,
             )
         except Exception as exc:  # noqa: BLE001 - HealthCheckError, or the store went with the round
-            if rnd == self.round:  # a failure of an outdated round says nothing
+            if self._current(rnd, exc):  # a failure of an outdated round says nothing
                 self._metrics.on_probe_failure()
                 self.probe_error = str(exc) or type(exc).__name__
                 self.probe_failed_round = rnd
@@ -168,6 +168,10 @@ class RoundChecks:
                  self._node, rnd, result.backend, result.nbytes, world, result.latency_s * 1e3,
                  result.busbw_bytes_per_s / 1e9)
 
+    def _current(self, rnd: int, exc: Exception) -> bool:
+        """Whether a failure in round rnd speaks of the round that runs (not of one that ended under it)."""
+        return rnd == self.round and not isinstance(exc, RoundOverError)
+
     def _measure_skew(self, rnd: int, store, rank: int, world: int) -> None:
         from elastic_rt.collectors.skew import measure_skew_via_store, serve_skew  # torch.distributed
 
@@ -179,7 +183,7 @@ class RoundChecks:
                 return
             est = measure_skew_via_store(store, rank, samples=self._skew_samples)
         except Exception as exc:  # noqa: BLE001 - the round may have ended under us
-            if rnd == self.round:
+            if self._current(rnd, exc):
                 log.warning("[%s round %d] clock skew measurement failed: %s", self._node, rnd, exc)
             return
         self.last_skew = est

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping
 
 from elastic_rt.decisions import DETECTION_ACTIONS, DetectionAction, Signal
-from elastic_rt.errors import ConfigError
+from elastic_rt.errors import ConfigError, RoundOverError
 from elastic_rt.sections import option, positive
 
 log = logging.getLogger(__name__)
@@ -220,6 +220,8 @@ class SpeedExchange:
                     verdict = board.update(self._read_nodes(store, world, present))
                     if verdict is not None:
                         store.set(_VERDICT_KEY, verdict.to_json())
+            except RoundOverError:  # the agent met again or left
+                return
             except Exception as exc:  # noqa: BLE001 - etcd away for a while, or the round ended under us
                 if rnd == self.round and not failed:
                     log.info("[%s round %d] step-time exchange: %s; retrying every window", self._node, rnd, exc)
