@@ -4,8 +4,11 @@ run's last agent can remove every key of the run. A real agent, a real etcd-v3 r
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+
+import pytest
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -16,6 +19,15 @@ from elastic_rt.errors import RoundOverError
 from elastic_rt.rendezvous.etcd_client import prefix_end
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
 from elastic_rt.worker_reports.inbox import WorkerReports
+
+
+@pytest.fixture
+def agent_environ():
+    """The agent sets its workers' variables in its own process (this one): put back what was there after."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 class _Writer:
@@ -41,7 +53,8 @@ class _Writer:
             self.stopped_by = exc
 
 
-def test_a_check_writing_when_the_job_ends_writes_nothing_after_run(etcd_endpoint, etcd_client, run_id, tmp_path):
+def test_a_check_writing_when_the_job_ends_writes_nothing_after_run(etcd_endpoint, etcd_client, run_id, tmp_path,
+                                                                   agent_environ):
     handler = create_etcd_v3_handler(RendezvousParameters(
         "etcd-v3", etcd_endpoint, run_id, 1, 1, local_addr="127.0.0.1", node_id="a"))
     writer = _Writer()
