@@ -28,7 +28,12 @@ one after it if rank 0 is lost) with one that sees every change of alive/; at ev
 before it to the one after it. A member's lapse or registration is then an event at its neighbours and at ranks 0
 and 1, not at every node (when every member followed every alive/ change, K lapses at once cost each of N nodes 2 K events:
 the fan-out that turned an overloaded etcd's lapses into a cascade, docs/scale.md); a neighbour that finds it lost
-opens the next round at once (handler.py), and every member sees that. The old watcher is dropped here, not cancelled
+opens the next round at once (handler.py), and every member sees that. When the smallest node goes after a round
+formed, a member that knows a member below its own id alive reads nothing: no round closes on it before the next one
+forms, and that round's final names the next smallest (its least member, alive then), watched from the final's
+revision with one watch request; with no round formed within SMALLEST_READ_DELAY_S it reads as before, and a member
+with nobody below it left alive in its view reads at once (it may close the next round). At 1,024 nodes, every member
+reading at rank 0's loss made that re-form 1-2 s slower. The old watcher is dropped here, not cancelled
 in etcd (it watches one key's deletion, and goes with the stream). This node's own alive/ key is not watched before
 that: NodeLease tells the view (changed()) when it granted a new lease, so that the rendezvous loop joins again.
 """
@@ -46,6 +51,12 @@ from elastic_rt.rendezvous.etcd_reachability import Backoff
 from elastic_rt.rendezvous.keys import RunKeys
 
 log = logging.getLogger(__name__)
+
+# A member's view that saw the smallest node go, with members of the round below its own id it has not seen go,
+# finds the next smallest this long after (at the next lease beat, revive()), unless a round forms first: its final
+# names the next smallest (its least member, alive then). At 1,024 nodes, all of them reading it at once when rank 0
+# was lost made the re-form 1-2 s slower than when every member followed every alive/ change.
+SMALLEST_READ_DELAY_S = 5.0
 
 
 def _reentrant(lock: threading.Condition) -> bool:
@@ -68,7 +79,7 @@ class MembershipView:
     def __init__(self, client: EtcdClient, keys: RunKeys, *, node_id: str,
                  ranges: list[tuple[str, bytes]] | None = None, lock: threading.Condition | None = None,
                  clock: Callable[[], float] = time.monotonic, backoff: Backoff | None = None,
-                 alive_puts: bool = True) -> None:
+                 alive_puts: bool = True, smallest_read_delay_s: float = SMALLEST_READ_DELAY_S) -> None:
         self._client = client
         self._keys = keys
         self._node_id = node_id
@@ -85,6 +96,8 @@ class MembershipView:
         self._ring_index: int | None = None  # the range index of the ring neighbours' alive/ keys (members_formed)
         self._reload_wanted = False
         self._smallest_wanted = False  # a thread reads the smallest alive/ key again and watches it (_find_smallest)
+        self._smallest_read_delay_s = smallest_read_delay_s
+        self._smallest_due: float | None = None  # a member's view: when to find the smallest gone (revive())
         self.reloads = 0  # reads of the view's ranges, and of the smallest alive/ key (decide()'s J6 counts both)
         if lock is not None and not _reentrant(lock):
             raise ValueError("a membership view's lock must be re-entrant (a Condition over an RLock): closing its "
@@ -221,13 +234,18 @@ class MembershipView:
                 alive.update(dict.fromkeys(unread, KeyValue("", b"", revision, revision, 0)))
             ordered = sorted(nodes)  # rank order
             least = ordered[0] if ordered else None
+            if self._smallest_due is not None:  # the smallest went, the next one not found yet: this final names it
+                self._smallest_due = None
+                self.smallest_alive = self._smallest = None
             if not self.alive_puts and index is not None and self._closer_or_next(ordered):
                 self._follow_all(revision)  # the closer of the next round, or the one after it if it is lost
             elif not self.alive_puts and index is not None:
-                self._form_ring(ordered, revision)
-                if least is not None and least < self._node_id and (self.smallest_alive is None
-                                                                    or least < self.smallest_alive):
-                    self._find_smallest()  # a member smaller than the smallest node this view knows: read it
+                adopt = least is not None and least < self._node_id and (self.smallest_alive is None
+                                                                         or least < self.smallest_alive)
+                if adopt:  # the round's least member, alive at its final: the smallest from now on, without a read
+                    self.smallest_alive, self._smallest = least, self._keys.alive(least)
+                    self._smallest_wanted = False
+                self._form_ring(ordered, revision, smallest_changed=adopt)
             if self.alive_puts and least is not None and (self.smallest_alive is None or least < self.smallest_alive):
                 self.smallest_alive = least
             self.version += 1
@@ -260,13 +278,13 @@ class MembershipView:
         self._member = self.alive_puts = True
         self._rewatch(index, self._ranges[index], revision, cancel=cancel)
 
-    def _form_ring(self, ordered: list[str], revision: int) -> None:
+    def _form_ring(self, ordered: list[str], revision: int, *, smallest_changed: bool = False) -> None:
         """members_formed()'s watchers (caller holds the lock; `ordered`: the members in id order): the smallest node's,
-        turned from its deletion to every change up to it, once; the ring's, added, or replaced when this round's
-        neighbours are others."""
+        turned from its deletion to every change up to it, once, and again when the smallest is another node
+        (`smallest_changed`); the ring's, added, or replaced when this round's neighbours are others."""
         index = self._alive_index
         self._untrack()  # the joins of the round that formed: no longer needed, and the ring's index goes before them
-        if not self._member:
+        if not self._member or smallest_changed:
             self._member = True
             # dropped, not cancelled: the watcher of one key's deletion stays idle in etcd until the stream ends. Not
             # from the old watcher's revision: its deletions up to the final came on the same stream before the final
@@ -540,9 +558,14 @@ class MembershipView:
         self._thread = thread
 
     def revive(self) -> None:
-        """Reopen a stream that ended while no thread could be started to reopen it (the lease thread calls this
-        after every beat; nothing to do otherwise)."""
+        """Reopen a stream that ended while no thread could be started to reopen it, and find the next smallest node
+        when a member's view put that off and no round formed meanwhile (the lease thread calls this after every
+        beat; nothing to do otherwise)."""
         with self.lock:
+            if self._smallest_due is not None and self._clock() >= self._smallest_due:
+                self._smallest_due = None
+                if self._smallest_only():
+                    self._find_smallest()
             if self._stranded:
                 self._stranded = False
                 self._recover_later(0.0, self._stream is None)  # with a stream open: the smallest node's read only
@@ -613,6 +636,7 @@ class MembershipView:
         stream (dropped, not cancelled: members_formed()). Caller holds the lock; the other ranges stay watched."""
         index = self._alive_index
         covered = self._below_covered(kv)
+        self._smallest_due = None
         self._smallest = kv.key if kv is not None else None
         self._replace_alive([kv] if kv is not None else [], self._clock(), rev, covered)
         self._rewatch(index, self._watched_ranges(frozenset({index}))[index], rev, cancel=False,
@@ -679,6 +703,7 @@ class MembershipView:
                 self._smallest = smallest.key if smallest is not None else None
             self.round, self.closed, self.closed_kv, self.run_lease = None, False, None, None
             self.waiting, self.joins, self.finals = {}, {}, {}
+            self._smallest_due = None
             self._replace_alive([kv for kvs in ranges for kv in kvs], now, rev, covered)
             self._revs = [rev] * len(self._ranges)
             self._floors = [rev] * len(self._ranges)
@@ -779,8 +804,14 @@ class MembershipView:
             if self._smallest_only():
                 # the smallest node left: until the next read finds the next smallest (_find_smallest: its watcher is
                 # swapped on this stream), smallest_alive stays as it was: somebody smaller may still be alive
-                if kv.key == self._smallest:
-                    self._find_smallest()
+                if kv.key == self._smallest or (known and self._smallest_due is not None and node < self._node_id):
+                    if self._member and any(n < self._node_id for n in self.alive):
+                        # a member below this node is alive as far as this view knows: this node closes no round
+                        # before the next one forms, whose final names the next smallest (members_formed())
+                        if self._smallest_due is None:
+                            self._smallest_due = now + self._smallest_read_delay_s
+                    else:  # this node may be the smallest now: the closer of the next round
+                        self._find_smallest()
             elif known and node == self.smallest_alive:
                 self.smallest_alive = min(self.alive) if self.alive else None
         elif kind == "waiting":
