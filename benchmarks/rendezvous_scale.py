@@ -139,6 +139,23 @@ def _report(nodes: list[Node], count: int) -> list[dict]:
             for x in nodes if x.state != "dead"]
 
 
+def _after(node: Node, since: float) -> dict | None:
+    """The node's first rendezvous begun at or after `since` (monotonic), or None."""
+    return next((d for d in node.done if d["t0"] >= since), None)
+
+
+def _wait_after(nodes: list[Node], since: float, deadline: float) -> None:
+    while time.monotonic() < deadline and any(_after(x, since) is None for x in nodes if x.state != "dead"):
+        time.sleep(0.05)
+
+
+def _report_after(nodes: list[Node], since: float) -> list[dict]:
+    """Each live node's first rendezvous begun after `since` (the loss), and how many it began before (a restart
+    before the loss, e.g. after a lease that lapsed in the meeting, is not the re-form)."""
+    return [{"node": x.name, "before": sum(1 for d in x.done if d["t0"] < since),
+             **(_after(x, since) or {"error": "timeout"})} for x in nodes if x.state != "dead"]
+
+
 def _kill(node: Node, kind: str) -> float:
     """The node dies: etcd-v3 loses its lease (revoked, as a peer's eviction or a TTL would); torch's
     handlers stop their heartbeats (the closest a thread can come to a dead agent)."""
@@ -210,9 +227,9 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
                     x.state = "rejoining"
                     threading.Thread(target=x.rendezvous, daemon=True).start()
             conn.send(("failed", None))
-        elif cmd == "reformed":  # arg: deadline
-            _wait_done(nodes, 2, arg)
-            conn.send(("reformed", _report(nodes, 2)))
+        elif cmd == "reformed":  # arg: (deadline, the loss's monotonic time)
+            _wait_after(nodes, arg[1], arg[0])
+            conn.send(("reformed", _report_after(nodes, arg[1])))
         elif cmd == "settled":  # arg: (deadline, world)
             _wait_world(nodes, arg[1], arg[0])
             conn.send(("settled", _report_last(nodes)))
@@ -547,7 +564,9 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
             reports = run.ask_all("settled", (t_kill + args.reform_timeout_s, n - 1),
                                   timeout_s=args.reform_timeout_s + 60)
         else:
-            reports = run.ask_all("reformed", t_kill + args.reform_timeout_s, timeout_s=args.reform_timeout_s + 60)
+            reports = run.ask_all("reformed", (t_kill + args.reform_timeout_s, t_kill),
+                                  timeout_s=args.reform_timeout_s + 60)
+            row["restarted_before_loss"] = sum(1 for block in reports for r in block if r.get("before", 1) > 1)
         row["reform_cpu_s"] = {"clients": cpu_s(clients) - cpu0[0], "etcd": cpu_s(members) - cpu0[1],
                                "wall": time.monotonic() - t_kill}
         row["reform_s"], why = _met(reports, t_kill, n - 1)
@@ -572,6 +591,11 @@ def _f(v, fmt: str) -> str:
 
 
 def _lapse_note(r: dict) -> str:
+    before = f"{r['restarted_before_loss']} nodes restarted before the loss; " if r.get("restarted_before_loss") else ""
+    return before + _lapses(r)
+
+
+def _lapses(r: dict) -> str:
     lapses = r.get("reform_lapses")
     lapse = r.get("lapse")
     if lapses is not None:

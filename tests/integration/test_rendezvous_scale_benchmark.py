@@ -114,3 +114,23 @@ def test_reform_lapses_spare_the_closer_and_the_lost_node(tmp_path):
     assert len(set(picked)) == 64 and "n0000" not in picked and "n1023" not in picked
     assert picked[0] == "n0001" and picked[-1] > "n0900"  # spread over the ring, not one neighbourhood
     assert bench.lapsing(names[:3], 5) == ["n0001"] and bench.lapsing(names[:2], 1) == [] and bench.lapsing(names, 0) == []
+
+
+def test_the_reform_is_the_first_rendezvous_begun_after_the_loss():
+    """A node that restarted before the loss (a lease that lapsed in the meeting, a round again of all N) has more
+    than one rendezvous by then: the re-form reported is the one begun after the loss, not its second one."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import rendezvous_scale as bench
+    finally:
+        sys.path.remove(os.path.dirname(BENCH))
+    steady, restarted, late = bench.Node("a", None), bench.Node("b", None), bench.Node("c", None)
+    steady.done = [{"t0": 1.0, "t": 2.0, "world": 4}, {"t0": 10.5, "t": 11.0, "world": 3}]
+    restarted.done = [{"t0": 1.0, "t": 2.0, "world": 4}, {"t0": 5.0, "t": 6.0, "world": 4},
+                      {"t0": 10.2, "t": 11.5, "world": 3}]
+    late.done = [{"t0": 1.0, "t": 2.0, "world": 4}]
+    rows = bench._report_after([steady, restarted, late], 10.0)
+    assert [(r["node"], r["before"], r.get("world"), r.get("error")) for r in rows] == [
+        ("a", 1, 3, None), ("b", 2, 3, None), ("c", 1, None, "timeout")]
+    assert bench._met([rows[:2]], 10.0, 3) == (1.5, "")
+    assert bench._lapse_note({"restarted_before_loss": 1}) == "1 nodes restarted before the loss; "
