@@ -29,8 +29,8 @@ before it to the one after it. A member's lapse or registration is then an event
 and 1, not at every node (when every member followed every alive/ change, K lapses at once cost each of N nodes 2 K events:
 the fan-out that turned an overloaded etcd's lapses into a cascade, docs/scale.md); a neighbour that finds it lost
 opens the next round at once (handler.py), and every member sees that. When the smallest node goes after a round
-formed, a member that knows a member below its own id alive reads nothing: no round closes on it before the next one
-forms, and that round's final names the next smallest (its least member, alive then), watched from the final's
+formed, a member whose ring neighbour below it is alive (a deletion it would see) reads nothing: no round closes on it
+before the next one forms, and that round's final names the next smallest (its least member, alive then), watched from the final's
 revision with one watch request; with no round formed within SMALLEST_READ_DELAY_S it reads as before, and a member
 with nobody below it left alive in its view reads at once (it may close the next round). At 1,024 nodes, every member
 reading at rank 0's loss made that re-form 1-2 s slower. The old watcher is dropped here, not cancelled
@@ -52,7 +52,7 @@ from elastic_rt.rendezvous.keys import RunKeys
 
 log = logging.getLogger(__name__)
 
-# A member's view that saw the smallest node go, with members of the round below its own id it has not seen go,
+# A member's view that saw the smallest node go, with its ring neighbour below it alive (it would see that one go),
 # finds the next smallest this long after (at the next lease beat, revive()), unless a round forms first: its final
 # names the next smallest (its least member, alive then). At 1,024 nodes, all of them reading it at once when rank 0
 # was lost made the re-form 1-2 s slower than when every member followed every alive/ change.
@@ -485,7 +485,7 @@ class MembershipView:
             if gen != self._gen:
                 return True  # it ended already: its end has the stream opened again
             if not (self._stop.is_set() or self._reload_wanted or self._deletes_only() != filters
-                    or self._ranges != watched):
+                    or self._ranges != watched or self._watched_ranges(self._smallest_only()) != ranges):
                 self._stream = stream
                 self._joins_followed = self._tracked is not None  # its ranges include the tracked joins
                 return True
@@ -786,8 +786,10 @@ class MembershipView:
         if self._member and not self.alive_puts:
             # only a node below this one's id can be the smallest: its key is in the smallest's watched range (every
             # key up to it), so its deletion comes too
-            if node < self._node_id and (self.smallest_alive is None or node < self.smallest_alive):
-                self.smallest_alive, self._smallest = node, kv.key
+            if node < self._node_id and (self.smallest_alive is None or node < self.smallest_alive
+                                         or (self._smallest_due is not None and node == self.smallest_alive)):
+                # the smallest again (one that left and is back, while the next one was not looked for yet)
+                self.smallest_alive, self._smallest, self._smallest_due = node, kv.key, None
         elif self.smallest_alive is None or node < self.smallest_alive:
             self.smallest_alive = node
 
@@ -805,12 +807,15 @@ class MembershipView:
                 # the smallest node left: until the next read finds the next smallest (_find_smallest: its watcher is
                 # swapped on this stream), smallest_alive stays as it was: somebody smaller may still be alive
                 if kv.key == self._smallest or (known and self._smallest_due is not None and node < self._node_id):
-                    if self._member and any(n < self._node_id for n in self.alive):
-                        # a member below this node is alive as far as this view knows: this node closes no round
-                        # before the next one forms, whose final names the next smallest (members_formed())
+                    if self._member and any(n < self._node_id and self._follows(self._keys.alive(n))
+                                            for n in self.alive):
+                        # a node below this one is alive, one whose deletion this view would see (its ring neighbour
+                        # before it): this node closes no round before the next one forms, whose final names the next
+                        # smallest (members_formed())
                         if self._smallest_due is None:
                             self._smallest_due = now + self._smallest_read_delay_s
                     else:  # this node may be the smallest now: the closer of the next round
+                        self._smallest_due = None
                         self._find_smallest()
             elif known and node == self.smallest_alive:
                 self.smallest_alive = min(self.alive) if self.alive else None

@@ -255,3 +255,91 @@ def test_a_member_that_sees_rank_0_go_reads_nothing_until_the_next_round_names_t
             view.stop()
         for client in clients + [writer]:
             client.close()
+
+
+def _member_view(etcd_client, keys, node, members, clock):
+    """`node`'s view, a member of a round of `members` (all registered first), formed at the final of round 0."""
+    view = MembershipView(etcd_client, keys, node_id=node, alive_puts=False, clock=clock)
+    view.start()
+    assert view.wait_for(lambda: view.connected and view.smallest_alive == members[0], 10)
+    _, final = etcd_client.compare_and_put(keys.final(0), b"{}", expected_mod_revision=None)
+    view.members_formed(tuple(members), final.mod_revision)
+    assert view.wait_for(lambda: view.connected, 10)
+    return view
+
+
+def test_the_read_waits_only_on_a_node_below_whose_deletion_the_view_would_see(etcd_client, run_id):
+    """A member puts off finding the next smallest only while its ring neighbour below it is alive: members it does
+    not watch (placeholders from the final) say nothing of who is alive, so with that neighbour gone it reads at once
+    (it may be the closer now). The smallest that goes and comes back before a round forms is the smallest again,
+    with nothing left to read."""
+    from elastic_rt.rendezvous.view import SMALLEST_READ_DELAY_S
+
+    keys = RunKeys(run_id)
+    members = [f"n{i:02d}" for i in range(8)]
+    for node in members:
+        etcd_client.put(keys.alive(node), b"{}")
+    skew = [0.0]
+    view = _member_view(etcd_client, keys, "n05", members, lambda: time.monotonic() + skew[0])  # ring: n04..n06
+    try:
+        etcd_client.delete(keys.alive("n02"))  # not watched here: n02 stays alive in this view
+        etcd_client.delete(keys.alive("n04"))  # the ring neighbour below: seen
+        assert view.wait_for(lambda: "n04" in view.departed, 10)
+        with view.lock:
+            reloads = view.reloads
+            assert "n02" in view.alive
+        etcd_client.delete(keys.alive("n00"))  # the smallest: n01..n03 are placeholders only, so read now
+        assert view.wait_for(lambda: view.smallest_alive == "n01" and "n00" in view.departed, 10)
+        with view.lock:
+            assert view.reloads == reloads + 1 and view._smallest_due is None
+
+        etcd_client.put(keys.alive("n04"), b"{}")  # the neighbour below is back: the next loss of the smallest waits
+        assert view.wait_for(lambda: "n04" in view.alive, 10)
+        etcd_client.delete(keys.alive("n01"))
+        assert view.wait_for(lambda: "n01" in view.departed, 10)
+        with view.lock:
+            assert view._smallest_due is not None and view.smallest_alive == "n01"
+        etcd_client.put(keys.alive("n01"), b'{"incarnation": "2"}')  # back before any round formed
+        assert view.wait_for(lambda: "n01" in view.alive and "n01" not in view.departed, 10)
+        with view.lock:
+            assert view.smallest_alive == "n01" and view._smallest_due is None
+        skew[0] += SMALLEST_READ_DELAY_S
+        view.revive()  # nothing put off: no read
+        with view.lock:
+            assert view.reloads == reloads + 1
+    finally:
+        view.stop()
+
+
+def test_a_next_smallest_named_by_a_final_while_the_stream_reopens_is_what_the_new_stream_watches(
+        etcd_client, run_id, monkeypatch):
+    """members_formed() adopting the round's least member while a thread reopens the watch stream (the lock is not
+    held while etcd answers the open): the stream opened for the old smallest's range is dropped and another opened,
+    so the new smallest's deletion comes."""
+    keys = RunKeys(run_id)
+    members = [f"n{i:02d}" for i in range(8)]
+    for node in members:
+        etcd_client.put(keys.alive(node), b"{}")
+    view = _member_view(etcd_client, keys, "n05", members, time.monotonic)
+    try:
+        etcd_client.delete(keys.alive("n00"))  # the next smallest is put off (n04, below n05, is alive)
+        assert view.wait_for(lambda: "n00" in view.departed, 10)
+        _, final = etcd_client.compare_and_put(keys.final(1), b"{}", expected_mod_revision=None)
+        opened = []
+        real_open = etcd_client.open_watch
+
+        def open_watch(*args, **kwargs):
+            if not opened:  # round 1 forms while this first reopening waits for etcd
+                opened.append(args[0])
+                view.members_formed(tuple(members[1:]), final.mod_revision)
+            return real_open(*args, **kwargs)
+
+        monkeypatch.setattr(etcd_client, "open_watch", open_watch)
+        view.reconnect()
+        assert view.wait_for(lambda: view.connected and view._stream is not None and opened, 10)
+        with view.lock:
+            assert view.smallest_alive == "n01"
+        etcd_client.delete(keys.alive("n01"))  # watched by the stream that stayed open
+        assert view.wait_for(lambda: "n01" in view.departed, 10)
+    finally:
+        view.stop()
