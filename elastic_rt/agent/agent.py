@@ -9,7 +9,7 @@ import signal
 import time
 from typing import Any, Callable, Sequence
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from elastic_rt.agent import stop_signal
@@ -120,7 +120,7 @@ class ElasticRTAgent(LocalElasticAgent):
                         self._prefix(), rs.round, wait_s)
 
     # ---- worker lifecycle --------------------------------------------------
-    def run(self, role: str = "default") -> RunResult:
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         """torch's run(); then the last round's checks write nothing more (the caller leaves the run next)."""
         try:
             return super().run(role)

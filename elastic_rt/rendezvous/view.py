@@ -429,6 +429,16 @@ class MembershipView:
         return key == self._smallest or (ri is not None and self._ranges[ri][0] <= key
                                          and key.encode() < self._ranges[ri][1])
 
+    def _ring_alive_below(self) -> bool:
+        """Whether the view holds alive a node below this one in its ring's range (from its ring neighbour before
+        it): below the smallest, the other alive/ range it follows, nothing is alive. Node ids compare as their keys
+        do; no key is built per node (every member runs this when the smallest goes). Caller holds the lock."""
+        ri = self._ring_index
+        if ri is None:
+            return False
+        lowest, me = self._keys.parse(self._ranges[ri][0])[2], self._node_id
+        return any(lowest <= n < me for n in self.alive)
+
     def _deletes_only(self) -> frozenset[int]:
         """The range whose watcher gets no puts: alive/'s, until a round with this node formed."""
         return frozenset() if self._member else self._smallest_only()
@@ -807,8 +817,7 @@ class MembershipView:
                 # the smallest node left: until the next read finds the next smallest (_find_smallest: its watcher is
                 # swapped on this stream), smallest_alive stays as it was: somebody smaller may still be alive
                 if kv.key == self._smallest or (known and self._smallest_due is not None and node < self._node_id):
-                    if self._member and any(n < self._node_id and self._follows(self._keys.alive(n))
-                                            for n in self.alive):
+                    if self._member and self._ring_alive_below():
                         # a node below this one is alive, one whose deletion this view would see (its ring neighbour
                         # before it): this node closes no round before the next one forms, whose final names the next
                         # smallest (members_formed())
