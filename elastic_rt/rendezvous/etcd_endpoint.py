@@ -219,6 +219,7 @@ class WatchStream:
         self._on_event, self._on_end = on_event, on_end
         self._lock = threading.Lock()  # creates are answered in the order they were sent
         self._index: dict[int, int] = {}  # etcd's watch id -> range index
+        self._idle: set[int] = set()  # watchers forget() dropped without a cancel: cancelled at their first answer
         self._pending: collections.deque[int] = collections.deque()  # range indexes of creates not yet answered
         self._closed = False
         self._ended = False
@@ -243,8 +244,9 @@ class WatchStream:
     def forget(self, index: int, *, cancel: bool = True) -> None:
         """Ignore the events of range `index`'s watchers from now on, and ask etcd to cancel them (one whose
         create etcd has not answered yet is cancelled when it does: a later add() may reuse the index). With
-        cancel=False a watcher etcd created stays there until the stream ends, its events dropped here: one
-        write and one answer fewer, for a watcher that sees next to nothing (MembershipView.members_formed)."""
+        cancel=False a watcher etcd created is cancelled when it sends its first answer (an event), not now: one
+        write and one answer fewer while it stays idle, for a watcher that sees next to nothing (the deletion of a
+        key already gone: MembershipView), and never more than one answer from it."""
         with self._lock:
             for i, pending in enumerate(self._pending):
                 if pending == index:
@@ -252,9 +254,17 @@ class WatchStream:
             dropped = [w for w, i in self._index.items() if i == index]
             for watch_id in dropped:
                 del self._index[watch_id]
+            if not cancel:
+                self._idle.update(dropped)
         if cancel:
             for watch_id in dropped:
                 self._cancel(watch_id)
+
+    @property
+    def idle_watchers(self) -> int:
+        """Watchers forget(cancel=False) dropped that have sent nothing since (etcd still holds them)."""
+        with self._lock:
+            return len(self._idle)
 
     def _cancel(self, watch_id: int) -> None:
         self._send(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
@@ -291,6 +301,11 @@ class WatchStream:
                 return
         index = self._index.get(resp.watch_id)
         if index is None:
+            with self._lock:
+                idle = resp.watch_id in self._idle and not resp.canceled
+                self._idle.discard(resp.watch_id)
+            if idle:
+                self._cancel(resp.watch_id)  # a dropped watcher answered: it is cancelled now, at its first answer
             return  # a watcher forget() dropped: its cancel, its last events, a compaction of its start
         if resp.compact_revision:
             raise WatchCompacted(f"revision compacted up to {resp.compact_revision}")

@@ -33,8 +33,9 @@ formed, a member whose ring neighbour below it is alive (a deletion it would see
 before the next one forms, and that round's final names the next smallest (its least member, alive then), watched from the final's
 revision with one watch request; with no round formed within SMALLEST_READ_DELAY_S it reads as before, and a member
 with nobody below it left alive in its view reads at once (it may close the next round). At 1,024 nodes, every member
-reading at rank 0's loss made that re-form 1-2 s slower. The old watcher is dropped here, not cancelled
-in etcd (it watches one key's deletion, and goes with the stream). This node's own alive/ key is not watched before
+reading at rank 0's loss made that re-form 1-2 s slower. A member's old watcher is cancelled with the new one's
+create; one key's deletion's (before the first round) is dropped, and cancelled if it ever answers (one answer at
+most: that key is gone). This node's own alive/ key is not watched before
 that: NodeLease tells the view (changed()) when it granted a new lease, so that the rendezvous loop joins again.
 """
 
@@ -271,7 +272,7 @@ class MembershipView:
                 self._stream.forget(ri)
             del self._ranges[ri], self._revs[ri], self._floors[ri]
             self._ring_index = None
-        # the watcher of one key's deletion is dropped, not cancelled: it stays idle in etcd until the stream ends.
+        # the watcher of one key's deletion is dropped, and cancelled if it answers (_form_ring()); a member's, cancelled.
         # Not from the old watcher's revision: that would replay every registration since this node's first read.
         # The deletions up to the final have come on the same stream before the final did.
         cancel = self._member
@@ -285,11 +286,14 @@ class MembershipView:
         index = self._alive_index
         self._untrack()  # the joins of the round that formed: no longer needed, and the ring's index goes before them
         if not self._member or smallest_changed:
-            self._member = True
-            # dropped, not cancelled: the watcher of one key's deletion stays idle in etcd until the stream ends. Not
-            # from the old watcher's revision: its deletions up to the final came on the same stream before the final
-            # did (a synced watcher's events are sent in revision order)
-            self._rewatch(index, self._watched_ranges(frozenset({index}))[index], revision, cancel=False)
+            # a member's watcher (every change up to the old smallest) is cancelled with the create: left idle, the
+            # ones of each smallest lost piled up in etcd, and a node below them registering again was an event at
+            # every one of them. The watcher of one key's deletion, before the first round, is dropped without a
+            # cancel: it answers at most once (that key is gone), and is cancelled then (WatchStream.forget). Not
+            # from the old watcher's revision: its deletions up to the final came on the same stream before the
+            # final did (a synced watcher's events are sent in revision order)
+            cancel, self._member = self._member, True
+            self._rewatch(index, self._watched_ranges(frozenset({index}))[index], revision, cancel=cancel)
         ring, ri = self._ring(ordered), self._ring_index
         if ring is None:
             if ri is None:
@@ -643,13 +647,14 @@ class MembershipView:
     def _swap_smallest(self, kv: KeyValue | None, rev: int) -> None:
         """The smallest alive/ key below this node's as read at `rev` (None: there is none): the alive map as a read of
         every range would have it, and its watcher, from rev + 1, replaces the one of the node that left, on the same
-        stream (dropped, not cancelled: members_formed()). Caller holds the lock; the other ranges stay watched."""
+        stream (a member's cancelled, one key's deletion dropped: _form_ring()). Caller holds the lock; the other
+        ranges stay watched."""
         index = self._alive_index
         covered = self._below_covered(kv)
         self._smallest_due = None
         self._smallest = kv.key if kv is not None else None
         self._replace_alive([kv] if kv is not None else [], self._clock(), rev, covered)
-        self._rewatch(index, self._watched_ranges(frozenset({index}))[index], rev, cancel=False,
+        self._rewatch(index, self._watched_ranges(frozenset({index}))[index], rev, cancel=self._member,
                       deletes_only=bool(self._deletes_only()))
         self.reloads += 1
         self.version += 1

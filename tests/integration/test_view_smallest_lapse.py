@@ -343,3 +343,61 @@ def test_a_next_smallest_named_by_a_final_while_the_stream_reopens_is_what_the_n
         assert view.wait_for(lambda: "n01" in view.departed, 10)
     finally:
         view.stop()
+
+
+def _watchers_settle(member, expected: int) -> float:
+    """etcd's watcher gauge once it is `expected` (a cancel is answered after it was sent), or as it is at the
+    deadline."""
+    deadline = time.monotonic() + 10
+    while (now := grpc_counts(member).watchers) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return now
+
+
+def test_a_member_holds_the_same_watchers_in_etcd_however_often_the_smallest_changes(cluster, run_id):
+    """Each loss of the smallest node replaces a member's watcher of it: the old one is cancelled in etcd, not left
+    idle there. Left idle, one piled up per loss at every member until its stream ended, and a node below them
+    that registered again was an event at each. The watcher of one key's deletion that the first round replaces
+    is cancelled at its one answer (that key's deletion)."""
+    m = cluster.members[0]
+    config = EtcdConfig(endpoints=((m.host, m.client_port),))
+    writer, client = EtcdClient(config), EtcdClient(config)
+    keys = RunKeys(run_id)
+    members = [f"n{i:02d}" for i in range(8)]
+    view = None
+    try:
+        for node in members:
+            writer.put(keys.alive(node), b"{}")
+        assert grpc_counts(m).watchers == 0
+        view = _member_view(client, keys, "n05", members, time.monotonic)  # ring n04..n06: the reads are put off
+        with view.lock:
+            active, stream = len(view._ranges), view._stream
+        assert stream.idle_watchers == 1  # the first round's: n00's deletion, dropped without a cancel
+        assert _watchers_settle(m, active + 1) == active + 1
+
+        for k in range(3):  # the smallest goes, and the next round forms without it, three times
+            writer.delete(keys.alive(members[k]))
+            assert view.wait_for(lambda k=k: members[k] in view.departed, 10)
+            _, final = writer.compare_and_put(keys.final(k + 1), b"{}", expected_mod_revision=None)
+            view.members_formed(tuple(members[k + 1:]), final.mod_revision)
+            with view.lock:
+                assert view.smallest_alive == members[k + 1] and view._stream is stream
+            assert stream.idle_watchers == 0  # n00's deletion was its one answer: cancelled then
+            assert _watchers_settle(m, active) == active, f"after losing {members[k]}"
+
+        events = grpc_counts(m).events
+        for node in members[:3]:  # the lost smallest nodes register again: one event each, at the one watcher
+            writer.put(keys.alive(node), b"{}")
+        sentinel = writer.put(keys.alive("n03"), b'{"again": 1}')  # seen by that watcher only, after the three
+        assert view.wait_for(lambda: all(n in view.alive for n in members[:3])
+                             and view.alive["n03"].mod_revision == sentinel, 10)
+        # a stream sends in revision order: a stale watcher's events were sent before the sentinel's reached the view
+        deadline = time.monotonic() + 10
+        while grpc_counts(m).events - events < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert grpc_counts(m).events - events == 4
+    finally:
+        if view is not None:
+            view.stop()
+        writer.close()
+        client.close()

@@ -14,6 +14,7 @@ class GrpcCounts:
     received: dict[str, float] = field(default_factory=dict)  # grpc_server_msg_received_total by method
     started: dict[str, float] = field(default_factory=dict)  # grpc_server_started_total by method (a stream: one)
     events: float = 0.0  # etcd_debugging_mvcc_events_total: watch events sent
+    watchers: float = 0.0  # etcd_debugging_mvcc_watcher_total (a gauge): the watchers etcd holds now
 
 
 def grpc_counts(member) -> GrpcCounts:
@@ -24,6 +25,8 @@ def grpc_counts(member) -> GrpcCounts:
     for fam in text_string_to_metric_families(text):
         by_method = {"grpc_server_msg_received": out.received, "grpc_server_started": out.started}.get(fam.name)
         for s in fam.samples:
+            if s.name == "etcd_debugging_mvcc_watcher_total":
+                out.watchers = s.value
             if not s.name.endswith("_total"):
                 continue
             if by_method is not None:
