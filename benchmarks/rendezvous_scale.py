@@ -153,7 +153,16 @@ def _report_after(nodes: list[Node], since: float) -> list[dict]:
     """Each live node's first rendezvous begun after `since` (the loss), and how many it began before (a restart
     before the loss, e.g. after a lease that lapsed in the meeting, is not the re-form)."""
     return [{"node": x.name, "before": sum(1 for d in x.done if d["t0"] < since),
-             **(_after(x, since) or {"error": "timeout"})} for x in nodes if x.state != "dead"]
+             **(_after(x, since) or _timeout(x))} for x in nodes if x.state != "dead"]
+
+
+def _timeout(node: Node) -> dict:
+    """A node that did not meet in time, with what it was doing: its state, and its last rendezvous (when it began
+    and ended, in monotonic seconds, and its world, or why it failed), so that a stuck node can be told from one
+    whose rendezvous began before the loss or failed."""
+    last = node.done[-1] if node.done else None
+    return {"error": "timeout", "state": node.state, "rendezvous": len(node.done),
+            "last": {k: v for k, v in last.items()} if last else None}
 
 
 def _kill(node: Node, kind: str) -> float:
@@ -381,8 +390,14 @@ def _met(reports: list[list[dict]], t0: float, expect_world: int) -> tuple[float
     bad = [r for r in rows if "error" in r or r.get("world") != expect_world]
     if bad:
         names = ", ".join(r["node"] for r in bad[:4]) + (", ..." if len(bad) > 4 else "")
-        return None, (f"{len(bad)} of {len(rows)} nodes ({names}): "
-                      f"{bad[0].get('error') or 'world ' + str(bad[0].get('world'))}")
+        first = bad[0]
+        what = first.get("error") or f"world {first.get('world')}"
+        if "state" in first:  # _timeout(): what the node was doing
+            last = first.get("last") or {}
+            what += (f" ({first['state']}, {first['rendezvous']} rendezvous, the last "
+                     + (f"failed: {last['error']}" if "error" in last else f"of world {last.get('world')}") + ")"
+                     if last else f" ({first['state']}, no rendezvous)")
+        return None, f"{len(bad)} of {len(rows)} nodes ({names}): {what}"
     return max(r["t"] for r in rows) - t0, ""
 
 
@@ -548,6 +563,15 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         row["ticks_per_node_s"] = (ticks1 - ticks0) / n / idle_s
         if args.no_reform or (args.quick and kind != "etcd-v3"):  # torch's re-form waits out 15 s + 30 s
             return row
+        if kind == "etcd-v3":  # a node still in a rendezvous begun before the loss would not be the re-form's
+            t_settle = time.monotonic()
+            settled = run.ask_all("settled", (t_settle + args.reform_timeout_s, n), timeout_s=args.reform_timeout_s + 60)
+            row["settled_before_loss_s"] = time.monotonic() - t_settle
+            why = _met(settled, t_settle, n)[1]
+            rounds = {r.get("round") for block in settled for r in block}
+            if why or len(rounds) != 1:
+                row["error"] = f"not settled before the loss: {why or f'rounds {sorted(rounds, key=str)}'}"
+                return row
         # not the closer (smallest id) and not c10d's store host (the first), unless --lose-smallest (etcd-v3)
         victim = min(run.names) if args.lose_smallest and kind == "etcd-v3" else run.names[-1]
         row["lost"] = victim

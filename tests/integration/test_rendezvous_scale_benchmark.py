@@ -56,6 +56,7 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         assert r["idle_client_cpu_ms_per_node_s"] >= 0, r
         assert r["reform_cpu_s"]["clients"] > 0 and r["reform_cpu_s"]["etcd"] > 0, r
         assert r["settle_req_per_node_s"] >= 0 and r["idle_wall_s"] >= 2.0, r
+        assert r["settled_before_loss_s"] >= 0, r  # one round of all N before the loss
         assert rows[("c10d", n)]["reform_s"] is None  # --quick skips torch's 45 s re-form
 
 
@@ -134,3 +135,9 @@ def test_the_reform_is_the_first_rendezvous_begun_after_the_loss():
         ("a", 1, 3, None), ("b", 2, 3, None), ("c", 1, None, "timeout")]
     assert bench._met([rows[:2]], 10.0, 3) == (1.5, "")
     assert bench._lapse_note({"restarted_before_loss": 1}) == "1 nodes restarted before the loss; "
+    # a node that did not meet says what it was doing: here, nothing begun since its rendezvous of world 4
+    assert bench._met([rows], 10.0, 3) == (
+        None, "1 of 3 nodes (c): timeout (new, 1 rendezvous, the last of world 4)")
+    late.state, late.done = "ticking", late.done + [{"t0": 7.0, "t": 9.0, "error": "RendezvousTimeoutError: x"}]
+    assert bench._met([bench._report_after([late], 10.0)], 10.0, 3)[1] == (
+        "1 of 1 nodes (c): timeout (ticking, 2 rendezvous, the last failed: RendezvousTimeoutError: x)")
