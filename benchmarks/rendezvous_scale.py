@@ -251,10 +251,11 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
 
 # ---- the parent: etcd, metrics, one (kind, N) run ---------------------------------------------
 def etcd_metrics(cluster) -> dict:
-    """Sum over members: gRPC messages received by method, and client gRPC bytes in + out."""
+    """Sum over members: gRPC messages received by method, client gRPC bytes in + out, watch events sent, and the
+    leader changes the members saw (each member counts one it saw: 3 for one change on 3 members)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"requests": {}, "bytes": 0.0, "events": 0.0}
+    out = {"requests": {}, "bytes": 0.0, "events": 0.0, "leader_changes": 0.0}
     for m in cluster.members:
         with urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=30) as resp:
             text = resp.read().decode()
@@ -265,6 +266,8 @@ def etcd_metrics(cluster) -> dict:
                     out["requests"][method] = out["requests"].get(method, 0.0) + s.value
                 elif fam.name == "etcd_debugging_mvcc_events" and s.name.endswith("_total"):
                     out["events"] += s.value
+                elif fam.name == "etcd_server_leader_changes_seen" and s.name.endswith("_total"):
+                    out["leader_changes"] += s.value
                 elif fam.name in ("etcd_network_client_grpc_received_bytes",
                                   "etcd_network_client_grpc_sent_bytes") and s.name.endswith("_total"):
                     out["bytes"] += s.value
@@ -289,7 +292,8 @@ def etcd_facts(cluster) -> dict:
 def metrics_delta(after: dict, before: dict) -> dict:
     req = {k: v - before["requests"].get(k, 0.0) for k, v in after["requests"].items()}
     return {"requests": {k: v for k, v in req.items() if v}, "bytes": after["bytes"] - before["bytes"],
-            "events": after["events"] - before["events"]}
+            "events": after["events"] - before["events"],
+            "leader_changes": after.get("leader_changes", 0.0) - before.get("leader_changes", 0.0)}
 
 
 def cpu_s(pids: list[int]) -> float:
@@ -306,20 +310,23 @@ def cpu_s(pids: list[int]) -> float:
     return total
 
 
-def host_counters() -> tuple[float, float, float]:
-    """This machine's (context switches, kernel CPU seconds, all CPU seconds) so far, every process."""
+def host_counters() -> tuple[float, float, float, float]:
+    """This machine's (context switches, kernel CPU seconds, all CPU seconds, stolen CPU seconds) so far, every
+    process; stolen: time a virtual machine's CPUs waited for the host (its other tenants), 0 where not told."""
     import psutil
 
     t = psutil.cpu_times()
     kernel = t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-    return float(psutil.cpu_stats().ctx_switches), kernel, sum(t)
+    return float(psutil.cpu_stats().ctx_switches), kernel, sum(t), getattr(t, "steal", 0.0)
 
 
-def host_delta(after: tuple[float, float, float], before: tuple[float, float, float], wall_s: float) -> dict:
-    """Context switches a second and the kernel's share of the CPU time between two host_counters()."""
+def host_delta(after: tuple[float, ...], before: tuple[float, ...], wall_s: float) -> dict:
+    """Context switches a second, and the kernel's and the host's (stolen) shares of the CPU time between two
+    host_counters()."""
     cpu = after[2] - before[2]
     return {"ctx_switches_per_s": (after[0] - before[0]) / max(wall_s, 1e-9),
-            "kernel_cpu_share": (after[1] - before[1]) / cpu if cpu > 0 else 0.0}
+            "kernel_cpu_share": (after[1] - before[1]) / cpu if cpu > 0 else 0.0,
+            "steal_cpu_share": (after[3] - before[3]) / cpu if cpu > 0 else 0.0}
 
 
 class Run:
@@ -576,7 +583,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         victim = min(run.names) if args.lose_smallest and kind == "etcd-v3" else run.names[-1]
         row["lost"] = victim
         before = etcd_metrics(cluster)
-        cpu0 = (cpu_s(clients), cpu_s(members))
+        cpu0, host0 = (cpu_s(clients), cpu_s(members)), host_counters()
         t_kill = run.ask(run.owner[victim], "kill", victim)
         if kind != "etcd-v3":
             run.ask_all("fail")  # best case for torch: every survivor's workers fail at once
@@ -593,6 +600,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
             row["restarted_before_loss"] = sum(1 for block in reports for r in block if r.get("before", 1) > 1)
         row["reform_cpu_s"] = {"clients": cpu_s(clients) - cpu0[0], "etcd": cpu_s(members) - cpu0[1],
                                "wall": time.monotonic() - t_kill}
+        row["reform_host"] = host_delta(host_counters(), host0, row["reform_cpu_s"]["wall"])
         row["reform_s"], why = _met(reports, t_kill, n - 1)
         row["reform_spread"] = _spread(reports, t_kill)
         row["reform_round"] = metrics_delta(etcd_metrics(cluster), before)
@@ -616,7 +624,23 @@ def _f(v, fmt: str) -> str:
 
 def _lapse_note(r: dict) -> str:
     before = f"{r['restarted_before_loss']} nodes restarted before the loss; " if r.get("restarted_before_loss") else ""
-    return before + _lapses(r)
+    return _troubles(r) + before + _lapses(r)
+
+
+def _troubles(r: dict) -> str:
+    """What the host and etcd did to a run: leases re-granted in the meeting, leader changes, CPU the host took."""
+    out = []
+    grants = r.get("round", {}).get("requests", {}).get("LeaseGrant", 0)
+    if grants > r.get("n", 0) + 1:  # one per node, and the run lease's
+        out.append(f"{grants:.0f} lease grants in the meeting")
+    for phase in ("round", "reform_round"):
+        changes = r.get(phase, {}).get("leader_changes", 0)
+        if changes:
+            out.append(f"{changes:.0f} leader changes seen in the {'meeting' if phase == 'round' else 're-form'}")
+    steal = r.get("meet_host", {}).get("steal_cpu_share", 0)
+    if steal >= 0.05:
+        out.append(f"{100 * steal:.0f}% of the CPU stolen by the host in the meeting")
+    return "".join(f"{x}; " for x in out)
 
 
 def _lapses(r: dict) -> str:

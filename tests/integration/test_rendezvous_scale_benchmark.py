@@ -57,6 +57,8 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         assert r["reform_cpu_s"]["clients"] > 0 and r["reform_cpu_s"]["etcd"] > 0, r
         assert r["settle_req_per_node_s"] >= 0 and r["idle_wall_s"] >= 2.0, r
         assert r["settled_before_loss_s"] >= 0, r  # one round of all N before the loss
+        assert r["round"]["leader_changes"] >= 0 and 0 <= r["meet_host"]["steal_cpu_share"] < 1, r
+        assert 0 <= r["reform_host"]["steal_cpu_share"] < 1, r
         assert rows[("c10d", n)]["reform_s"] is None  # --quick skips torch's 45 s re-form
 
 
@@ -141,3 +143,20 @@ def test_the_reform_is_the_first_rendezvous_begun_after_the_loss():
     late.state, late.done = "ticking", late.done + [{"t0": 7.0, "t": 9.0, "error": "RendezvousTimeoutError: x"}]
     assert bench._met([bench._report_after([late], 10.0)], 10.0, 3)[1] == (
         "1 of 1 nodes (c): timeout (ticking, 2 rendezvous, the last failed: RendezvousTimeoutError: x)")
+
+
+def test_a_run_says_what_the_host_and_etcd_did_to_it():
+    """Lease grants beyond one per node, leader changes and CPU stolen by the host are named in the run's note: the
+    causes to rule out before a slow run is taken for the code's."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import rendezvous_scale as bench
+    finally:
+        sys.path.remove(os.path.dirname(BENCH))
+    calm = {"n": 4, "round": {"requests": {"LeaseGrant": 5.0}, "leader_changes": 0.0},
+            "meet_host": {"steal_cpu_share": 0.01}}
+    assert bench._lapse_note(calm) == ""
+    rough = {"n": 4, "round": {"requests": {"LeaseGrant": 9.0}, "leader_changes": 3.0},
+             "reform_round": {"leader_changes": 0.0}, "meet_host": {"steal_cpu_share": 0.2}}
+    assert bench._lapse_note(rough) == ("9 lease grants in the meeting; 3 leader changes seen in the meeting; "
+                                        "20% of the CPU stolen by the host in the meeting; ")
