@@ -134,6 +134,41 @@ def _report_last(nodes: list[Node]) -> list[dict]:
     return [{"node": x.name, **(x.done[-1] if x.done else {"error": "timeout"})} for x in nodes if x.state != "dead"]
 
 
+def _detail(node: Node) -> dict:
+    """What an etcd-v3 handler knows of its node now (for a node that did not settle): its group's round, the
+    round its view holds, and whether it counts etcd reachable (membership_change() says nothing while it does not),
+    and why not."""
+    h = node.h
+    out: dict = {"state": node.state, "rendezvous": len(node.done)}
+    try:
+        view, lease = h._view, h._lease
+        with view.lock:
+            out.update(view_round=view.current_round(), view_connected=view.connected,
+                       alive_known=len(view.alive), departed=len(view.departed))
+        out.update(membership_round=getattr(h.membership, "round", None), health_up=h.health.up,
+                   lease_id=lease.lease_id, unrenewed_for_s=round(lease.unrenewed_for_s(), 2),
+                   conflict=str(lease.conflict) if lease.conflict else None, reachable=h.etcd_reachable())
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: whatever it finds
+        out["detail_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
+def _report_settled(nodes: list[Node], kind: str) -> list[dict]:
+    """_report_last, with what each node's handler knows (_detail, etcd-v3's)."""
+    live = [x for x in nodes if x.state != "dead"]
+    return [{**r, "detail": _detail(x)} if kind == "etcd-v3" else r for r, x in zip(_report_last(nodes), live)]
+
+
+def _unsettled(reports: list[list[dict]]) -> list[dict]:
+    """The nodes outside the largest group of one (world, round), up to 3, with their details."""
+    rows = [r for block in reports for r in block]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r.get("world"), r.get("round"), r.get("error")), []).append(r)
+    largest = {id(r) for r in max(groups.values(), key=len)} if groups else set()
+    return [r for r in rows if id(r) not in largest][:3]
+
+
 def _report(nodes: list[Node], count: int) -> list[dict]:
     return [{"node": x.name, **(x.done[count - 1] if len(x.done) >= count else {"error": "timeout"})}
             for x in nodes if x.state != "dead"]
@@ -162,7 +197,7 @@ def _timeout(node: Node) -> dict:
     whose rendezvous began before the loss or failed."""
     last = node.done[-1] if node.done else None
     return {"error": "timeout", "state": node.state, "rendezvous": len(node.done),
-            "last": {k: v for k, v in last.items()} if last else None}
+            "last": {k: v for k, v in last.items()} if last else None, "detail": _detail(node)}
 
 
 def _kill(node: Node, kind: str) -> float:
@@ -241,7 +276,7 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
             conn.send(("reformed", _report_after(nodes, arg[1])))
         elif cmd == "settled":  # arg: (deadline, world)
             _wait_world(nodes, arg[1], arg[0])
-            conn.send(("settled", _report_last(nodes)))
+            conn.send(("settled", _report_settled(nodes, kind)))
         elif cmd == "stop":
             stop.set()
             _close(nodes, kind)
@@ -576,8 +611,10 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
             row["settled_before_loss_s"] = time.monotonic() - t_settle
             why = _met(settled, t_settle, n)[1]
             rounds = {r.get("round") for block in settled for r in block}
+            row["settled_sample"] = settled[0][0].get("detail")  # what a settled node's handler knows
             if why or len(rounds) != 1:
                 row["error"] = f"not settled before the loss: {why or f'rounds {sorted(rounds, key=str)}'}"
+                row["unsettled"] = _unsettled(settled)  # the odd nodes out, and what their handlers know
                 return row
         # not the closer (smallest id) and not c10d's store host (the first), unless --lose-smallest (etcd-v3)
         victim = min(run.names) if args.lose_smallest and kind == "etcd-v3" else run.names[-1]
@@ -602,6 +639,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
                                "wall": time.monotonic() - t_kill}
         row["reform_host"] = host_delta(host_counters(), host0, row["reform_cpu_s"]["wall"])
         row["reform_s"], why = _met(reports, t_kill, n - 1)
+        row["unmet"] = [r for block in reports for r in block if "error" in r][:3]  # with what their handlers know
         row["reform_spread"] = _spread(reports, t_kill)
         row["reform_round"] = metrics_delta(etcd_metrics(cluster), before)
         row["reform_req_per_node"] = sum(

@@ -57,6 +57,9 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         assert r["reform_cpu_s"]["clients"] > 0 and r["reform_cpu_s"]["etcd"] > 0, r
         assert r["settle_req_per_node_s"] >= 0 and r["idle_wall_s"] >= 2.0, r
         assert r["settled_before_loss_s"] >= 0, r  # one round of all N before the loss
+        sample = r["settled_sample"]  # what the first node's handler knew then (_detail)
+        assert sample["state"] == "ticking" and sample["reachable"] is True and "detail_error" not in sample, sample
+        assert sample["view_round"] == sample["membership_round"] and sample["view_connected"] is True, sample
         assert r["round"]["leader_changes"] >= 0 and 0 <= r["meet_host"]["steal_cpu_share"] < 1, r
         assert 0 <= r["reform_host"]["steal_cpu_share"] < 1, r
         assert rows[("c10d", n)]["reform_s"] is None  # --quick skips torch's 45 s re-form
@@ -160,3 +163,15 @@ def test_a_run_says_what_the_host_and_etcd_did_to_it():
              "reform_round": {"leader_changes": 0.0}, "meet_host": {"steal_cpu_share": 0.2}}
     assert bench._lapse_note(rough) == ("9 lease grants in the meeting; 3 leader changes seen in the meeting; "
                                         "20% of the CPU stolen by the host in the meeting; ")
+
+
+def test_the_nodes_that_did_not_settle_are_the_ones_outside_the_largest_group():
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import rendezvous_scale as bench
+    finally:
+        sys.path.remove(os.path.dirname(BENCH))
+    group = [{"node": f"n{i}", "world": 3, "round": 2} for i in range(3)]
+    odd = {"node": "n3", "world": 4, "round": 1, "detail": {"state": "rejoining"}}
+    assert bench._unsettled([group[:2], [group[2], odd]]) == [odd]
+    assert bench._unsettled([group]) == []
