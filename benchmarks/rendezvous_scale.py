@@ -170,7 +170,7 @@ def _unsettled(reports: list[list[dict]]) -> list[dict]:
 
 
 def _report(nodes: list[Node], count: int) -> list[dict]:
-    return [{"node": x.name, **(x.done[count - 1] if len(x.done) >= count else {"error": "timeout"})}
+    return [{"node": x.name, **(x.done[count - 1] if len(x.done) >= count else _timeout(x))}
             for x in nodes if x.state != "dead"]
 
 
@@ -574,6 +574,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
                                  "wall": time.monotonic() - t0}
             row["meet_host"] = host_delta(host_counters(), host0, row["meet_cpu_s"]["wall"])
         row["meet_s"], row["error"] = _met(reports, t0, n)
+        row["unmet"] = [r for block in reports for r in block if "error" in r][:3]  # with what their handlers know
         row["meet_spread"] = _spread(reports, t0)
         row["client_cpu_ms_per_node_round"] = 1000 * row["meet_cpu_s"]["clients"] / n
         row["round"] = metrics_delta(etcd_metrics(cluster), before)
