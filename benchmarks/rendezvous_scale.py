@@ -159,6 +159,11 @@ def _report_settled(nodes: list[Node], kind: str) -> list[dict]:
     return [{**r, "detail": _detail(x)} if kind == "etcd-v3" else r for r, x in zip(_report_last(nodes), live)]
 
 
+def _unmet(reports: list[list[dict]]) -> list[dict]:
+    """The nodes that did not meet, up to 3, with what their handlers knew (_timeout)."""
+    return [r for block in reports for r in block if "error" in r][:3]
+
+
 def _unsettled(reports: list[list[dict]]) -> list[dict]:
     """The nodes outside the largest group of one (world, round), up to 3, with their details."""
     rows = [r for block in reports for r in block]
@@ -197,7 +202,7 @@ def _timeout(node: Node) -> dict:
     whose rendezvous began before the loss or failed."""
     last = node.done[-1] if node.done else None
     return {"error": "timeout", "state": node.state, "rendezvous": len(node.done),
-            "last": {k: v for k, v in last.items()} if last else None, "detail": _detail(node)}
+            "last": last, "detail": _detail(node)}
 
 
 def _kill(node: Node, kind: str) -> float:
@@ -574,7 +579,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
                                  "wall": time.monotonic() - t0}
             row["meet_host"] = host_delta(host_counters(), host0, row["meet_cpu_s"]["wall"])
         row["meet_s"], row["error"] = _met(reports, t0, n)
-        row["unmet"] = [r for block in reports for r in block if "error" in r][:3]  # with what their handlers know
+        row["unmet"] = _unmet(reports)
         row["meet_spread"] = _spread(reports, t0)
         row["client_cpu_ms_per_node_round"] = 1000 * row["meet_cpu_s"]["clients"] / n
         row["round"] = metrics_delta(etcd_metrics(cluster), before)
@@ -640,7 +645,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
                                "wall": time.monotonic() - t_kill}
         row["reform_host"] = host_delta(host_counters(), host0, row["reform_cpu_s"]["wall"])
         row["reform_s"], why = _met(reports, t_kill, n - 1)
-        row["unmet"] = [r for block in reports for r in block if "error" in r][:3]  # with what their handlers know
+        row["unmet"] = _unmet(reports)
         row["reform_spread"] = _spread(reports, t_kill)
         row["reform_round"] = metrics_delta(etcd_metrics(cluster), before)
         row["reform_req_per_node"] = sum(

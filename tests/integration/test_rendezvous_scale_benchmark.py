@@ -17,6 +17,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BENCH = os.path.join(REPO, "benchmarks", "rendezvous_scale.py")
 
 
+def _bench():
+    """The benchmark script as a module (it is not in a package)."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import rendezvous_scale
+    finally:
+        sys.path.remove(os.path.dirname(BENCH))
+    return rendezvous_scale
+
+
 @pytest.mark.long  # for CI's time: a benchmark run whole (benchmarks/README.md runs it)
 @pytest.mark.timeout(600)  # about 30 s; generous for a loaded machine
 def test_quick_run_writes_results_that_parse(tmp_path):
@@ -66,11 +76,7 @@ def test_quick_run_writes_results_that_parse(tmp_path):
 
 
 def test_handlers_per_process_are_bounded_unless_procs_is_given():
-    sys.path.insert(0, os.path.dirname(BENCH))
-    try:
-        import rendezvous_scale as bench
-    finally:
-        sys.path.remove(os.path.dirname(BENCH))
+    bench = _bench()
     args = bench.parse_args([])
     assert args.procs == 0 and args.per_proc == 32
     assert [bench.procs_for(n, args) for n in (4, 8, 256, 512, 1024, 2048)] == [4, 8, 8, 16, 32, 64]
@@ -79,11 +85,7 @@ def test_handlers_per_process_are_bounded_unless_procs_is_given():
 
 
 def test_switch_interval_option():
-    sys.path.insert(0, os.path.dirname(BENCH))
-    try:
-        import rendezvous_scale as bench
-    finally:
-        sys.path.remove(os.path.dirname(BENCH))
+    bench = _bench()
     assert bench.parse_args([]).switch_interval_ms == 50.0
     assert bench.parse_args(["--switch-interval-ms", "5"]).switch_interval_ms == 5.0
     with pytest.raises(SystemExit):
@@ -91,11 +93,7 @@ def test_switch_interval_option():
 
 
 def test_etcd_options(tmp_path, capsys):
-    sys.path.insert(0, os.path.dirname(BENCH))
-    try:
-        import rendezvous_scale as bench
-    finally:
-        sys.path.remove(os.path.dirname(BENCH))
+    bench = _bench()
     args = bench.parse_args([])
     assert args.etcd_binary is None and args.etcd_members == 3 and args.rdzv_conf == {}
     with pytest.raises(SystemExit):
@@ -106,11 +104,7 @@ def test_etcd_options(tmp_path, capsys):
 
 
 def test_reform_lapses_spare_the_closer_and_the_lost_node(tmp_path):
-    sys.path.insert(0, os.path.dirname(BENCH))
-    try:
-        import rendezvous_scale as bench
-    finally:
-        sys.path.remove(os.path.dirname(BENCH))
+    bench = _bench()
     assert bench.parse_args([]).reform_lapses == 0 and not bench.parse_args([]).lose_smallest
     assert bench.parse_args(["--lose-smallest"]).lose_smallest
     with pytest.raises(SystemExit):
@@ -125,11 +119,7 @@ def test_reform_lapses_spare_the_closer_and_the_lost_node(tmp_path):
 def test_the_reform_is_the_first_rendezvous_begun_after_the_loss():
     """A node that restarted before the loss (a lease that lapsed in the meeting, a round again of all N) has more
     than one rendezvous by then: the re-form reported is the one begun after the loss, not its second one."""
-    sys.path.insert(0, os.path.dirname(BENCH))
-    try:
-        import rendezvous_scale as bench
-    finally:
-        sys.path.remove(os.path.dirname(BENCH))
+    bench = _bench()
     steady, restarted, late = bench.Node("a", None), bench.Node("b", None), bench.Node("c", None)
     steady.done = [{"t0": 1.0, "t": 2.0, "world": 4}, {"t0": 10.5, "t": 11.0, "world": 3}]
     restarted.done = [{"t0": 1.0, "t": 2.0, "world": 4}, {"t0": 5.0, "t": 6.0, "world": 4},
@@ -151,11 +141,7 @@ def test_the_reform_is_the_first_rendezvous_begun_after_the_loss():
 def test_a_run_says_what_the_host_and_etcd_did_to_it():
     """Lease grants beyond one per node, leader changes and CPU stolen by the host are named in the run's note: the
     causes to rule out before a slow run is taken for the code's."""
-    sys.path.insert(0, os.path.dirname(BENCH))
-    try:
-        import rendezvous_scale as bench
-    finally:
-        sys.path.remove(os.path.dirname(BENCH))
+    bench = _bench()
     calm = {"n": 4, "round": {"requests": {"LeaseGrant": 5.0}, "leader_changes": 0.0},
             "meet_host": {"steal_cpu_share": 0.01}}
     assert bench._lapse_note(calm) == ""
@@ -166,11 +152,7 @@ def test_a_run_says_what_the_host_and_etcd_did_to_it():
 
 
 def test_the_nodes_that_did_not_settle_are_the_ones_outside_the_largest_group():
-    sys.path.insert(0, os.path.dirname(BENCH))
-    try:
-        import rendezvous_scale as bench
-    finally:
-        sys.path.remove(os.path.dirname(BENCH))
+    bench = _bench()
     group = [{"node": f"n{i}", "world": 3, "round": 2} for i in range(3)]
     odd = {"node": "n3", "world": 4, "round": 1, "detail": {"state": "rejoining"}}
     assert bench._unsettled([group[:2], [group[2], odd]]) == [odd]
