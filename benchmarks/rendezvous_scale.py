@@ -153,6 +153,31 @@ def _detail(node: Node) -> dict:
     return out
 
 
+def _all_lapses(run: "Run") -> list[tuple[float, str, float, float]]:
+    return [x for block in run.ask_all("lapses") for x in block]
+
+
+def _lease_lapses(nodes: list[Node]) -> list[tuple[float, str, float, float]]:
+    """Each time a node's lease was found gone (the newest few per node): when (monotonic, the keep-alive's send),
+    whose silence (NodeLease.lapses: 'process', it sent none for a TTL; 'etcd', it sent them and etcd did not renew),
+    the longest stretch with no keep-alive sent, and how long the lease had gone unrenewed."""
+    return [(x.at, x.cause, x.longest_silence_s, x.unrenewed_s) for node in nodes for x in list(node.h._lease.lapses)]
+
+
+def lapse_summary(lapses: list[tuple[float, str, float, float]], since: float, until: float) -> dict:
+    """The lease lapses found in [since, until): how many were this process's silence and how many etcd's, and
+    the quantiles (min, median, max) of the longest silence and of the time unrenewed."""
+    inside = [x for x in lapses if since <= x[0] < until]
+
+    def q(xs: list[float]) -> list[float]:
+        xs = sorted(xs)
+        return [round(xs[0], 2), round(xs[len(xs) // 2], 2), round(xs[-1], 2)] if xs else []
+
+    return {"process": sum(1 for x in inside if x[1] == "process"), "etcd": sum(1 for x in inside if x[1] == "etcd"),
+            "silence_s": q([x[2] for x in inside]), "unrenewed_s": q([x[3] for x in inside]),
+            "first_s": round(min(x[0] for x in inside) - since, 2) if inside else None}
+
+
 def _report_settled(nodes: list[Node], kind: str) -> list[dict]:
     """_report_last, with what each node's handler knows (_detail, etcd-v3's)."""
     live = [x for x in nodes if x.state != "dead"]
@@ -268,6 +293,8 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
             conn.send(("ticking", None))
         elif cmd == "ticks":
             conn.send(("ticks", counts["ticks"]))
+        elif cmd == "lapses":  # every lease lapse of this process's nodes (etcd-v3), as (at, cause, silence, unrenewed)
+            conn.send(("lapses", _lease_lapses(nodes) if kind == "etcd-v3" else []))
         elif cmd == "kill":  # arg: the node's name
             conn.send(("killed", _kill(next(x for x in nodes if x.name == arg), kind)))
         elif cmd == "fail":  # torch's agents learn of a dead peer only from their failing workers
@@ -580,6 +607,8 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
             row["meet_host"] = host_delta(host_counters(), host0, row["meet_cpu_s"]["wall"])
         row["meet_s"], row["error"] = _met(reports, t0, n)
         row["unmet"] = _unmet(reports)
+        if kind == "etcd-v3":
+            row["meet_lease_lapses"] = lapse_summary(_all_lapses(run), t0, t0 + row["meet_cpu_s"]["wall"])
         row["meet_spread"] = _spread(reports, t0)
         row["client_cpu_ms_per_node_round"] = 1000 * row["meet_cpu_s"]["clients"] / n
         row["round"] = metrics_delta(etcd_metrics(cluster), before)
@@ -646,6 +675,8 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         row["reform_host"] = host_delta(host_counters(), host0, row["reform_cpu_s"]["wall"])
         row["reform_s"], why = _met(reports, t_kill, n - 1)
         row["unmet"] = _unmet(reports)
+        if kind == "etcd-v3":
+            row["reform_lease_lapses"] = lapse_summary(_all_lapses(run), t_kill, t_kill + row["reform_cpu_s"]["wall"])
         row["reform_spread"] = _spread(reports, t_kill)
         row["reform_round"] = metrics_delta(etcd_metrics(cluster), before)
         row["reform_req_per_node"] = sum(
@@ -681,6 +712,11 @@ def _troubles(r: dict) -> str:
         changes = r.get(phase, {}).get("leader_changes", 0)
         if changes:
             out.append(f"{changes:.0f} leader changes seen in the {'meeting' if phase == 'round' else 're-form'}")
+    for phase, name in (("meet_lease_lapses", "meeting"), ("reform_lease_lapses", "re-form")):
+        lapses = r.get(phase) or {}
+        if lapses.get("process") or lapses.get("etcd"):
+            out.append(f"leases lapsed in the {name}: {lapses['process']} with no keep-alive sent for a TTL, "
+                       f"{lapses['etcd']} sent and not renewed")
     steal = r.get("meet_host", {}).get("steal_cpu_share", 0)
     if steal >= 0.05:
         out.append(f"{100 * steal:.0f}% of the CPU stolen by the host in the meeting")

@@ -7,6 +7,8 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 from elastic_rt.errors import DuplicateNodeError, EtcdUnavailableError
@@ -18,7 +20,48 @@ from elastic_rt.rendezvous.monitor import incarnation
 
 log = logging.getLogger(__name__)
 SILENT_BEATS = 1.5  # a member that owes a keep-alive answer and sent nothing for this many beats is given up
+KEPT_LAPSES = 8  # the newest lapses a lease remembers (NodeLease.lapses)
+SENDS_KEPT = 1024  # keep-alive send times kept while none is confirmed (past that, the oldest are forgotten)
 
+
+@dataclass(frozen=True)
+class LeaseLapse:
+    """One time the lease was found gone, and whose silence let it run out. etcd ends a lease when no keep-alive
+    reached it for a TTL. `longest_silence_s` is the longest stretch, from the send of the last keep-alive etcd
+    confirmed to the send of the one it answered "gone", in which this process sent none: a TTL or more, and this
+    process alone explains the lapse (it did not run: starved, stopped, swapped out, or its lease thread was held
+    up); less, and it sent on time, so etcd did not renew what it was sent (too busy, partitioned, or a peer revoked
+    the lease)."""
+
+    at: float  # monotonic send time of the keep-alive answered "gone"
+    ttl_s: float
+    unrenewed_s: float  # from the last confirmed keep-alive's send to `at`
+    beats: int  # keep-alives sent in that stretch, the last one included
+    longest_silence_s: float
+
+    @property
+    def cause(self) -> str:
+        """'process' (it sent no keep-alive for a TTL or more) or 'etcd' (it sent them; etcd did not renew)."""
+        return "process" if self.longest_silence_s >= self.ttl_s else "etcd"
+
+    def describe(self) -> str:
+        if self.cause == "process":
+            return (f"this process sent no keep-alive for {self.longest_silence_s:.1f} s (TTL {self.ttl_s:g} s): it "
+                    f"did not run (starved, stopped or swapped out)")
+        return (f"{self.beats} keep-alives sent in {self.unrenewed_s:.1f} s, none more than "
+                f"{self.longest_silence_s:.1f} s apart (TTL {self.ttl_s:g} s), and etcd did not renew them: etcd was "
+                f"too busy or cut off, or a peer revoked the lease")
+
+
+def lapse_of(renewed: float, sends: list[float], at: float, ttl_s: float) -> LeaseLapse:
+    """The lapse found by the keep-alive sent at `at`, the last one confirmed having been sent at `renewed`
+    (`sends`: this process's keep-alive send times, in order; those outside (renewed, at) are ignored)."""
+    between = [t for t in sends if renewed < t < at - 1e-3]  # (`at` itself may be among them, as a rounded copy)
+    times = [renewed, *between, at]
+    if len(sends) >= SENDS_KEPT:  # the sends right after `renewed` were forgotten: no silence is known before them
+        times = times[1:]
+    return LeaseLapse(at=at, ttl_s=ttl_s, unrenewed_s=at - renewed, beats=len(between) + 1,
+                      longest_silence_s=max((b - a for a, b in zip(times, times[1:])), default=0.0))
 
 
 class NodeLease:
@@ -64,6 +107,8 @@ class NodeLease:
         self._next_beat = 0.0  # when the next beat is due: a beat_s after the last one (or the grant) was sent
         self.renewals_lost = 0  # times the lease was found gone (an outage, a pause, a partition, an eviction)
         self.lost_at: float | None = None  # when it was last found gone
+        self.lapses: deque[LeaseLapse] = deque(maxlen=KEPT_LAPSES)  # the newest times it was found gone, and why
+        self._sends: deque[float] = deque(maxlen=SENDS_KEPT)  # keep-alive send times since the last confirmed
         self.conflict: DuplicateNodeError | None = None  # another agent holds this node id: beats stopped
         self._read: tuple[RangeRead, list[list[KeyValue]], int] | None = None  # start()'s `read`, until take_read()
 
@@ -127,7 +172,7 @@ class NodeLease:
             log.info("node %s: the agent that held this node id (%s) is gone; taking its place", self._node_id,
                      _describe(held))
             self._registered = True
-            self.last_renewed = self._clock()
+            self._renewed(self._clock())
             self._published = self._lease_id
         return ok
 
@@ -161,9 +206,16 @@ class NodeLease:
                     f"({_describe(held)}); give each agent its own --node-id", held)
             self._client.put(key, self._info, lease=self._lease_id, timeout_s=timeout_s)
         self._registered = True
-        self.last_renewed = sent
+        self._renewed(sent)
         self._next_beat = sent + self.beat_s
         self._published = self._lease_id  # the caller calls on_granted once it has let go of the lock
+
+    def _renewed(self, sent: float) -> None:
+        """etcd confirmed the lease as of `sent` (a keep-alive's or the grant's send time): the sends before it
+        no longer count towards a lapse."""
+        self.last_renewed = sent
+        while self._sends and self._sends[0] < sent:
+            self._sends.popleft()
 
     def _beat(self) -> bool:
         """One beat; True when etcd confirmed the lease (or it was granted anew), False when no answer came yet
@@ -182,16 +234,20 @@ class NodeLease:
                 self._grant(None)
                 return True
             self._next_beat = sent + self.beat_s
+            self._sends.append(sent)
             renewal = self._client.keep_alive(self._lease_id, every_s=self.beat_s, silent_s=SILENT_BEATS * self.beat_s)
             if renewal is None:
                 return False
-            if renewal.ttl > 0:  # renewed from its request's send time, on this process's clock
-                self.last_renewed = max(self.last_renewed, self._clock() - (time.monotonic() - renewal.sent_at))
+            renewal_sent = self._clock() - (time.monotonic() - renewal.sent_at)  # on this process's clock
+            if renewal.ttl > 0:  # renewed from its request's send time
+                self._renewed(max(self.last_renewed, renewal_sent))
                 return True
             self.renewals_lost += 1
             self.lost_at = sent
-            log.warning("node %s: liveness lease %x is gone (expired during an outage or revoked); "
-                        "registering again", self._node_id, self._lease_id)
+            lapse = lapse_of(self.last_renewed, list(self._sends), max(renewal_sent, self.last_renewed), self._ttl_s)
+            self.lapses.append(lapse)
+            log.warning("node %s: liveness lease %x is gone, %.1f s after etcd last renewed it: %s; registering again",
+                        self._node_id, self._lease_id, lapse.unrenewed_s, lapse.describe())
             self._grant(None)  # the client's request deadline: a busy etcd answers grants late too
             return True
 

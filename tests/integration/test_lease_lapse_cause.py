@@ -1,0 +1,123 @@
+"""A lease that lapsed says whose silence it was: a process that did not run, or an etcd that did not renew.
+
+Real etcd, real processes: a node whose process is really stopped (SIGSTOP) past its lease's TTL, and a node whose
+lease a peer revokes while its keep-alives go out on time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+from elastic_rt.rendezvous.etcd_reachability import EtcdHealth
+from elastic_rt.rendezvous.keys import RunKeys
+from elastic_rt.rendezvous.lease import NodeLease
+
+TTL_S = 2.0
+
+_CHILD = textwrap.dedent("""
+    import json, sys, time
+    from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+    from elastic_rt.rendezvous.etcd_reachability import EtcdHealth
+    from elastic_rt.rendezvous.keys import RunKeys
+    from elastic_rt.rendezvous.lease import NodeLease
+
+    host, port, run_id, ttl = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+    client = EtcdClient(EtcdConfig(endpoints=((host, port),), request_timeout_s=10.0))
+    lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=ttl, info={"addr": "127.0.0.1"},
+                      health=EtcdHealth(node_id="n0"), local_addr="127.0.0.1",
+                      on_beat=lambda: print("beat", flush=True))
+    lease.start()
+    deadline = time.monotonic() + 60
+    while not lease.lapses and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lapse = lease.lapses[0] if lease.lapses else None
+    print(json.dumps(None if lapse is None else {"cause": lapse.cause, "silence": lapse.longest_silence_s,
+                                                 "unrenewed": lapse.unrenewed_s, "beats": lapse.beats,
+                                                 "said": lapse.describe()}), flush=True)
+    lease.stop(revoke=True)
+    client.close()
+""")
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    out: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [out.put(line.strip()) for line in proc.stdout], daemon=True).start()
+    return out
+
+
+def _next(out: queue.Queue, want, timeout_s: float) -> str:
+    """The first line that `want` accepts, within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        line = out.get(timeout=max(0.01, deadline - time.monotonic()))
+        if want(line):
+            return line
+
+
+def _gone(etcd_client, key: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if etcd_client.get(key)[0] is None:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_lapse_while_the_process_was_stopped_is_put_on_the_process(etcd_server, etcd_client, run_id):
+    m = etcd_server.members[0]
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, m.host, str(m.client_port), run_id, str(TTL_S)],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out = _lines(proc)
+        for _ in range(2):
+            _next(out, lambda line: line == "beat", 30)  # its lease is kept alive
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            assert _gone(etcd_client, RunKeys(run_id).alive("n0"), TTL_S + 10), "the stopped node's lease did not lapse"
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        stopped_for = time.monotonic() - stopped
+        lapse = json.loads(_next(out, lambda line: line != "beat", 30))
+        assert lapse is not None, "the lease was not found gone after the process ran again"
+        assert lapse["cause"] == "process", lapse
+        assert TTL_S <= lapse["silence"] <= stopped_for + 2 * TTL_S, (lapse, stopped_for)
+        assert "did not run" in lapse["said"]
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_lapse_of_a_lease_revoked_while_beats_went_on_time_is_put_on_etcd(etcd_server, etcd_client, run_id):
+    m = etcd_server.members[0]
+    client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+    beats = threading.Semaphore(0)
+    lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=TTL_S, info={"addr": "127.0.0.1"},
+                      health=EtcdHealth(node_id="n0"), local_addr="127.0.0.1", on_beat=beats.release)
+    try:
+        first = lease.start()
+        for _ in range(2):
+            assert beats.acquire(timeout=30), "no beat confirmed"
+        etcd_client.revoke_lease(first)
+        deadline = time.monotonic() + 30
+        while not lease.lapses and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lease.lapses, "the revoked lease was not found gone"
+        lapse = lease.lapses[0]
+        assert lapse.cause == "etcd" and lapse.longest_silence_s < TTL_S and lapse.beats >= 1, lapse
+        assert "etcd did not renew them" in lapse.describe()
+        assert lease.lease_id not in (0, first), "the node did not register again under a new lease"
+    finally:
+        lease.stop(revoke=True)
+        client.close()
