@@ -26,6 +26,13 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   reform lapses     with --reform-lapses K (etcd-v3): as the one node is lost, K other members' leases are revoked at
                     once from outside (agents alive: they register again), as an overloaded etcd lets them lapse;
                     reform_s then runs until every survivor is in one round of N-1 again (lapsed ones included)
+  leader            every handler talks to etcd member 0 first: leader_at_start says which member led (0: renewals
+                    are answered where they arrive; else member 0 forwards each one to the leader); --leader first or
+                    other moves the leadership there before the run
+  --cpus X          everything (etcd and the handler processes) in a cgroup of X CPUs: a slower machine on demand;
+                    --client-nice N runs the handler processes at nice N (etcd first, as on hosts of its own)
+  lease lapses      meet_lease_lapses, reform_lease_lapses: leases found gone in the window, by whose silence
+                    (NodeLease.lapses: no keep-alive sent for a TTL, or sent and not renewed by etcd)
 
     python benchmarks/rendezvous_scale.py                          # 8 ... 1024, all three handlers
     python benchmarks/rendezvous_scale.py --quick --allow-dirty --out /tmp/x   # CI: 8, 16; < 60 s
@@ -40,6 +47,7 @@ See benchmarks/README.md ("rendezvous_scale.py") for how to read it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -264,6 +272,8 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
     """Runs in a spawned process: create the handlers, then obey the parent's commands."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     sys.setswitchinterval(args["switch_interval_ms"] / 1000.0)  # see procs_for()
+    if args.get("client_nice"):
+        os.nice(args["client_nice"])  # --client-nice: etcd's members before the simulated nodes, as dedicated hosts
     import logging
 
     logging.getLogger("elastic_rt").setLevel(logging.WARNING)  # one line per node per event: 1,024 of them
@@ -319,11 +329,12 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
 # ---- the parent: etcd, metrics, one (kind, N) run ---------------------------------------------
 def etcd_metrics(cluster) -> dict:
     """Sum over members: gRPC messages received by method, client gRPC bytes in + out, watch events sent, and the
-    leader changes the members saw (each member counts one it saw: 3 for one change on 3 members)."""
+    leader changes the members saw (each member counts one it saw: 3 for one change on 3 members); and which member
+    leads (its index, None with no leader)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"requests": {}, "bytes": 0.0, "events": 0.0, "leader_changes": 0.0}
-    for m in cluster.members:
+    out = {"requests": {}, "bytes": 0.0, "events": 0.0, "leader_changes": 0.0, "leader": None}
+    for index, m in enumerate(cluster.members):
         with urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=30) as resp:
             text = resp.read().decode()
         for fam in text_string_to_metric_families(text):
@@ -335,6 +346,8 @@ def etcd_metrics(cluster) -> dict:
                     out["events"] += s.value
                 elif fam.name == "etcd_server_leader_changes_seen" and s.name.endswith("_total"):
                     out["leader_changes"] += s.value
+                elif fam.name == "etcd_server_is_leader" and s.value == 1:
+                    out["leader"] = index  # the member that leads (the handlers all talk to member 0 first)
                 elif fam.name in ("etcd_network_client_grpc_received_bytes",
                                   "etcd_network_client_grpc_sent_bytes") and s.name.endswith("_total"):
                     out["bytes"] += s.value
@@ -580,10 +593,12 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         conf.setdefault("last_call_timeout", str(int(args.timeout_s)))  # the first round waits for all N
     wargs = {"conf": conf, "run_id": f"scale-{kind}-{n}-{uuid.uuid4().hex[:6]}",
              "etcd_endpoints": cluster.endpoints, "c10d_endpoint": f"127.0.0.1:{free_port()}",
-             "switch_interval_ms": args.switch_interval_ms}
+             "switch_interval_ms": args.switch_interval_ms, "client_nice": args.client_nice}
     procs = procs_for(n, args)
     row = {"kind": kind, "n": n, "procs": procs, "loadavg_before": list(os.getloadavg()),
            "meet_s": None, "reform_s": None, "error": ""}
+    if args.leader != "any" and kind != "c10d":  # the handlers talk to member 0 first: it leads, or forwards to it
+        cluster.move_leader(0 if args.leader == "first" else len(cluster.members) - 1)
     t_setup = time.monotonic()
     run = Run(kind, n, procs, wargs)
     try:
@@ -591,6 +606,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         row["worker_switch_interval_s"] = sorted(set(switch))
         row["setup_s"] = time.monotonic() - t_setup
         before = etcd_metrics(cluster)
+        row["leader_at_start"] = before["leader"]
         clients, members = [p.pid for p in run.procs], [m.proc.pid for m in cluster.members if m.proc]
         cpu0, host0 = (cpu_s(clients), cpu_s(members)), host_counters()
         t0 = time.monotonic()
@@ -795,6 +811,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reform-lapses", type=int, default=0, metavar="K",
                    help="etcd-v3: as the one node is lost, revoke K other members' leases too (their agents register "
                         "again); the re-form ends when every survivor is in one round of N-1 (default 0)")
+    p.add_argument("--leader", choices=("any", "first", "other"), default="any",
+                   help="which etcd member leads when a run begins: the first (the one every handler talks to), "
+                        "another one (the first forwards each keep-alive to it), or whichever won the election "
+                        "(default)")
+    p.add_argument("--cpus", type=float, default=0.0, metavar="X",
+                   help="run everything (etcd's members, the handler processes) in a cgroup limited to X CPUs: a "
+                        "slower machine on demand (root; default 0: no limit)")
+    p.add_argument("--client-nice", type=int, default=0, metavar="N",
+                   help="run the simulated nodes' processes at this nice value (etcd's members stay at 0): on real "
+                        "hardware etcd has its own hosts and no agent takes its CPU (default 0: all compete)")
     p.add_argument("--switch-interval-ms", type=float, default=50.0,
                    help="the worker processes' GIL switch interval (default 50; Python's own is 5): see procs_for()")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
@@ -819,11 +845,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--reform-lapses must be >= 0")
     if a.lapse_smallest_after is not None and a.lapse_smallest_after < 0:
         p.error("--lapse-smallest-after must be >= 0")
+    if a.cpus < 0:
+        p.error("--cpus must be >= 0")
+    if a.cpus:
+        from elastic_rt.chaos.cpu_quota import available
+
+        if (why := available()) is not None:
+            p.error(f"--cpus: {why}")
     if a.etcd_binary is not None and not (os.path.isfile(a.etcd_binary) and os.access(a.etcd_binary, os.X_OK)):
         p.error(f"--etcd-binary {a.etcd_binary} is not an executable file")
     if any(k not in KINDS for k in a.kinds) or not a.kinds or not a.nodes or a.procs < 0 or a.per_proc < 1:
         p.error(f"--kinds is a comma-separated list of {', '.join(KINDS)}; --nodes and --procs must be given")
     return a
+
+
+@contextlib.contextmanager
+def _cpu_quota(cpus: float):
+    """--cpus: this process, and so etcd's members and the handler processes it starts, in a cgroup limited to
+    `cpus` CPUs (a slower machine, on demand); nothing with 0."""
+    if not cpus:
+        yield
+        return
+    from elastic_rt.chaos.cpu_quota import CpuQuota
+
+    with CpuQuota(cpus, name=f"elastic-rt-bench-{os.getpid()}") as quota:
+        quota.add(os.getpid())
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -839,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, t_start, stopped = [], time.monotonic(), {}
     load_start = list(os.getloadavg())
     speed = machine_speed()
-    with EtcdCluster(args.etcd_members, binary=args.etcd_binary) as cluster:
+    with _cpu_quota(args.cpus), EtcdCluster(args.etcd_members, binary=args.etcd_binary) as cluster:
         etcd = etcd_facts(cluster)
         print(f"etcd {etcd['version']} ({etcd['members']} members, {etcd['binary']}), load {load_start[0]:.1f}",
               file=sys.stderr, flush=True)
@@ -850,7 +897,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_one(kind, n, cluster, args)
                 rows.append(row)
                 print(f"[{time.monotonic() - t_start:6.0f}s] {kind:<13} N={n:<5} meet {_f(row['meet_s'], '.2f')} s, "
-                      f"reform {_f(row['reform_s'], '.2f')} s, load {row['loadavg_after'][0]:.1f} {row['error']}",
+                      f"reform {_f(row['reform_s'], '.2f')} s, leader m{row.get('leader_at_start')}, "
+                      f"load {row['loadavg_after'][0]:.1f} {row['error']}",
                       file=sys.stderr, flush=True)
                 if row["meet_s"] is None:
                     stopped[kind] = n
@@ -864,6 +912,9 @@ def main(argv: list[str] | None = None) -> int:
             f"etcd {etcd['version']} ({etcd['members']} members on loopback, {etcd['binary']}), handlers in "
             f"{args.procs or f'max(8, N / {args.per_proc})'} processes (procs column) with a GIL switch interval of "
             f"{args.switch_interval_ms:g} ms, --rdzv-conf {args.rdzv_conf}, "
+            f"{f'all in a cgroup of {args.cpus:g} CPUs, ' if args.cpus else ''}"
+            f"{f'handler processes at nice {args.client_nice}, ' if args.client_nice else ''}"
+            f"{f'leader moved to the {args.leader} member, ' if args.leader != 'any' else ''}"
             f"nnodes N-1:N\n\n{table(rows, args)}\n\n"
             "reform s: etcd-v3: lease revoked -> every survivor met again, detected by the handlers' own "
             "membership watch. * torch's handlers never detect a dead peer themselves; the survivors are told "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -183,6 +184,30 @@ class EtcdCluster:
         if out.returncode != 0:
             raise ElasticRTError(f"etcdctl {' '.join(args)} failed: {out.stderr.strip().splitlines()[-1:]}")
         return out.stdout
+
+    def member_status(self) -> list[tuple[int, int]]:
+        """(member id, the leader's id as that member sees it) for each member, in order."""
+        entries = {e["Endpoint"]: e["Status"] for e in json.loads(self.etcdctl("endpoint", "status", "-w", "json"))}
+        return [(int(entries[m.url]["header"]["member_id"]), int(entries[m.url]["leader"])) for m in self.members]
+
+    def leader_index(self) -> int | None:
+        """The index of the member that leads (as the first member sees it), or None with no leader."""
+        status = self.member_status()
+        return next((i for i, (member, _) in enumerate(status) if member == status[0][1]), None)
+
+    def move_leader(self, index: int, timeout_s: float = 30.0) -> None:
+        """Make member `index` the leader (etcd's MoveLeader, asked of the leader) and wait until all see it."""
+        target = self.member_status()[index][0]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.member_status()
+            if all(leader == target for _, leader in status):
+                return
+            if time.monotonic() > deadline:
+                raise ElasticRTError(f"member {index} did not become the leader in {timeout_s:g} s")
+            if status[0][1] != 0:  # a leader to ask; else an election is under way
+                self.etcdctl("move-leader", format(target, "x"))
+            time.sleep(0.2)
 
     def enable_auth(self, root_password: str, users: dict[str, tuple[str, tuple[str, ...]]]) -> None:
         """Create root and each user (password, key prefixes it may read and write), then enable auth."""

@@ -103,6 +103,22 @@ def test_etcd_options(tmp_path, capsys):
     assert "is not an executable file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.parse_args(["--etcd-members", "0"])
+    assert (args.cpus, args.client_nice) == (0.0, 0)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cpus", "-1"])
+
+
+def test_the_leader_is_moved_where_asked_and_recorded_from_etcds_metrics():
+    """--leader first|other moves etcd's leadership to member 0 (which every handler talks to first) or to another
+    one before a run; the run records the leader from the members' own is_leader gauge."""
+    from etcd_testbed.server import EtcdCluster
+
+    bench = _bench()
+    assert bench.parse_args([]).leader == "any" and bench.parse_args(["--leader", "other"]).leader == "other"
+    with EtcdCluster(3) as cluster:
+        for index in (2, 0, 1):
+            cluster.move_leader(index)
+            assert cluster.leader_index() == index and bench.etcd_metrics(cluster)["leader"] == index
 
 
 def test_reform_lapses_spare_the_closer_and_the_lost_node(tmp_path):
