@@ -31,6 +31,8 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
                     other moves the leadership there before the run
   --cpus X          everything (etcd and the handler processes) in a cgroup of X CPUs: a slower machine on demand;
                     --client-nice N runs the handler processes at nice N (etcd first, as on hosts of its own)
+  fsync             round.fsync, reform_round.fsync: the members' WAL fsyncs in the window (count, mean and p99 ms);
+                    etcd 3.4 fsyncs to this machine's disk (3.5.1 runs with --unsafe-no-fsync here)
   lease lapses      meet_lease_lapses, reform_lease_lapses: leases found gone in the window, by whose silence
                     (NodeLease.lapses: no keep-alive sent for a TTL, or sent and not renewed by etcd)
 
@@ -61,6 +63,7 @@ import uuid
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("etcd-v3", "etcd-v3-torch", "c10d")
 TICK_S = 0.1  # the agent's monitor interval
+SLOW_FSYNC_MS = 10.0  # a WAL fsync slower than this on average is named in a run's note (a local SSD: well under 1)
 
 
 # ---- worker process: N/P handlers -------------------------------------------------------------
@@ -333,7 +336,8 @@ def etcd_metrics(cluster) -> dict:
     leads (its index, None with no leader)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"requests": {}, "bytes": 0.0, "events": 0.0, "leader_changes": 0.0, "leader": None}
+    out = {"requests": {}, "bytes": 0.0, "events": 0.0, "leader_changes": 0.0, "leader": None,
+           "fsync": {"count": 0.0, "sum": 0.0, "buckets": {}}}
     for index, m in enumerate(cluster.members):
         with urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=30) as resp:
             text = resp.read().decode()
@@ -346,6 +350,13 @@ def etcd_metrics(cluster) -> dict:
                     out["events"] += s.value
                 elif fam.name == "etcd_server_leader_changes_seen" and s.name.endswith("_total"):
                     out["leader_changes"] += s.value
+                elif fam.name == "etcd_disk_wal_fsync_duration_seconds":  # 3.4 fsyncs to this machine's disk
+                    fsync = out["fsync"]
+                    if s.name.endswith("_count") or s.name.endswith("_sum"):
+                        fsync[s.name.rsplit("_", 1)[1]] += s.value
+                    elif s.name.endswith("_bucket"):
+                        le = float(s.labels["le"])
+                        fsync["buckets"][le] = fsync["buckets"].get(le, 0.0) + s.value
                 elif fam.name == "etcd_server_is_leader" and s.value == 1:
                     out["leader"] = index  # the member that leads (the handlers all talk to member 0 first)
                 elif fam.name in ("etcd_network_client_grpc_received_bytes",
@@ -373,7 +384,21 @@ def metrics_delta(after: dict, before: dict) -> dict:
     req = {k: v - before["requests"].get(k, 0.0) for k, v in after["requests"].items()}
     return {"requests": {k: v for k, v in req.items() if v}, "bytes": after["bytes"] - before["bytes"],
             "events": after["events"] - before["events"],
-            "leader_changes": after.get("leader_changes", 0.0) - before.get("leader_changes", 0.0)}
+            "leader_changes": after.get("leader_changes", 0.0) - before.get("leader_changes", 0.0),
+            "fsync": fsync_delta(after["fsync"], before["fsync"])}
+
+
+def fsync_delta(after: dict, before: dict) -> dict:
+    """The members' WAL fsyncs between two scrapes: how many, their mean and their 99th percentile (the upper
+    bound of the histogram bucket that holds it), in ms. etcd acknowledges a write, and renews nothing that waits
+    on one, before its raft entry is fsynced: a slow disk is a slow etcd."""
+    count = after["count"] - before["count"]
+    if count <= 0:
+        return {"count": 0, "mean_ms": None, "p99_ms": None}
+    p99 = next((le for le in sorted(after["buckets"])
+                if after["buckets"][le] - before["buckets"].get(le, 0.0) >= 0.99 * count), float("inf"))
+    return {"count": int(count), "mean_ms": round(1000 * (after["sum"] - before["sum"]) / count, 2),
+            "p99_ms": round(1000 * p99, 1) if p99 != float("inf") else None}
 
 
 def cpu_s(pids: list[int]) -> float:
@@ -733,6 +758,10 @@ def _troubles(r: dict) -> str:
         if lapses.get("process") or lapses.get("etcd"):
             out.append(f"leases lapsed in the {name}: {lapses['process']} with no keep-alive sent for a TTL, "
                        f"{lapses['etcd']} sent and not renewed")
+    for phase, name in (("round", "meeting"), ("reform_round", "re-form")):
+        fsync = r.get(phase, {}).get("fsync") or {}
+        if (fsync.get("mean_ms") or 0) >= SLOW_FSYNC_MS:
+            out.append(f"WAL fsyncs of {fsync['mean_ms']:.0f} ms on average in the {name} (p99 {fsync['p99_ms']} ms)")
     steal = r.get("meet_host", {}).get("steal_cpu_share", 0)
     if steal >= 0.05:
         out.append(f"{100 * steal:.0f}% of the CPU stolen by the host in the meeting")
@@ -815,6 +844,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="which etcd member leads when a run begins: the first (the one every handler talks to), "
                         "another one (the first forwards each keep-alive to it), or whichever won the election "
                         "(default)")
+    p.add_argument("--etcd-data-dir", default=None, metavar="DIR",
+                   help="where etcd's members keep their data (default: the temporary directory); /dev/shm takes "
+                        "the disk out of etcd 3.4's writes, as --unsafe-no-fsync does for 3.5 (3.4 has no such flag)")
     p.add_argument("--cpus", type=float, default=0.0, metavar="X",
                    help="run everything (etcd's members, the handler processes) in a cgroup limited to X CPUs: a "
                         "slower machine on demand (root; default 0: no limit)")
@@ -845,6 +877,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--reform-lapses must be >= 0")
     if a.lapse_smallest_after is not None and a.lapse_smallest_after < 0:
         p.error("--lapse-smallest-after must be >= 0")
+    if a.etcd_data_dir is not None and not os.path.isdir(a.etcd_data_dir):
+        p.error(f"--etcd-data-dir {a.etcd_data_dir} is not a directory")
     if a.cpus < 0:
         p.error("--cpus must be >= 0")
     if a.cpus:
@@ -886,7 +920,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, t_start, stopped = [], time.monotonic(), {}
     load_start = list(os.getloadavg())
     speed = machine_speed()
-    with _cpu_quota(args.cpus), EtcdCluster(args.etcd_members, binary=args.etcd_binary) as cluster:
+    with _cpu_quota(args.cpus), EtcdCluster(args.etcd_members, binary=args.etcd_binary,
+                                                        data_root=args.etcd_data_dir) as cluster:
         etcd = etcd_facts(cluster)
         print(f"etcd {etcd['version']} ({etcd['members']} members, {etcd['binary']}), load {load_start[0]:.1f}",
               file=sys.stderr, flush=True)

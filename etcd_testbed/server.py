@@ -113,9 +113,9 @@ class EtcdCluster:
     """N etcd members on loopback, each on free ports, data in a temporary directory."""
 
     def __init__(self, size: int = 1, *, host: str = "127.0.0.1", binary: str | None = None,
-                 tls: EtcdTls | None = None, auth_token_ttl_s: int | None = None) -> None:
+                 tls: EtcdTls | None = None, auth_token_ttl_s: int | None = None, data_root: str | None = None) -> None:
         self.binary = binary or find_etcd_binary()
-        self.root = tempfile.mkdtemp(prefix="elastic-rt-etcd-")
+        self.root = tempfile.mkdtemp(prefix="elastic-rt-etcd-", dir=data_root)  # data_root: e.g. a tmpfs
         self.tls = tls
         self.auth_token_ttl_s = auth_token_ttl_s
         ports = free_ports(2 * size, host)

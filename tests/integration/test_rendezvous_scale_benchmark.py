@@ -72,6 +72,7 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         assert sample["view_round"] == sample["membership_round"] and sample["view_connected"] is True, sample
         assert r["round"]["leader_changes"] >= 0 and 0 <= r["meet_host"]["steal_cpu_share"] < 1, r
         assert 0 <= r["reform_host"]["steal_cpu_share"] < 1, r
+        assert r["round"]["fsync"]["count"] >= 0 and set(r["reform_round"]["fsync"]) == {"count", "mean_ms", "p99_ms"}
         for phase in ("meet_lease_lapses", "reform_lease_lapses"):  # whose silence each lapse was (none expected)
             assert set(r[phase]) == {"process", "etcd", "silence_s", "unrenewed_s", "first_s"}, r[phase]
         assert rows[("c10d", n)]["reform_s"] is None  # --quick skips torch's 45 s re-form
@@ -103,7 +104,10 @@ def test_etcd_options(tmp_path, capsys):
     assert "is not an executable file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.parse_args(["--etcd-members", "0"])
-    assert (args.cpus, args.client_nice) == (0.0, 0)
+    assert (args.cpus, args.client_nice, args.etcd_data_dir) == (0.0, 0, None)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--etcd-data-dir", str(tmp_path / "none")])
+    assert bench.parse_args(["--etcd-data-dir", str(tmp_path)]).etcd_data_dir == str(tmp_path)
     with pytest.raises(SystemExit):
         bench.parse_args(["--cpus", "-1"])
 
@@ -169,6 +173,16 @@ def test_a_run_says_what_the_host_and_etcd_did_to_it():
     assert bench._lapse_note(rough) == ("9 lease grants in the meeting; 3 leader changes seen in the meeting; "
                                         "leases lapsed in the meeting: 3 with no keep-alive sent for a TTL, 1 sent "
                                         "and not renewed; 20% of the CPU stolen by the host in the meeting; ")
+
+
+def test_wal_fsyncs_of_a_window_are_counted_and_a_slow_disk_is_named():
+    bench = _bench()
+    before = {"count": 10.0, "sum": 0.01, "buckets": {0.001: 10.0, 0.002: 10.0, 0.004: 10.0, 0.008: 10.0, 1.0: 10.0}}
+    after = {"count": 110.0, "sum": 2.01, "buckets": {0.001: 10.0, 0.002: 10.0, 0.004: 40.0, 0.008: 108.0, 1.0: 110.0}}
+    assert bench.fsync_delta(after, before) == {"count": 100, "mean_ms": 20.0, "p99_ms": 1000.0}
+    assert bench.fsync_delta(before, before) == {"count": 0, "mean_ms": None, "p99_ms": None}
+    slow = {"n": 4, "round": {"requests": {"LeaseGrant": 5.0}, "fsync": {"count": 100, "mean_ms": 20.0, "p99_ms": 64.0}}}
+    assert bench._lapse_note(slow) == "WAL fsyncs of 20 ms on average in the meeting (p99 64.0 ms); "
 
 
 def test_lease_lapses_are_counted_by_whose_silence_in_their_window():
