@@ -34,7 +34,8 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   fsync             round.fsync, reform_round.fsync: the members' WAL fsyncs in the window (count, mean and p99 ms);
                     etcd 3.4 fsyncs to this machine's disk (3.5.1 runs with --unsafe-no-fsync here)
   lease lapses      meet_lease_lapses, reform_lease_lapses: leases found gone in the window, by whose silence
-                    (NodeLease.lapses: no keep-alive sent for a TTL, or sent and not renewed by etcd)
+                    (NodeLease.lapses: none sent for a TTL, the process not run or its lease thread held elsewhere;
+                    or sent and not renewed by etcd)
 
     python benchmarks/rendezvous_scale.py                          # 8 ... 1024, all three handlers
     python benchmarks/rendezvous_scale.py --quick --allow-dirty --out /tmp/x   # CI: 8, 16; < 60 s
@@ -170,13 +171,15 @@ def _all_lapses(run: "Run") -> list[tuple[float, str, float, float]]:
 
 def _lease_lapses(nodes: list[Node]) -> list[tuple[float, str, float, float]]:
     """Each time a node's lease was found gone (the newest few per node): when (monotonic, the keep-alive's send),
-    whose silence (NodeLease.lapses: 'process', it sent none for a TTL; 'etcd', it sent them and etcd did not renew),
+    whose silence (NodeLease.lapses: none sent for a TTL, 'process' when the lease thread woke late and 'held' when it
+    was busy elsewhere; 'etcd', it sent them and etcd did not renew),
     the longest stretch with no keep-alive sent, and how long the lease had gone unrenewed."""
     return [(x.at, x.cause, x.longest_silence_s, x.unrenewed_s) for node in nodes for x in list(node.h._lease.lapses)]
 
 
 def lapse_summary(lapses: list[tuple[float, str, float, float]], since: float, until: float) -> dict:
-    """The lease lapses found in [since, until): how many were this process's silence and how many etcd's, and
+    """The lease lapses found in [since, until): how many were the process's silence (it did not run), the lease
+    thread's (held elsewhere) and etcd's (keep-alives sent, not renewed), and
     the quantiles (min, median, max) of the longest silence and of the time unrenewed."""
     inside = [x for x in lapses if since <= x[0] < until]
 
@@ -184,7 +187,7 @@ def lapse_summary(lapses: list[tuple[float, str, float, float]], since: float, u
         xs = sorted(xs)
         return [round(xs[0], 2), round(xs[len(xs) // 2], 2), round(xs[-1], 2)] if xs else []
 
-    return {"process": sum(1 for x in inside if x[1] == "process"), "etcd": sum(1 for x in inside if x[1] == "etcd"),
+    return {**{cause: sum(1 for x in inside if x[1] == cause) for cause in ("process", "held", "etcd")},
             "silence_s": q([x[2] for x in inside]), "unrenewed_s": q([x[3] for x in inside]),
             "first_s": round(min(x[0] for x in inside) - since, 2) if inside else None}
 
@@ -755,9 +758,9 @@ def _troubles(r: dict) -> str:
             out.append(f"{changes:.0f} leader changes seen in the {'meeting' if phase == 'round' else 're-form'}")
     for phase, name in (("meet_lease_lapses", "meeting"), ("reform_lease_lapses", "re-form")):
         lapses = r.get(phase) or {}
-        if lapses.get("process") or lapses.get("etcd"):
-            out.append(f"leases lapsed in the {name}: {lapses['process']} with no keep-alive sent for a TTL, "
-                       f"{lapses['etcd']} sent and not renewed")
+        if lapses.get("process") or lapses.get("held") or lapses.get("etcd"):
+            out.append(f"leases lapsed in the {name}: {lapses['process']} with no keep-alive sent for a TTL (process "
+                       f"not run), {lapses.get('held', 0)} (lease thread held), {lapses['etcd']} sent and not renewed")
     for phase, name in (("round", "meeting"), ("reform_round", "re-form")):
         fsync = r.get(phase, {}).get("fsync") or {}
         if (fsync.get("mean_ms") or 0) >= SLOW_FSYNC_MS:

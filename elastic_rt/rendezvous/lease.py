@@ -24,44 +24,76 @@ KEPT_LAPSES = 8  # the newest lapses a lease remembers (NodeLease.lapses)
 SENDS_KEPT = 1024  # keep-alive send times kept while none is confirmed (past that, the oldest are forgotten)
 
 
+@dataclass
+class Send:
+    """One keep-alive this process sent: when (`at`), how late the lease thread woke for it (`late_s`: due, and
+    the process did not run it), how long it then took to send (`before_s`: the lease's lock, held by a grant or
+    another thread's beat), and how long the lease thread stayed in that beat and its callbacks after the send
+    (`after_s`, set when it returns; a beat waits up to its interval for answers by design)."""
+
+    at: float
+    late_s: float = 0.0
+    before_s: float = 0.0
+    after_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class LeaseLapse:
     """One time the lease was found gone, and whose silence let it run out. etcd ends a lease when no keep-alive
     reached it for a TTL. `longest_silence_s` is the longest stretch, from the send of the last keep-alive etcd
-    confirmed to the send of the one it answered "gone", in which this process sent none: a TTL or more, and this
-    process alone explains the lapse (it did not run: starved, stopped, swapped out, or its lease thread was held
-    up); less, and it sent on time, so etcd did not renew what it was sent (too busy, partitioned, or a peer revoked
-    the lease)."""
+    confirmed to the send of the one it answered "gone", in which this process sent none. Less than a TTL: it sent
+    on time, so etcd did not renew what it was sent (too busy, partitioned, or a peer revoked the lease). A TTL or
+    more: this process's own silence explains the lapse, and the stretch says why: the lease thread woke `late_s`
+    late (the process did not run: starved, stopped, swapped out), or it was held `held_s` in the beat that opened
+    the stretch, its callbacks, or the lease's lock before the beat that closed it."""
 
     at: float  # monotonic send time of the keep-alive answered "gone"
     ttl_s: float
     unrenewed_s: float  # from the last confirmed keep-alive's send to `at`
     beats: int  # keep-alives sent in that stretch, the last one included
     longest_silence_s: float
+    late_s: float = 0.0  # in the longest silence: how late the lease thread woke
+    held_s: float = 0.0  # in the longest silence: how long the lease thread was busy beyond a beat's answer wait
 
     @property
     def cause(self) -> str:
-        """'process' (it sent no keep-alive for a TTL or more) or 'etcd' (it sent them; etcd did not renew)."""
-        return "process" if self.longest_silence_s >= self.ttl_s else "etcd"
+        """'etcd' (keep-alives sent on time, not renewed), 'process' (none sent for a TTL: the process did not run)
+        or 'held' (none sent for a TTL: the lease thread was busy elsewhere)."""
+        if self.longest_silence_s < self.ttl_s:
+            return "etcd"
+        return "held" if self.held_s > self.late_s else "process"
 
     def describe(self) -> str:
-        if self.cause == "process":
-            return (f"this process sent no keep-alive for {self.longest_silence_s:.1f} s (TTL {self.ttl_s:g} s): it "
-                    f"did not run (starved, stopped or swapped out)")
-        return (f"{self.beats} keep-alives sent in {self.unrenewed_s:.1f} s, none more than "
-                f"{self.longest_silence_s:.1f} s apart (TTL {self.ttl_s:g} s), and etcd did not renew them: etcd was "
-                f"too busy or cut off, or a peer revoked the lease")
+        if self.cause == "etcd":
+            return (f"{self.beats} keep-alives sent in {self.unrenewed_s:.1f} s, none more than "
+                    f"{self.longest_silence_s:.1f} s apart (TTL {self.ttl_s:g} s), and etcd did not renew them: etcd "
+                    f"was too busy or cut off, or a peer revoked the lease")
+        why = (f"its lease thread was held {self.held_s:.1f} s in a beat's callbacks or waiting for the lease's lock"
+               if self.cause == "held" else
+               f"it woke {self.late_s:.1f} s late for a beat: the process did not run (starved, stopped or swapped "
+               f"out)")
+        return f"this process sent no keep-alive for {self.longest_silence_s:.1f} s (TTL {self.ttl_s:g} s): {why}"
 
 
-def lapse_of(renewed: float, sends: list[float], at: float, ttl_s: float) -> LeaseLapse:
-    """The lapse found by the keep-alive sent at `at`, the last one confirmed having been sent at `renewed`
-    (`sends`: this process's keep-alive send times, in order; those outside (renewed, at) are ignored)."""
-    between = [t for t in sends if renewed < t < at - 1e-3]  # (`at` itself may be among them, as a rounded copy)
-    times = [renewed, *between, at]
+def lapse_of(renewed: float, sends: list[Send], at: float, ttl_s: float) -> LeaseLapse:
+    """The lapse found by the keep-alive sent at `at` (as the connection saw it go out), the last one confirmed
+    having been sent at `renewed`. `sends`: this process's keep-alives, in order, each recorded just before it went
+    out; the last one at or before `at` is the one answered "gone", the last one at or before `renewed` (just before
+    it) the one confirmed, whose time in its beat and callbacks opens the first stretch."""
+    mine = [x for x in sends if renewed < x.at <= at]
+    last = mine.pop() if mine else Send(at)
+    confirmed = next((x for x in reversed(sends) if x.at <= renewed), None)  # the confirmed one, recorded just before
+    start = Send(renewed, after_s=confirmed.after_s if confirmed and renewed - confirmed.at <= ttl_s / 6 else 0.0)
     if len(sends) >= SENDS_KEPT:  # the sends right after `renewed` were forgotten: no silence is known before them
-        times = times[1:]
-    return LeaseLapse(at=at, ttl_s=ttl_s, unrenewed_s=at - renewed, beats=len(between) + 1,
-                      longest_silence_s=max((b - a for a, b in zip(times, times[1:])), default=0.0))
+        stretches = list(zip(mine, [*mine[1:], last]))
+    else:
+        stretches = list(zip([start, *mine], [*mine, last]))
+    longest = max(stretches, key=lambda ab: ab[1].at - ab[0].at, default=None)
+    if longest is None:
+        return LeaseLapse(at=last.at, ttl_s=ttl_s, unrenewed_s=last.at - renewed, beats=1, longest_silence_s=0.0)
+    a, b = longest
+    return LeaseLapse(at=last.at, ttl_s=ttl_s, unrenewed_s=last.at - renewed, beats=len(mine) + 1,
+                      longest_silence_s=b.at - a.at, late_s=b.late_s, held_s=a.after_s + b.before_s)
 
 
 class NodeLease:
@@ -108,7 +140,8 @@ class NodeLease:
         self.renewals_lost = 0  # times the lease was found gone (an outage, a pause, a partition, an eviction)
         self.lost_at: float | None = None  # when it was last found gone
         self.lapses: deque[LeaseLapse] = deque(maxlen=KEPT_LAPSES)  # the newest times it was found gone, and why
-        self._sends: deque[float] = deque(maxlen=SENDS_KEPT)  # keep-alive send times since the last confirmed
+        self._sends: deque[Send] = deque(maxlen=SENDS_KEPT)  # the keep-alives sent since the last one confirmed
+        self._woke: tuple[float, float] | None = None  # the lease thread's last wake-up: (when, how late), until a send
         self.conflict: DuplicateNodeError | None = None  # another agent holds this node id: beats stopped
         self._read: tuple[RangeRead, list[list[KeyValue]], int] | None = None  # start()'s `read`, until take_read()
 
@@ -214,8 +247,8 @@ class NodeLease:
         """etcd confirmed the lease as of `sent` (a keep-alive's or the grant's send time): the sends before it
         no longer count towards a lapse."""
         self.last_renewed = sent
-        while self._sends and self._sends[0] < sent:
-            self._sends.popleft()
+        while len(self._sends) > 1 and self._sends[1].at < sent:  # the newest one before `sent` stays: the confirmed
+            self._sends.popleft()  # keep-alive, recorded just before it went out (its time in the beat counts)
 
     def _beat(self) -> bool:
         """One beat; True when etcd confirmed the lease (or it was granted anew), False when no answer came yet
@@ -234,7 +267,7 @@ class NodeLease:
                 self._grant(None)
                 return True
             self._next_beat = sent + self.beat_s
-            self._sends.append(sent)
+            self._sends.append(self._send_now(threading.current_thread() is self._thread))
             renewal = self._client.keep_alive(self._lease_id, every_s=self.beat_s, silent_s=SILENT_BEATS * self.beat_s)
             if renewal is None:
                 return False
@@ -259,29 +292,51 @@ class NodeLease:
             raise self.conflict
         self._beat()
 
+    def _send_now(self, lease_thread: bool) -> Send:
+        """A keep-alive sent now; on the lease thread, with how late it woke and how long it took since."""
+        now = self._clock()
+        if not lease_thread or self._woke is None:
+            return Send(now)
+        (woke, late), self._woke = self._woke, None
+        return Send(now, late_s=late, before_s=now - woke)
+
     def _run(self) -> None:
         wait = max(0.0, self._next_beat - self._clock())  # a slow start (grant, put) may have used the first beat
-        while not self._stop.wait(wait):
-            try:
-                confirmed = self._beat()
-            except EtcdUnavailableError as exc:
-                self._health.failure(str(exc))
-                wait = self._backoff.next()
-                continue
-            except DuplicateNodeError as exc:  # while this lease was lost, another agent took the node id
-                log.error("node %s: %s; this agent stops", self._node_id, exc)
-                self.conflict = exc
-                self._on_granted()  # wake the rendezvous loop: it raises the conflict
+        while True:
+            due = self._clock() + wait
+            if self._stop.wait(wait):
                 return
-            except ValueError:  # gRPC: "closed channel": the client was closed while stop() waited for this beat
-                if self._stop.is_set():
-                    return
-                raise
-            if confirmed:
-                self._health.success()
-                self._backoff.reset()
-                self._on_beat()
-            wait = max(0.0, self._next_beat - self._clock())
+            woke = self._clock()
+            self._woke = (woke, max(0.0, woke - due))  # its send (if any) takes these (_send_now)
+            try:
+                wait = self._iteration()
+            finally:
+                if self._sends and self._sends[-1].at >= woke:  # this iteration's send: how long the thread stayed
+                    self._sends[-1].after_s = self._clock() - self._sends[-1].at
+            if wait is None:
+                return
+
+    def _iteration(self) -> float | None:
+        """A beat, then a confirmed one's callbacks: the time until the next beat, or None when the thread stops."""
+        try:
+            confirmed = self._beat()
+        except EtcdUnavailableError as exc:
+            self._health.failure(str(exc))
+            return self._backoff.next()
+        except DuplicateNodeError as exc:  # while this lease was lost, another agent took the node id
+            log.error("node %s: %s; this agent stops", self._node_id, exc)
+            self.conflict = exc
+            self._on_granted()  # wake the rendezvous loop: it raises the conflict
+            return None
+        except ValueError:  # gRPC: "closed channel": the client was closed while stop() waited for this beat
+            if self._stop.is_set():
+                return None
+            raise
+        if confirmed:
+            self._health.success()
+            self._backoff.reset()
+            self._on_beat()
+        return max(0.0, self._next_beat - self._clock())
 
     def stop(self, *, revoke: bool) -> None:
         """Stop refreshing; with revoke, peers see this node gone at once."""

@@ -121,3 +121,43 @@ def test_a_lapse_of_a_lease_revoked_while_beats_went_on_time_is_put_on_etcd(etcd
     finally:
         lease.stop(revoke=True)
         client.close()
+
+
+def test_a_lapse_while_the_lease_thread_was_held_in_a_callback_is_put_on_the_thread(etcd_server, run_id):
+    """A beat's callback (the agent's on_beat: the run lease, the view) that blocks past the TTL holds the lease
+    thread: the lapse says so, not that the process did not run."""
+    m = etcd_server.members[0]
+    client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+    beats, released = threading.Semaphore(0), threading.Event()
+    hold = {"armed": False}
+
+    def on_beat() -> None:
+        beats.release()
+        if hold["armed"]:
+            hold["armed"] = False
+            released.wait(TTL_S + 10)  # until the test has seen the lease run out
+
+    lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=TTL_S, info={"addr": "127.0.0.1"},
+                      health=EtcdHealth(node_id="n0"), local_addr="127.0.0.1", on_beat=on_beat)
+    try:
+        lease.start()
+        assert beats.acquire(timeout=30), "no beat confirmed"
+        hold["armed"] = True
+        assert beats.acquire(timeout=30), "no beat confirmed"  # this one's callback holds the thread
+        checker = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+        try:
+            assert _gone(checker, RunKeys(run_id).alive("n0"), TTL_S + 10), "the held node's lease did not lapse"
+        finally:
+            released.set()
+            checker.close()
+        deadline = time.monotonic() + 30
+        while not lease.lapses and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lease.lapses, "the lapsed lease was not found gone"
+        lapse = lease.lapses[0]
+        assert lapse.cause == "held" and lapse.held_s >= TTL_S - 1 and lapse.late_s < 1.0, lapse
+        assert "its lease thread was held" in lapse.describe()
+    finally:
+        released.set()
+        lease.stop(revoke=True)
+        client.close()
