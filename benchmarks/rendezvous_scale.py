@@ -171,15 +171,15 @@ def _all_lapses(run: "Run") -> list[tuple[float, str, float, float]]:
 
 def _lease_lapses(nodes: list[Node]) -> list[tuple[float, str, float, float]]:
     """Each time a node's lease was found gone (the newest few per node): when (monotonic, the keep-alive's send),
-    whose silence (NodeLease.lapses: none sent for a TTL, 'process' when the lease thread woke late and 'held' when it
-    was busy elsewhere; 'etcd', it sent them and etcd did not renew),
+    whose silence (NodeLease.lapses: none sent for a TTL, 'process' when the lease thread woke late, 'held' when it
+    was busy elsewhere, 'unexplained' when neither says why; 'etcd', it sent them and etcd did not renew),
     the longest stretch with no keep-alive sent, and how long the lease had gone unrenewed."""
     return [(x.at, x.cause, x.longest_silence_s, x.unrenewed_s) for node in nodes for x in list(node.h._lease.lapses)]
 
 
 def lapse_summary(lapses: list[tuple[float, str, float, float]], since: float, until: float) -> dict:
     """The lease lapses found in [since, until): how many were the process's silence (it did not run), the lease
-    thread's (held elsewhere) and etcd's (keep-alives sent, not renewed), and
+    thread's (held elsewhere), unexplained silences and etcd's (keep-alives sent, not renewed), and
     the quantiles (min, median, max) of the longest silence and of the time unrenewed."""
     inside = [x for x in lapses if since <= x[0] < until]
 
@@ -187,7 +187,7 @@ def lapse_summary(lapses: list[tuple[float, str, float, float]], since: float, u
         xs = sorted(xs)
         return [round(xs[0], 2), round(xs[len(xs) // 2], 2), round(xs[-1], 2)] if xs else []
 
-    return {**{cause: sum(1 for x in inside if x[1] == cause) for cause in ("process", "held", "etcd")},
+    return {**{cause: sum(1 for x in inside if x[1] == cause) for cause in ("process", "held", "unexplained", "etcd")},
             "silence_s": q([x[2] for x in inside]), "unrenewed_s": q([x[3] for x in inside]),
             "first_s": round(min(x[0] for x in inside) - since, 2) if inside else None}
 
@@ -758,9 +758,10 @@ def _troubles(r: dict) -> str:
             out.append(f"{changes:.0f} leader changes seen in the {'meeting' if phase == 'round' else 're-form'}")
     for phase, name in (("meet_lease_lapses", "meeting"), ("reform_lease_lapses", "re-form")):
         lapses = r.get(phase) or {}
-        if lapses.get("process") or lapses.get("held") or lapses.get("etcd"):
+        if any(lapses.get(cause) for cause in ("process", "held", "unexplained", "etcd")):
             out.append(f"leases lapsed in the {name}: {lapses['process']} with no keep-alive sent for a TTL (process "
-                       f"not run), {lapses.get('held', 0)} (lease thread held), {lapses['etcd']} sent and not renewed")
+                       f"not run), {lapses.get('held', 0)} (lease thread held), {lapses.get('unexplained', 0)} "
+                       f"(unexplained), {lapses['etcd']} sent and not renewed")
     for phase, name in (("round", "meeting"), ("reform_round", "re-form")):
         fsync = r.get(phase, {}).get("fsync") or {}
         if (fsync.get("mean_ms") or 0) >= SLOW_FSYNC_MS:

@@ -57,21 +57,26 @@ class LeaseLapse:
 
     @property
     def cause(self) -> str:
-        """'etcd' (keep-alives sent on time, not renewed), 'process' (none sent for a TTL: the process did not run)
-        or 'held' (none sent for a TTL: the lease thread was busy elsewhere)."""
+        """'etcd' (keep-alives sent on time, not renewed); or, none sent for a TTL, 'process' (the lease thread woke
+        late for half the silence or more: the process did not run), 'held' (it was busy elsewhere as long) or
+        'unexplained' (neither)."""
         if self.longest_silence_s < self.ttl_s:
             return "etcd"
-        return "held" if self.held_s > self.late_s else "process"
+        if self.late_s >= self.longest_silence_s / 2:
+            return "process"
+        return "held" if self.held_s >= self.longest_silence_s / 2 else "unexplained"
 
     def describe(self) -> str:
         if self.cause == "etcd":
             return (f"{self.beats} keep-alives sent in {self.unrenewed_s:.1f} s, none more than "
                     f"{self.longest_silence_s:.1f} s apart (TTL {self.ttl_s:g} s), and etcd did not renew them: etcd "
                     f"was too busy or cut off, or a peer revoked the lease")
-        why = (f"its lease thread was held {self.held_s:.1f} s in a beat's callbacks or waiting for the lease's lock"
-               if self.cause == "held" else
-               f"it woke {self.late_s:.1f} s late for a beat: the process did not run (starved, stopped or swapped "
-               f"out)")
+        why = {"held": f"its lease thread was held {self.held_s:.1f} s in a beat's callbacks or waiting for the "
+                       f"lease's lock",
+               "process": f"it woke {self.late_s:.1f} s late for a beat: the process did not run (starved, stopped "
+                          f"or swapped out)",
+               "unexplained": f"its lease thread woke {self.late_s:.1f} s late and was held {self.held_s:.1f} s, "
+                              f"which does not explain it"}[self.cause]
         return f"this process sent no keep-alive for {self.longest_silence_s:.1f} s (TTL {self.ttl_s:g} s): {why}"
 
 

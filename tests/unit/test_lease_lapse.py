@@ -57,4 +57,10 @@ def test_the_time_spent_after_the_confirmed_keep_alive_counts_as_held():
     lapse = lapse_of(10.0, sends, at=14.0, ttl_s=3.0)
     assert lapse.cause == "held" and lapse.held_s == 3.5 and lapse.longest_silence_s == 4.0
     stale = [Send(8.0, after_s=3.5), Send(14.0)]  # not the confirmed one (a grant renewed at 10): says nothing
-    assert lapse_of(10.0, stale, at=14.0, ttl_s=3.0).cause == "process"
+    assert lapse_of(10.0, stale, at=14.0, ttl_s=3.0).cause == "unexplained"
+
+
+def test_a_silence_that_neither_a_late_wake_up_nor_a_held_thread_explains_is_said_to_be_unexplained():
+    lapse = lapse_of(10.0, [Send(11.0, after_s=0.05), Send(14.5, late_s=0.3, before_s=0.01)], at=14.5, ttl_s=3.0)
+    assert lapse.cause == "unexplained"
+    assert "woke 0.3 s late and was held 0.1 s, which does not explain it" in lapse.describe()
