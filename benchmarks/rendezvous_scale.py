@@ -172,9 +172,16 @@ def _all_lapses(run: "Run") -> list[tuple[float, str, float, float]]:
 def _lease_lapses(nodes: list[Node]) -> list[tuple[float, str, float, float]]:
     """Each time a node's lease was found gone (the newest few per node): when (monotonic, the keep-alive's send),
     whose silence (NodeLease.lapses: none sent for a TTL, 'process' when the lease thread woke late, 'held' when it
-    was busy elsewhere, 'unexplained' when neither says why; 'etcd', it sent them and etcd did not renew),
+    was busy elsewhere, 'backoff' when it backed off after a failed beat, 'unexplained' when none says why; 'etcd', it
+    sent them and etcd did not renew),
     the longest stretch with no keep-alive sent, and how long the lease had gone unrenewed."""
     return [(x.at, x.cause, x.longest_silence_s, x.unrenewed_s) for node in nodes for x in list(node.h._lease.lapses)]
+
+
+def _causes() -> tuple[str, ...]:
+    from elastic_rt.rendezvous.lease import LAPSE_CAUSES  # LeaseLapse.cause's answers
+
+    return LAPSE_CAUSES
 
 
 def lapse_summary(lapses: list[tuple[float, str, float, float]], since: float, until: float) -> dict:
@@ -187,7 +194,7 @@ def lapse_summary(lapses: list[tuple[float, str, float, float]], since: float, u
         xs = sorted(xs)
         return [round(xs[0], 2), round(xs[len(xs) // 2], 2), round(xs[-1], 2)] if xs else []
 
-    return {**{cause: sum(1 for x in inside if x[1] == cause) for cause in ("process", "held", "unexplained", "etcd")},
+    return {**{cause: sum(1 for x in inside if x[1] == cause) for cause in _causes()},
             "silence_s": q([x[2] for x in inside]), "unrenewed_s": q([x[3] for x in inside]),
             "first_s": round(min(x[0] for x in inside) - since, 2) if inside else None}
 
@@ -758,10 +765,10 @@ def _troubles(r: dict) -> str:
             out.append(f"{changes:.0f} leader changes seen in the {'meeting' if phase == 'round' else 're-form'}")
     for phase, name in (("meet_lease_lapses", "meeting"), ("reform_lease_lapses", "re-form")):
         lapses = r.get(phase) or {}
-        if any(lapses.get(cause) for cause in ("process", "held", "unexplained", "etcd")):
+        if any(lapses.get(cause) for cause in _causes()):
             out.append(f"leases lapsed in the {name}: {lapses['process']} with no keep-alive sent for a TTL (process "
-                       f"not run), {lapses.get('held', 0)} (lease thread held), {lapses.get('unexplained', 0)} "
-                       f"(unexplained), {lapses['etcd']} sent and not renewed")
+                       f"not run), {lapses.get('held', 0)} (lease thread held), {lapses.get('backoff', 0)} (backing "
+                       f"off), {lapses.get('unexplained', 0)} (unexplained), {lapses['etcd']} sent and not renewed")
     for phase, name in (("round", "meeting"), ("reform_round", "re-form")):
         fsync = r.get(phase, {}).get("fsync") or {}
         if (fsync.get("mean_ms") or 0) >= SLOW_FSYNC_MS:

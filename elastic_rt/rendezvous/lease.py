@@ -20,6 +20,7 @@ from elastic_rt.rendezvous.monitor import incarnation
 
 log = logging.getLogger(__name__)
 SILENT_BEATS = 1.5  # a member that owes a keep-alive answer and sent nothing for this many beats is given up
+LAPSE_CAUSES = ("process", "held", "backoff", "unexplained", "etcd")  # LeaseLapse.cause's answers
 KEPT_LAPSES = 8  # the newest lapses a lease remembers (NodeLease.lapses)
 SENDS_KEPT = 1024  # keep-alive send times kept while none is confirmed (past that, the oldest are forgotten)
 
@@ -28,13 +29,15 @@ SENDS_KEPT = 1024  # keep-alive send times kept while none is confirmed (past th
 class Send:
     """One keep-alive this process sent: when (`at`), how late the lease thread woke for it (`late_s`: due, and
     the process did not run it), how long it then took to send (`before_s`: the lease's lock, held by a grant or
-    another thread's beat), and how long the lease thread stayed in that beat and its callbacks after the send
-    (`after_s`, set when it returns; a beat waits up to its interval for answers by design)."""
+    another thread's beat), how long the lease thread stayed in that beat and its callbacks after the send
+    (`after_s`, set when it returns; a beat waits up to its interval for answers by design), and how long it had
+    chosen to wait before it, backing off after a beat that failed (`backoff_s`)."""
 
     at: float
     late_s: float = 0.0
     before_s: float = 0.0
     after_s: float = 0.0
+    backoff_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -54,17 +57,17 @@ class LeaseLapse:
     longest_silence_s: float
     late_s: float = 0.0  # in the longest silence: how late the lease thread woke
     held_s: float = 0.0  # in the longest silence: how long the lease thread was busy beyond a beat's answer wait
+    backoff_s: float = 0.0  # in the longest silence: how long it waited, backing off after a failed beat
 
     @property
     def cause(self) -> str:
-        """'etcd' (keep-alives sent on time, not renewed); or, none sent for a TTL, 'process' (the lease thread woke
-        late for half the silence or more: the process did not run), 'held' (it was busy elsewhere as long) or
-        'unexplained' (neither)."""
+        """'etcd' (keep-alives sent on time, not renewed); or, none sent for a TTL, whichever covers half the silence
+        or more: 'process' (the lease thread woke late: the process did not run), 'held' (it was busy elsewhere) or
+        'backoff' (it waited, backing off after a beat that failed); 'unexplained' when none does."""
         if self.longest_silence_s < self.ttl_s:
             return "etcd"
-        if self.late_s >= self.longest_silence_s / 2:
-            return "process"
-        return "held" if self.held_s >= self.longest_silence_s / 2 else "unexplained"
+        part, cause = max((self.late_s, "process"), (self.held_s, "held"), (self.backoff_s, "backoff"))
+        return cause if part >= self.longest_silence_s / 2 else "unexplained"
 
     def describe(self) -> str:
         if self.cause == "etcd":
@@ -75,8 +78,10 @@ class LeaseLapse:
                        f"lease's lock",
                "process": f"it woke {self.late_s:.1f} s late for a beat: the process did not run (starved, stopped "
                           f"or swapped out)",
-               "unexplained": f"its lease thread woke {self.late_s:.1f} s late and was held {self.held_s:.1f} s, "
-                              f"which does not explain it"}[self.cause]
+               "backoff": f"its lease thread waited {self.backoff_s:.1f} s, backing off after a beat etcd did not "
+                          f"answer (and {self.held_s:.1f} s in beats)",
+               "unexplained": f"its lease thread woke {self.late_s:.1f} s late, was held {self.held_s:.1f} s and "
+                              f"backed off {self.backoff_s:.1f} s, which does not explain it"}[self.cause]
         return f"this process sent no keep-alive for {self.longest_silence_s:.1f} s (TTL {self.ttl_s:g} s): {why}"
 
 
@@ -98,7 +103,8 @@ def lapse_of(renewed: float, sends: list[Send], at: float, ttl_s: float) -> Leas
         return LeaseLapse(at=last.at, ttl_s=ttl_s, unrenewed_s=last.at - renewed, beats=1, longest_silence_s=0.0)
     a, b = longest
     return LeaseLapse(at=last.at, ttl_s=ttl_s, unrenewed_s=last.at - renewed, beats=len(mine) + 1,
-                      longest_silence_s=b.at - a.at, late_s=b.late_s, held_s=a.after_s + b.before_s)
+                      longest_silence_s=b.at - a.at, late_s=b.late_s, held_s=a.after_s + b.before_s,
+                      backoff_s=b.backoff_s)
 
 
 class NodeLease:
@@ -146,7 +152,9 @@ class NodeLease:
         self.lost_at: float | None = None  # when it was last found gone
         self.lapses: deque[LeaseLapse] = deque(maxlen=KEPT_LAPSES)  # the newest times it was found gone, and why
         self._sends: deque[Send] = deque(maxlen=SENDS_KEPT)  # the keep-alives sent since the last one confirmed
-        self._woke: tuple[float, float] | None = None  # the lease thread's last wake-up: (when, how late), until a send
+        self._backing_off = False  # the lease thread's next wait is a backoff after a failed beat
+        self._woke: tuple[float, float, float] | None = None  # the lease thread's last wake-up (when, how late, after
+        # what backoff), until a send takes it
         self.conflict: DuplicateNodeError | None = None  # another agent holds this node id: beats stopped
         self._read: tuple[RangeRead, list[list[KeyValue]], int] | None = None  # start()'s `read`, until take_read()
 
@@ -302,17 +310,19 @@ class NodeLease:
         now = self._clock()
         if not lease_thread or self._woke is None:
             return Send(now)
-        (woke, late), self._woke = self._woke, None
-        return Send(now, late_s=late, before_s=now - woke)
+        (woke, late, backoff), self._woke = self._woke, None
+        return Send(now, late_s=late, before_s=now - woke, backoff_s=backoff)
 
     def _run(self) -> None:
         wait = max(0.0, self._next_beat - self._clock())  # a slow start (grant, put) may have used the first beat
+        self._backing_off = False
         while True:
             due = self._clock() + wait
             if self._stop.wait(wait):
                 return
             woke = self._clock()
-            self._woke = (woke, max(0.0, woke - due))  # its send (if any) takes these (_send_now)
+            self._woke = (woke, max(0.0, woke - due), wait if self._backing_off else 0.0)  # for its send (_send_now)
+            self._backing_off = False
             try:
                 wait = self._iteration()
             finally:
@@ -327,6 +337,7 @@ class NodeLease:
             confirmed = self._beat()
         except EtcdUnavailableError as exc:
             self._health.failure(str(exc))
+            self._backing_off = True
             return self._backoff.next()
         except DuplicateNodeError as exc:  # while this lease was lost, another agent took the node id
             log.error("node %s: %s; this agent stops", self._node_id, exc)

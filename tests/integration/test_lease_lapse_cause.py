@@ -161,3 +161,33 @@ def test_a_lapse_while_the_lease_thread_was_held_in_a_callback_is_put_on_the_thr
         released.set()
         lease.stop(revoke=True)
         client.close()
+
+
+def test_a_lapse_while_the_lease_thread_backed_off_is_put_on_the_backoff(etcd_server, run_id):
+    """etcd receives every keep-alive but answers 2 s late: the lease thread gives the member up after 1.5 beats and
+    backs off (here 4 s, past the TTL) before the next beat, so the lease runs out: the lapse names the backoff."""
+    from elastic_rt.chaos.proxy import TcpProxy
+    from elastic_rt.rendezvous.etcd_reachability import Backoff
+
+    m = etcd_server.members[0]
+    beats = threading.Semaphore(0)
+    with TcpProxy(m.host, m.client_port) as proxy:
+        host, port = proxy.endpoint.rsplit(":", 1)
+        client = EtcdClient(EtcdConfig(endpoints=((host.strip("[]"), int(port)),), request_timeout_s=10.0))
+        lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=TTL_S, info={"addr": "127.0.0.1"},
+                          health=EtcdHealth(node_id="n0"), local_addr="127.0.0.1", on_beat=beats.release,
+                          backoff=Backoff(base_s=4.0, cap_s=4.0, rng=lambda: 1.0))
+        try:
+            lease.start()
+            assert beats.acquire(timeout=30), "no beat confirmed"
+            proxy.delay(2.0, answers_only=True)
+            deadline = time.monotonic() + 60
+            while not lease.lapses and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert lease.lapses, "the lease did not lapse while its thread backed off past the TTL"
+            lapse = lease.lapses[0]
+            assert lapse.cause == "backoff" and lapse.backoff_s >= TTL_S, lapse
+        finally:
+            proxy.delay(0.0)
+            lease.stop(revoke=True)
+            client.close()

@@ -74,8 +74,12 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         assert 0 <= r["reform_host"]["steal_cpu_share"] < 1, r
         assert r["round"]["fsync"]["count"] >= 0 and set(r["reform_round"]["fsync"]) == {"count", "mean_ms", "p99_ms"}
         for phase in ("meet_lease_lapses", "reform_lease_lapses"):  # whose silence each lapse was (none expected)
-            assert set(r[phase]) == {"process", "held", "unexplained", "etcd", "silence_s", "unrenewed_s", "first_s"}, r[phase]
+            assert set(r[phase]) == {*bench_causes(), "silence_s", "unrenewed_s", "first_s"}, r[phase]
         assert rows[("c10d", n)]["reform_s"] is None  # --quick skips torch's 45 s re-form
+
+
+def bench_causes() -> tuple[str, ...]:
+    return _bench()._causes()
 
 
 def test_handlers_per_process_are_bounded_unless_procs_is_given():
@@ -173,7 +177,8 @@ def test_a_run_says_what_the_host_and_etcd_did_to_it():
              "reform_lease_lapses": {"process": 0, "held": 0, "etcd": 0}}
     assert bench._lapse_note(rough) == ("9 lease grants in the meeting; 3 leader changes seen in the meeting; "
                                         "leases lapsed in the meeting: 3 with no keep-alive sent for a TTL (process "
-                                        "not run), 2 (lease thread held), 0 (unexplained), 1 sent and not renewed; "
+                                        "not run), 2 (lease thread held), 0 (backing off), 0 (unexplained), 1 sent and "
+                                        "not renewed; "
                                         "20% of the CPU stolen by the host in the meeting; ")
 
 
@@ -190,10 +195,10 @@ def test_wal_fsyncs_of_a_window_are_counted_and_a_slow_disk_is_named():
 def test_lease_lapses_are_counted_by_whose_silence_in_their_window():
     bench = _bench()
     lapses = [(10.5, "process", 3.4, 3.6), (11.0, "etcd", 1.0, 3.2), (12.0, "held", 5.0, 5.1), (30.0, "etcd", 1, 4)]
-    assert bench.lapse_summary(lapses, 10.0, 20.0) == {"process": 1, "held": 1, "unexplained": 0, "etcd": 1,
+    assert bench.lapse_summary(lapses, 10.0, 20.0) == {"process": 1, "held": 1, "backoff": 0, "unexplained": 0, "etcd": 1,
                                                        "silence_s": [1.0, 3.4, 5.0],
                                                        "unrenewed_s": [3.2, 3.6, 5.1], "first_s": 0.5}
-    assert bench.lapse_summary(lapses, 40.0, 50.0) == {"process": 0, "held": 0, "unexplained": 0, "etcd": 0,
+    assert bench.lapse_summary(lapses, 40.0, 50.0) == {"process": 0, "held": 0, "backoff": 0, "unexplained": 0, "etcd": 0,
                                                        "silence_s": [],
                                                        "unrenewed_s": [], "first_s": None}
 

@@ -63,4 +63,10 @@ def test_the_time_spent_after_the_confirmed_keep_alive_counts_as_held():
 def test_a_silence_that_neither_a_late_wake_up_nor_a_held_thread_explains_is_said_to_be_unexplained():
     lapse = lapse_of(10.0, [Send(11.0, after_s=0.05), Send(14.5, late_s=0.3, before_s=0.01)], at=14.5, ttl_s=3.0)
     assert lapse.cause == "unexplained"
-    assert "woke 0.3 s late and was held 0.1 s, which does not explain it" in lapse.describe()
+    assert "woke 0.3 s late, was held 0.1 s and backed off 0.0 s, which does not explain it" in lapse.describe()
+
+
+def test_a_stretch_the_lease_thread_spent_backing_off_after_a_failed_beat_blames_the_backoff():
+    lapse = lapse_of(10.0, [Send(11.0, after_s=0.5), Send(14.5, backoff_s=2.0)], at=14.5, ttl_s=3.0)
+    assert lapse.cause == "backoff" and lapse.backoff_s == 2.0 and lapse.held_s == 0.5
+    assert "waited 2.0 s, backing off after a beat etcd did not answer (and 0.5 s in beats)" in lapse.describe()
