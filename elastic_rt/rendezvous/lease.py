@@ -58,6 +58,7 @@ class LeaseLapse:
     late_s: float = 0.0  # in the longest silence: how late the lease thread woke
     held_s: float = 0.0  # in the longest silence: how long the lease thread was busy beyond a beat's answer wait
     backoff_s: float = 0.0  # in the longest silence: how long it waited, backing off after a failed beat
+    stuck_s: float = 0.0  # found by another thread: how long the lease thread had then been in one beat
 
     @property
     def cause(self) -> str:
@@ -66,7 +67,8 @@ class LeaseLapse:
         'backoff' (it waited, backing off after a beat that failed); 'unexplained' when none does."""
         if self.longest_silence_s < self.ttl_s:
             return "etcd"
-        part, cause = max((self.late_s, "process"), (self.held_s, "held"), (self.backoff_s, "backoff"))
+        part, cause = max((self.late_s, "process"), (max(self.held_s, self.stuck_s), "held"),
+                          (self.backoff_s, "backoff"))
         return cause if part >= self.longest_silence_s / 2 else "unexplained"
 
     def describe(self) -> str:
@@ -74,22 +76,24 @@ class LeaseLapse:
             return (f"{self.beats} keep-alives sent in {self.unrenewed_s:.1f} s, none more than "
                     f"{self.longest_silence_s:.1f} s apart (TTL {self.ttl_s:g} s), and etcd did not renew them: etcd "
                     f"was too busy or cut off, or a peer revoked the lease")
-        why = {"held": f"its lease thread was held {self.held_s:.1f} s in a beat's callbacks or waiting for the "
-                       f"lease's lock",
+        why = {"held": f"its lease thread was held {max(self.held_s, self.stuck_s):.1f} s in a beat's callbacks or "
+                       f"waiting for the lease's lock",
                "process": f"it woke {self.late_s:.1f} s late for a beat: the process did not run (starved, stopped "
                           f"or swapped out)",
                "backoff": f"its lease thread waited {self.backoff_s:.1f} s, backing off after a beat etcd did not "
                           f"answer (and {self.held_s:.1f} s in beats)",
-               "unexplained": f"its lease thread woke {self.late_s:.1f} s late, was held {self.held_s:.1f} s and "
-                              f"backed off {self.backoff_s:.1f} s, which does not explain it"}[self.cause]
+               "unexplained": f"its lease thread woke {self.late_s:.1f} s late, was held "
+                              f"{max(self.held_s, self.stuck_s):.1f} s and backed off {self.backoff_s:.1f} s, which "
+                              f"does not explain it"}[self.cause]
         return f"this process sent no keep-alive for {self.longest_silence_s:.1f} s (TTL {self.ttl_s:g} s): {why}"
 
 
-def lapse_of(renewed: float, sends: list[Send], at: float, ttl_s: float) -> LeaseLapse:
+def lapse_of(renewed: float, sends: list[Send], at: float, ttl_s: float, stuck_s: float = 0.0) -> LeaseLapse:
     """The lapse found by the keep-alive sent at `at` (as the connection saw it go out), the last one confirmed
     having been sent at `renewed`. `sends`: this process's keep-alives, in order, each recorded just before it went
     out; the last one at or before `at` is the one answered "gone", the last one at or before `renewed` (just before
-    it) the one confirmed, whose time in its beat and callbacks opens the first stretch."""
+    it) the one confirmed, whose time in its beat and callbacks opens the first stretch. `stuck_s`: found by another
+    thread, how long the lease thread had been in its current beat (its sends' after_s is set when a beat ends)."""
     mine = [x for x in sends if renewed < x.at <= at]
     last = mine.pop() if mine else Send(at)
     confirmed = next((x for x in reversed(sends) if x.at <= renewed), None)  # the confirmed one, recorded just before
@@ -100,11 +104,12 @@ def lapse_of(renewed: float, sends: list[Send], at: float, ttl_s: float) -> Leas
         stretches = list(zip([start, *mine], [*mine, last]))
     longest = max(stretches, key=lambda ab: ab[1].at - ab[0].at, default=None)
     if longest is None:
-        return LeaseLapse(at=last.at, ttl_s=ttl_s, unrenewed_s=last.at - renewed, beats=1, longest_silence_s=0.0)
+        return LeaseLapse(at=last.at, ttl_s=ttl_s, unrenewed_s=last.at - renewed, beats=1, longest_silence_s=0.0,
+                          stuck_s=stuck_s)
     a, b = longest
     return LeaseLapse(at=last.at, ttl_s=ttl_s, unrenewed_s=last.at - renewed, beats=len(mine) + 1,
                       longest_silence_s=b.at - a.at, late_s=b.late_s, held_s=a.after_s + b.before_s,
-                      backoff_s=b.backoff_s)
+                      backoff_s=b.backoff_s, stuck_s=stuck_s)
 
 
 class NodeLease:
@@ -153,6 +158,7 @@ class NodeLease:
         self.lapses: deque[LeaseLapse] = deque(maxlen=KEPT_LAPSES)  # the newest times it was found gone, and why
         self._sends: deque[Send] = deque(maxlen=SENDS_KEPT)  # the keep-alives sent since the last one confirmed
         self._backing_off = False  # the lease thread's next wait is a backoff after a failed beat
+        self._in_beat_since: float | None = None  # when the lease thread began its current beat (None: between beats)
         self._woke: tuple[float, float, float] | None = None  # the lease thread's last wake-up (when, how late, after
         # what backoff), until a send takes it
         self.conflict: DuplicateNodeError | None = None  # another agent holds this node id: beats stopped
@@ -280,7 +286,7 @@ class NodeLease:
                 self._grant(None)
                 return True
             self._next_beat = sent + self.beat_s
-            self._sends.append(self._send_now(threading.current_thread() is self._thread))
+            self._sends.append(self._send_now(self._on_lease_thread()))
             renewal = self._client.keep_alive(self._lease_id, every_s=self.beat_s, silent_s=SILENT_BEATS * self.beat_s)
             if renewal is None:
                 return False
@@ -290,7 +296,10 @@ class NodeLease:
                 return True
             self.renewals_lost += 1
             self.lost_at = sent
-            lapse = lapse_of(self.last_renewed, list(self._sends), max(renewal_sent, self.last_renewed), self._ttl_s)
+            started = self._in_beat_since  # the lease thread's current beat, when another thread found the lapse
+            stuck = self._clock() - started if started is not None and not self._on_lease_thread() else 0.0
+            lapse = lapse_of(self.last_renewed, list(self._sends), max(renewal_sent, self.last_renewed), self._ttl_s,
+                             stuck_s=stuck)
             self.lapses.append(lapse)
             log.warning("node %s: liveness lease %x is gone, %.1f s after etcd last renewed it: %s; registering again",
                         self._node_id, self._lease_id, lapse.unrenewed_s, lapse.describe())
@@ -304,6 +313,9 @@ class NodeLease:
         if self.conflict is not None:
             raise self.conflict
         self._beat()
+
+    def _on_lease_thread(self) -> bool:
+        return threading.current_thread() is self._thread
 
     def _send_now(self, lease_thread: bool) -> Send:
         """A keep-alive sent now; on the lease thread, with how late it woke and how long it took since."""
@@ -323,9 +335,11 @@ class NodeLease:
             woke = self._clock()
             self._woke = (woke, max(0.0, woke - due), wait if self._backing_off else 0.0)  # for its send (_send_now)
             self._backing_off = False
+            self._in_beat_since = woke
             try:
                 wait = self._iteration()
             finally:
+                self._in_beat_since = None
                 if self._sends and self._sends[-1].at >= woke:  # this iteration's send: how long the thread stayed
                     self._sends[-1].after_s = self._clock() - self._sends[-1].at
             if wait is None:

@@ -70,3 +70,12 @@ def test_a_stretch_the_lease_thread_spent_backing_off_after_a_failed_beat_blames
     lapse = lapse_of(10.0, [Send(11.0, after_s=0.5), Send(14.5, backoff_s=2.0)], at=14.5, ttl_s=3.0)
     assert lapse.cause == "backoff" and lapse.backoff_s == 2.0 and lapse.held_s == 0.5
     assert "waited 2.0 s, backing off after a beat etcd did not answer (and 0.5 s in beats)" in lapse.describe()
+
+
+def test_a_lapse_found_by_another_thread_while_the_lease_thread_is_stuck_in_a_beat_blames_the_lease_thread():
+    """The beat's time after its send is known only when the beat ends; a lapse found meanwhile (the rendezvous saw
+    'lease not found') counts how long the lease thread has been in that beat."""
+    sends = [Send(10.9, after_s=0.0), Send(15.0)]  # 15.0: the other thread's keep-alive
+    assert lapse_of(10.0, sends, at=15.0, ttl_s=3.0).cause == "unexplained"
+    lapse = lapse_of(10.0, sends, at=15.0, ttl_s=3.0, stuck_s=4.0)
+    assert lapse.cause == "held" and "its lease thread was held 4.0 s" in lapse.describe()
