@@ -76,8 +76,8 @@ class LeaseLapse:
             return (f"{self.beats} keep-alives sent in {self.unrenewed_s:.1f} s, none more than "
                     f"{self.longest_silence_s:.1f} s apart (TTL {self.ttl_s:g} s), and etcd did not renew them: etcd "
                     f"was too busy or cut off, or a peer revoked the lease")
-        why = {"held": f"its lease thread was held {max(self.held_s, self.stuck_s):.1f} s in a beat's callbacks or "
-                       f"waiting for the lease's lock",
+        why = {"held": f"its lease thread was held {max(self.held_s, self.stuck_s):.1f} s in a beat, its callbacks, "
+                       f"a registration (grant and put) or waiting for the lease's lock",
                "process": f"it woke {self.late_s:.1f} s late for a beat: the process did not run (starved, stopped "
                           f"or swapped out)",
                "backoff": f"its lease thread waited {self.backoff_s:.1f} s, backing off after a beat etcd did not "
@@ -239,6 +239,8 @@ class NodeLease:
         sent = self._clock()
         self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=timeout_s)
         self._registered = False
+        first = Send(self._clock())  # its time in the registration after it is a silence too (after_s, below)
+        self._sends.append(first)
         try:  # the first keep-alive goes out now, not after the put: a busy etcd may take a TTL to answer both
             self._client.keep_alive(self._lease_id, every_s=0.0, silent_s=SILENT_BEATS * self.beat_s)
         except EtcdUnavailableError:
@@ -259,6 +261,7 @@ class NodeLease:
             self._client.put(key, self._info, lease=self._lease_id, timeout_s=timeout_s)
         self._registered = True
         self._renewed(sent)
+        first.after_s = self._clock() - first.at
         self._next_beat = sent + self.beat_s
         self._published = self._lease_id  # the caller calls on_granted once it has let go of the lock
 
