@@ -46,9 +46,11 @@ class LeaseLapse:
     reached it for a TTL. `longest_silence_s` is the longest stretch, from the send of the last keep-alive etcd
     confirmed to the send of the one it answered "gone", in which this process sent none. Less than a TTL: it sent
     on time, so etcd did not renew what it was sent (too busy, partitioned, or a peer revoked the lease). A TTL or
-    more: this process's own silence explains the lapse, and the stretch says why: the lease thread woke `late_s`
-    late (the process did not run: starved, stopped, swapped out), or it was held `held_s` in the beat that opened
-    the stretch, its callbacks, or the lease's lock before the beat that closed it."""
+    more: this process's own silence explains the lapse, and the stretch says why (`cause`): the lease thread woke
+    `late_s` late (the process did not run: starved, stopped, swapped out); it was held `held_s` in the beat or the
+    registration that opened the stretch, its callbacks, or the lease's lock before the beat that closed it (or,
+    found by another thread, had been `stuck_s` in its current beat); or it waited `backoff_s`, backing off after a
+    failed beat."""
 
     at: float  # monotonic send time of the keep-alive answered "gone"
     ttl_s: float
@@ -157,7 +159,6 @@ class NodeLease:
         self.lost_at: float | None = None  # when it was last found gone
         self.lapses: deque[LeaseLapse] = deque(maxlen=KEPT_LAPSES)  # the newest times it was found gone, and why
         self._sends: deque[Send] = deque(maxlen=SENDS_KEPT)  # the keep-alives sent since the last one confirmed
-        self._backing_off = False  # the lease thread's next wait is a backoff after a failed beat
         self._in_beat_since: float | None = None  # when the lease thread began its current beat (None: between beats)
         self._woke: tuple[float, float, float] | None = None  # the lease thread's last wake-up (when, how late, after
         # what backoff), until a send takes it
@@ -289,7 +290,7 @@ class NodeLease:
                 self._grant(None)
                 return True
             self._next_beat = sent + self.beat_s
-            self._sends.append(self._send_now(self._on_lease_thread()))
+            self._sends.append(self._send_now())
             renewal = self._client.keep_alive(self._lease_id, every_s=self.beat_s, silent_s=SILENT_BEATS * self.beat_s)
             if renewal is None:
                 return False
@@ -320,42 +321,41 @@ class NodeLease:
     def _on_lease_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def _send_now(self, lease_thread: bool) -> Send:
+    def _send_now(self) -> Send:
         """A keep-alive sent now; on the lease thread, with how late it woke and how long it took since."""
         now = self._clock()
-        if not lease_thread or self._woke is None:
+        if not self._on_lease_thread() or self._woke is None:
             return Send(now)
         (woke, late, backoff), self._woke = self._woke, None
         return Send(now, late_s=late, before_s=now - woke, backoff_s=backoff)
 
     def _run(self) -> None:
-        wait = max(0.0, self._next_beat - self._clock())  # a slow start (grant, put) may have used the first beat
-        self._backing_off = False
+        wait, backoff = max(0.0, self._next_beat - self._clock()), False  # a slow start may have used the first beat
         while True:
             due = self._clock() + wait
             if self._stop.wait(wait):
                 return
             woke = self._clock()
-            self._woke = (woke, max(0.0, woke - due), wait if self._backing_off else 0.0)  # for its send (_send_now)
-            self._backing_off = False
+            self._woke = (woke, max(0.0, woke - due), wait if backoff else 0.0)  # for its send (_send_now)
             self._in_beat_since = woke
             try:
-                wait = self._iteration()
+                nxt = self._iteration()
             finally:
                 self._in_beat_since = None
                 if self._sends and self._sends[-1].at >= woke:  # this iteration's send: how long the thread stayed
                     self._sends[-1].after_s = self._clock() - self._sends[-1].at
-            if wait is None:
+            if nxt is None:
                 return
+            wait, backoff = nxt
 
-    def _iteration(self) -> float | None:
-        """A beat, then a confirmed one's callbacks: the time until the next beat, or None when the thread stops."""
+    def _iteration(self) -> tuple[float, bool] | None:
+        """A beat, then a confirmed one's callbacks: the time until the next beat and whether that wait is a backoff
+        after a failed beat, or None when the thread stops."""
         try:
             confirmed = self._beat()
         except EtcdUnavailableError as exc:
             self._health.failure(str(exc))
-            self._backing_off = True
-            return self._backoff.next()
+            return self._backoff.next(), True
         except DuplicateNodeError as exc:  # while this lease was lost, another agent took the node id
             log.error("node %s: %s; this agent stops", self._node_id, exc)
             self.conflict = exc
@@ -369,7 +369,7 @@ class NodeLease:
             self._health.success()
             self._backoff.reset()
             self._on_beat()
-        return max(0.0, self._next_beat - self._clock())
+        return max(0.0, self._next_beat - self._clock()), False
 
     def stop(self, *, revoke: bool) -> None:
         """Stop refreshing; with revoke, peers see this node gone at once."""
