@@ -34,8 +34,8 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   fsync             round.fsync, reform_round.fsync: the members' WAL fsyncs in the window (count, mean and p99 ms);
                     etcd 3.4 fsyncs to this machine's disk (3.5.1 runs with --unsafe-no-fsync here)
   lease lapses      meet_lease_lapses, reform_lease_lapses: leases found gone in the window, by whose silence
-                    (NodeLease.lapses: none sent for a TTL, the process not run or its lease thread held elsewhere;
-                    or sent and not renewed by etcd)
+                    (LeaseLapse.cause: none sent for a TTL, as the process did not run, its lease thread was held or
+                    backed off, or unexplained; or sent and not renewed by etcd)
 
     python benchmarks/rendezvous_scale.py                          # 8 ... 1024, all three handlers
     python benchmarks/rendezvous_scale.py --quick --allow-dirty --out /tmp/x   # CI: 8, 16; < 60 s
@@ -64,6 +64,8 @@ import uuid
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("etcd-v3", "etcd-v3-torch", "c10d")
 TICK_S = 0.1  # the agent's monitor interval
+LAPSE_LABELS = {"process": "with no keep-alive sent for a TTL (process not run)", "held": "(lease thread held)",
+                "backoff": "(backing off)", "unexplained": "(unexplained)", "etcd": "sent and not renewed"}
 SLOW_FSYNC_MS = 10.0  # a WAL fsync slower than this on average is named in a run's note (a local SSD: well under 1)
 
 
@@ -171,10 +173,8 @@ def _all_lapses(run: "Run") -> list[tuple[float, str, float, float]]:
 
 def _lease_lapses(nodes: list[Node]) -> list[tuple[float, str, float, float]]:
     """Each time a node's lease was found gone (the newest few per node): when (monotonic, the keep-alive's send),
-    whose silence (NodeLease.lapses: none sent for a TTL, 'process' when the lease thread woke late, 'held' when it
-    was busy elsewhere, 'backoff' when it backed off after a failed beat, 'unexplained' when none says why; 'etcd', it
-    sent them and etcd did not renew),
-    the longest stretch with no keep-alive sent, and how long the lease had gone unrenewed."""
+    whose silence (LeaseLapse.cause), the longest stretch with no keep-alive sent, and how long the lease had gone
+    unrenewed."""
     return [(x.at, x.cause, x.longest_silence_s, x.unrenewed_s) for node in nodes for x in list(node.h._lease.lapses)]
 
 
@@ -185,14 +185,13 @@ def _causes() -> tuple[str, ...]:
 
 
 def lapse_summary(lapses: list[tuple[float, str, float, float]], since: float, until: float) -> dict:
-    """The lease lapses found in [since, until): how many were the process's silence (it did not run), the lease
-    thread's (held elsewhere), unexplained silences and etcd's (keep-alives sent, not renewed), and
-    the quantiles (min, median, max) of the longest silence and of the time unrenewed."""
+    """The lease lapses found in [since, until): how many of each cause (LAPSE_CAUSES: the process did not run, the
+    lease thread was held or backed off, unexplained, or etcd did not renew keep-alives sent on time), the
+    quantiles (min, median, max) of the longest silence and of the time unrenewed, and when the first came."""
     inside = [x for x in lapses if since <= x[0] < until]
 
     def q(xs: list[float]) -> list[float]:
-        xs = sorted(xs)
-        return [round(xs[0], 2), round(xs[len(xs) // 2], 2), round(xs[-1], 2)] if xs else []
+        return [round(x, 2) for x in _quantiles(xs, (0.0, 0.5))]
 
     return {**{cause: sum(1 for x in inside if x[1] == cause) for cause in _causes()},
             "silence_s": q([x[2] for x in inside]), "unrenewed_s": q([x[3] for x in inside]),
@@ -500,11 +499,15 @@ def _spread(reports: list[list[dict]], t0: float) -> dict:
     """When the nodes learnt of the change (t0) and when each met (t), seconds after t0: min, median, p90, p99
     and max over nodes, so that a slow round tells a tail of late nodes from a late close."""
     rows = [r for block in reports for r in block if "t" in r]
+    fractions = (0.0, 0.5, 0.9, 0.99)
+    return {"learnt_s": _quantiles([r["t0"] - t0 for r in rows], fractions),
+            "met_s": _quantiles([r["t"] - t0 for r in rows], fractions)}
 
-    def q(xs: list[float]) -> list[float]:
-        xs = sorted(xs)
-        return [xs[min(len(xs) - 1, int(f * len(xs)))] for f in (0.0, 0.5, 0.9, 0.99)] + [xs[-1]] if xs else []
-    return {"learnt_s": q([r["t0"] - t0 for r in rows]), "met_s": q([r["t"] - t0 for r in rows])}
+
+def _quantiles(xs: list[float], fractions: tuple[float, ...]) -> list[float]:
+    """The values at `fractions` of the sorted `xs` (nearest rank below), then the maximum; [] for none."""
+    xs = sorted(xs)
+    return [xs[min(len(xs) - 1, int(f * len(xs)))] for f in fractions] + [xs[-1]] if xs else []
 
 
 def _met(reports: list[list[dict]], t0: float, expect_world: int) -> tuple[float | None, str]:
@@ -766,9 +769,8 @@ def _troubles(r: dict) -> str:
     for phase, name in (("meet_lease_lapses", "meeting"), ("reform_lease_lapses", "re-form")):
         lapses = r.get(phase) or {}
         if any(lapses.get(cause) for cause in _causes()):
-            out.append(f"leases lapsed in the {name}: {lapses['process']} with no keep-alive sent for a TTL (process "
-                       f"not run), {lapses.get('held', 0)} (lease thread held), {lapses.get('backoff', 0)} (backing "
-                       f"off), {lapses.get('unexplained', 0)} (unexplained), {lapses['etcd']} sent and not renewed")
+            out.append(f"leases lapsed in the {name}: "
+                       + ", ".join(f"{lapses.get(cause, 0)} {LAPSE_LABELS[cause]}" for cause in _causes()))
     for phase, name in (("round", "meeting"), ("reform_round", "re-form")):
         fsync = r.get(phase, {}).get("fsync") or {}
         if (fsync.get("mean_ms") or 0) >= SLOW_FSYNC_MS:

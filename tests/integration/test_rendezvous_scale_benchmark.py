@@ -74,12 +74,8 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         assert 0 <= r["reform_host"]["steal_cpu_share"] < 1, r
         assert r["round"]["fsync"]["count"] >= 0 and set(r["reform_round"]["fsync"]) == {"count", "mean_ms", "p99_ms"}
         for phase in ("meet_lease_lapses", "reform_lease_lapses"):  # whose silence each lapse was (none expected)
-            assert set(r[phase]) == {*bench_causes(), "silence_s", "unrenewed_s", "first_s"}, r[phase]
+            assert set(r[phase]) == {*_bench()._causes(), "silence_s", "unrenewed_s", "first_s"}, r[phase]
         assert rows[("c10d", n)]["reform_s"] is None  # --quick skips torch's 45 s re-form
-
-
-def bench_causes() -> tuple[str, ...]:
-    return _bench()._causes()
 
 
 def test_handlers_per_process_are_bounded_unless_procs_is_given():
