@@ -65,6 +65,25 @@ def _next(out: queue.Queue, want, timeout_s: float) -> str:
             return line
 
 
+def _client(host: str, port: int) -> EtcdClient:
+    return EtcdClient(EtcdConfig(endpoints=((host, port),), request_timeout_s=10.0))
+
+
+def _node_lease(client: EtcdClient, run_id: str, on_beat, **kw) -> NodeLease:
+    """Node n0's lease at TTL_S through `client`; each confirmed beat calls `on_beat`."""
+    return NodeLease(client, RunKeys(run_id), "n0", ttl_s=TTL_S, info={"addr": "127.0.0.1"},
+                     health=EtcdHealth(node_id="n0"), local_addr="127.0.0.1", on_beat=on_beat, **kw)
+
+
+def _first_lapse(lease: NodeLease, timeout_s: float, why: str):
+    """The lease's first lapse, once it has one (within `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while not lease.lapses and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lease.lapses, why
+    return lease.lapses[0]
+
+
 def _gone(etcd_client, key: str, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -103,20 +122,15 @@ def test_a_lapse_while_the_process_was_stopped_is_put_on_the_process(etcd_server
 
 def test_a_lapse_of_a_lease_revoked_while_beats_went_on_time_is_put_on_etcd(etcd_server, etcd_client, run_id):
     m = etcd_server.members[0]
-    client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+    client = _client(m.host, m.client_port)
     beats = threading.Semaphore(0)
-    lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=TTL_S, info={"addr": "127.0.0.1"},
-                      health=EtcdHealth(node_id="n0"), local_addr="127.0.0.1", on_beat=beats.release)
+    lease = _node_lease(client, run_id, beats.release)
     try:
         first = lease.start()
         for _ in range(2):
             assert beats.acquire(timeout=30), "no beat confirmed"
         etcd_client.revoke_lease(first)
-        deadline = time.monotonic() + 30
-        while not lease.lapses and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert lease.lapses, "the revoked lease was not found gone"
-        lapse = lease.lapses[0]
+        lapse = _first_lapse(lease, 30, "the revoked lease was not found gone")
         assert lapse.cause == "etcd" and lapse.longest_silence_s < TTL_S and lapse.beats >= 1, lapse
         assert "etcd did not renew them" in lapse.describe()
         assert lease.lease_id not in (0, first), "the node did not register again under a new lease"
@@ -131,7 +145,7 @@ def test_a_lapse_while_the_lease_thread_was_held_in_a_callback_is_put_on_the_thr
     thread: the lapse says so, not that the process did not run; also when another thread finds the lapse (the
     rendezvous, told 'lease not found', calls check_now()) while the lease thread is still held."""
     m = etcd_server.members[0]
-    client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+    client = _client(m.host, m.client_port)
     beats, released = threading.Semaphore(0), threading.Event()
     hold = {"armed": False}
 
@@ -141,14 +155,13 @@ def test_a_lapse_while_the_lease_thread_was_held_in_a_callback_is_put_on_the_thr
             hold["armed"] = False
             released.wait(TTL_S + 10)  # until the test has seen the lease run out
 
-    lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=TTL_S, info={"addr": "127.0.0.1"},
-                      health=EtcdHealth(node_id="n0"), local_addr="127.0.0.1", on_beat=on_beat)
+    lease = _node_lease(client, run_id, on_beat)
     try:
         lease.start()
         assert beats.acquire(timeout=30), "no beat confirmed"
         hold["armed"] = True
         assert beats.acquire(timeout=30), "no beat confirmed"  # this one's callback holds the thread
-        checker = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=10.0))
+        checker = _client(m.host, m.client_port)
         try:
             assert _gone(checker, RunKeys(run_id).alive("n0"), TTL_S + 10), "the held node's lease did not lapse"
             if finder == "another thread":
@@ -156,11 +169,7 @@ def test_a_lapse_while_the_lease_thread_was_held_in_a_callback_is_put_on_the_thr
         finally:
             released.set()
             checker.close()
-        deadline = time.monotonic() + 30
-        while not lease.lapses and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert lease.lapses, "the lapsed lease was not found gone"
-        lapse = lease.lapses[0]
+        lapse = _first_lapse(lease, 30, "the lapsed lease was not found gone")
         assert lapse.cause == "held" and max(lapse.held_s, lapse.stuck_s) >= TTL_S - 1 and lapse.late_s < 1.0, lapse
         assert "its lease thread was held" in lapse.describe()
     finally:
@@ -178,20 +187,13 @@ def test_a_lapse_while_the_lease_thread_backed_off_is_put_on_the_backoff(etcd_se
     m = etcd_server.members[0]
     beats = threading.Semaphore(0)
     with TcpProxy(m.host, m.client_port) as proxy:
-        host, port = proxy.endpoint.rsplit(":", 1)
-        client = EtcdClient(EtcdConfig(endpoints=((host.strip("[]"), int(port)),), request_timeout_s=10.0))
-        lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=TTL_S, info={"addr": "127.0.0.1"},
-                          health=EtcdHealth(node_id="n0"), local_addr="127.0.0.1", on_beat=beats.release,
-                          backoff=Backoff(base_s=4.0, cap_s=4.0, rng=lambda: 1.0))
+        client = _client(proxy.listen_host, proxy.port)
+        lease = _node_lease(client, run_id, beats.release, backoff=Backoff(base_s=4.0, cap_s=4.0, rng=lambda: 1.0))
         try:
             lease.start()
             assert beats.acquire(timeout=30), "no beat confirmed"
             proxy.delay(2.0, answers_only=True)
-            deadline = time.monotonic() + 60
-            while not lease.lapses and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert lease.lapses, "the lease did not lapse while its thread backed off past the TTL"
-            lapse = lease.lapses[0]
+            lapse = _first_lapse(lease, 60, "the lease did not lapse while its thread backed off past the TTL")
             assert lapse.cause == "backoff" and lapse.backoff_s >= TTL_S, lapse
         finally:
             proxy.delay(0.0)
