@@ -28,6 +28,7 @@ import struct
 import termios
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
@@ -42,6 +43,30 @@ SEND_TIMEOUT_S = 2.0  # a member that takes none of our bytes for this long: the
 _READ_MAX = 262144  # bytes one read takes from the kernel
 _INT = struct.Struct("i")
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Something a caller does while it waits for a reply (Connection.unary): `fn()` every `every_s` seconds of the
+    wait, counted from the request's send. A registration's put keeps its new lease alive with it (lease.py)."""
+
+    every_s: float
+    fn: Callable[[], None]
+
+
+def _ticking(stream: Stream, timeout_s: float, tick: Tick, clock: Callable[[], float] = time.monotonic) -> bytes | None:
+    """stream.next() within timeout_s of the request's send, calling tick.fn() each tick.every_s of the wait."""
+    deadline, due = stream.sent_at + timeout_s, stream.sent_at + tick.every_s
+    while due < deadline:
+        try:
+            return stream.next(max(0.0, due - clock()))
+        except CallError as exc:
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+        tick.fn()
+        now = clock()
+        due = due + tick.every_s if due + tick.every_s > now else now + tick.every_s  # a late tick is not made up for
+    return stream.next(max(0.0, deadline - clock()))
 
 
 class Connection(StreamTable):
@@ -158,17 +183,18 @@ class Connection(StreamTable):
             stream.sent_at = time.monotonic()
         return stream
 
-    def unary(self, path: str, body: bytes, timeout_s: float, metadata: tuple = ()) -> bytes:
-        """One request, one reply (bytes); raises CallError. The deadline runs from the send (Stream.next)."""
+    def unary(self, path: str, body: bytes, timeout_s: float, metadata: tuple = (), tick: Tick | None = None) -> bytes:
+        """One request, one reply (bytes); raises CallError. The deadline runs from the send (Stream.next). With
+        `tick`, tick.fn() is called every tick.every_s of the wait for the reply, by this thread."""
         stream = self.open(path, metadata, timeout_s=timeout_s, body=body)
         try:
-            reply = stream.next(timeout_s)
+            reply = stream.next(timeout_s) if tick is None else _ticking(stream, timeout_s, tick)
             if reply is None:
                 raise CallError(grpc.StatusCode.INTERNAL, "etcd ended the call without an answer")
             stream.next(max(0.0, stream.sent_at + timeout_s - time.monotonic()))  # its trailers: the status
             return reply
-        except CallError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        except BaseException as exc:  # a deadline passed, or the tick failed: the call is given up
+            if not isinstance(exc, CallError) or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.cancel(stream)
             raise
 

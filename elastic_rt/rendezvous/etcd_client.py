@@ -21,6 +21,7 @@ from pyetcd import etcdrpc
 
 from elastic_rt.errors import ConfigError, EtcdUnavailableError, LeaseGoneError
 from elastic_rt.rendezvous.etcd_access import access_error, check_tls, needs_tls_check, tls_context
+from elastic_rt.rendezvous.connection import Tick
 from elastic_rt.rendezvous.etcd_endpoint import Endpoint, Renewal, WatchCompacted, WatchStream, label
 from elastic_rt.rendezvous.wire import CallError
 
@@ -315,9 +316,11 @@ class EtcdClient:
         resp = self._call(lambda ep, t: ep.call("KV/Range", req, t))
         return int(resp.count)
 
-    def put(self, key: str, value: bytes, *, lease: int = 0, timeout_s: float | None = None) -> int:
+    def put(self, key: str, value: bytes, *, lease: int = 0, timeout_s: float | None = None,
+            tick: Tick | None = None) -> int:
+        """`tick`: something done while the put waits for its answer (Connection.unary)."""
         req = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
-        resp = self._call(lambda ep, t: ep.call("KV/Put", req, t), timeout_s)
+        resp = self._call(lambda ep, t: ep.call("KV/Put", req, t, tick=tick), timeout_s)
         return resp.header.revision
 
     def delete(self, key: str) -> bool:
@@ -327,36 +330,38 @@ class EtcdClient:
 
     def compare_and_put(
         self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
-        timeout_s: float | None = None, deletes: tuple[tuple[str, str], ...] = (),
+        timeout_s: float | None = None, deletes: tuple[tuple[str, str], ...] = (), tick: Tick | None = None,
     ) -> tuple[bool, KeyValue | None]:
         """Put if the key's mod_revision is `expected` (None: only if absent), and then only, delete every key k with
-        start <= k < end of each of `deletes` (in the same transaction and revision).
+        start <= k < end of each of `deletes` (in the same transaction and revision). `tick`: something done while
+        the request waits for its answer (Connection.unary).
 
         Returns (succeeded, the key as it is after the transaction).
         """
         ok, _, kv, _, _ = self.compare_and_put_else(key, value, expected_mod_revision=expected_mod_revision,
                                                     lease=lease, timeout_s=timeout_s, read=RangeRead([]),
-                                                    deletes=deletes)
+                                                    deletes=deletes, tick=tick)
         return ok, kv
 
     def compare_and_put_then_read(
         self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
-        timeout_s: float | None = None, read: RangeRead, also: tuple[Put, ...] = (),
+        timeout_s: float | None = None, read: RangeRead, also: tuple[Put, ...] = (), tick: Tick | None = None,
     ) -> tuple[bool, KeyValue | None, list[list[KeyValue]], int]:
         """compare_and_put, and in the same transaction (one request, one revision: after the put, when it was made)
         read_ranges(read); `also`: keys put with `key`, only when it is (before the read). Returns (succeeded, the
         key as it is after it, the ranges' keys, that revision)."""
         ok, _, kv, ranges, revision = self.compare_and_put_else(key, value, expected_mod_revision=expected_mod_revision,
-                                                                lease=lease, timeout_s=timeout_s, read=read, also=also)
+                                                                lease=lease, timeout_s=timeout_s, read=read, also=also,
+                                                                tick=tick)
         return ok, kv, ranges, revision
 
     def compare_and_put_else(
         self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
         timeout_s: float | None = None, read: RangeRead, also: tuple[Put, ...] = (), otherwise: IfHeld | None = None,
-        deletes: tuple[tuple[str, str], ...] = (),
+        deletes: tuple[tuple[str, str], ...] = (), tick: Tick | None = None,
     ) -> tuple[bool, bool, KeyValue | None, list[list[KeyValue]], int]:
         """compare_and_put_then_read, and where the compare fails, `otherwise`'s puts in the same request when its
-        condition holds (before the read); `deletes` as compare_and_put's. Returns (succeeded, otherwise's puts made,
+        condition holds (before the read); `deletes` and `tick` as compare_and_put's. Returns (succeeded, otherwise's puts made,
         the key as it is after the transaction, the ranges' keys, that revision)."""
         cmp = _compare_mod(key, expected_mod_revision)
         get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
@@ -364,7 +369,7 @@ class EtcdClient:
         reads = _range_ops(read)
         nested = [otherwise.txn()] if otherwise is not None else []
         req = etcdrpc.TxnRequest(compare=[cmp], success=[*writes, get, *reads], failure=[*nested, get, *reads])
-        resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t), timeout_s)
+        resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t, tick=tick), timeout_s)
         _expect_results(resp, len(reads) + 1 + (len(writes) if resp.succeeded else len(nested)))
         made = False
         if nested and not resp.succeeded:

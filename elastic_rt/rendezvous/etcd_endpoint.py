@@ -15,7 +15,7 @@ import grpc
 from pyetcd import etcdrpc
 
 from elastic_rt.errors import EtcdUnavailableError
-from elastic_rt.rendezvous.connection import Connection, Stream
+from elastic_rt.rendezvous.connection import Connection, Stream, Tick
 from elastic_rt.rendezvous.wire import CallError
 
 _REPLIES = {
@@ -63,10 +63,10 @@ class Endpoint:
                                                timeout_s=timeout_s, name=self.label)
         return conn
 
-    def call(self, method: str, request, timeout_s: float, metadata: tuple | None = None):
-        """One unary call; raises CallError (a grpc.RpcError)."""
+    def call(self, method: str, request, timeout_s: float, metadata: tuple | None = None, tick: Tick | None = None):
+        """One unary call; raises CallError (a grpc.RpcError). `tick`: see Connection.unary."""
         body = self.connection(timeout_s).unary(_PATHS[method], request.SerializeToString(), timeout_s,
-                                                self.metadata or () if metadata is None else metadata)
+                                                self.metadata or () if metadata is None else metadata, tick)
         return _REPLIES[method].FromString(body)
 
     def stream(self, method: str, timeout_s: float, metadata: tuple = (), first: tuple[bytes, ...] = (),

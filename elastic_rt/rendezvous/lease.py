@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from elastic_rt.errors import DuplicateNodeError, EtcdUnavailableError
-from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, RangeRead
+from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, RangeRead, Tick
 from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import LivenessListener, parse_peer, probe
@@ -220,7 +220,7 @@ class NodeLease:
 
     def _take_over(self, held: KeyValue) -> bool:
         ok, _ = self._client.compare_and_put(held.key, self._info, expected_mod_revision=held.mod_revision,
-                                             lease=self._lease_id)
+                                             lease=self._lease_id, tick=self._registering())
         if ok:
             log.info("node %s: the agent that held this node id (%s) is gone; taking its place", self._node_id,
                      _describe(held))
@@ -240,31 +240,49 @@ class NodeLease:
         sent = self._clock()
         self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=timeout_s)
         self._registered = False
-        first = Send(self._clock())  # its time in the registration after it is a silence too (after_s, below)
-        self._sends.append(first)
-        try:  # the first keep-alive goes out now, not after the put: a busy etcd may take a TTL to answer both
-            self._client.keep_alive(self._lease_id, every_s=0.0, silent_s=SILENT_BEATS * self.beat_s)
-        except EtcdUnavailableError:
-            pass  # the put below says whether etcd answers
+        self._keep_registering()  # the first keep-alive goes out now, not after the put: a busy etcd may take a TTL
+        tick = self._registering()  # to answer both, and more keep-alives go out while the put waits
         key = self._keys.alive(self._node_id)
         if read is None:
             ok, held = self._client.compare_and_put(key, self._info, expected_mod_revision=None, lease=self._lease_id,
-                                                    timeout_s=timeout_s)
+                                                    timeout_s=timeout_s, tick=tick)
         else:
             ok, held, ranges, revision = self._client.compare_and_put_then_read(
-                key, self._info, expected_mod_revision=None, lease=self._lease_id, timeout_s=timeout_s, read=read)
+                key, self._info, expected_mod_revision=None, lease=self._lease_id, timeout_s=timeout_s, read=read,
+                tick=tick)
             self._read = (read, ranges, revision) if ok else None
         if not ok and held is not None:  # this process's own key, from a grant whose answer was lost, is replaced
             if incarnation(held) != self.incarnation:
                 raise DuplicateNodeError(
                     f"node id {self._node_id} is in use by another live agent of run {self._keys.run_id} "
                     f"({_describe(held)}); give each agent its own --node-id", held)
-            self._client.put(key, self._info, lease=self._lease_id, timeout_s=timeout_s)
+            self._client.put(key, self._info, lease=self._lease_id, timeout_s=timeout_s, tick=tick)
         self._registered = True
-        self._renewed(sent)
-        first.after_s = self._clock() - first.at
-        self._next_beat = sent + self.beat_s
+        self._renewed(max(self.last_renewed, sent))  # a keep-alive sent during the put may have renewed it since
+        last = self._sends[-1]  # this registration's last keep-alive: its time in the registration after it is a
+        last.after_s = self._clock() - last.at  # silence too (after_s)
+        self._next_beat = last.at + self.beat_s
         self._published = self._lease_id  # the caller calls on_granted once it has let go of the lock
+
+    def _registering(self) -> Tick:
+        """What a registration's put does while it waits for etcd: a keep-alive every beat (a busy etcd may take
+        longer than a TTL to answer a put, and the lease it was granted must not run out meanwhile)."""
+        return Tick(self.beat_s, self._keep_registering)
+
+    def _keep_registering(self) -> None:
+        """One keep-alive of a registration (the thread holds the lease's lock), sent without waiting for its
+        answer; answers that came meanwhile renew the lease. No answer is no failure here: the put says whether
+        etcd answers."""
+        now = self._clock()
+        if self._sends:  # the registration's previous keep-alive: the thread stayed in the registration until now
+            self._sends[-1].after_s = max(self._sends[-1].after_s, now - self._sends[-1].at)
+        self._sends.append(Send(now))
+        try:
+            renewal = self._client.keep_alive(self._lease_id, every_s=0.0, silent_s=float("inf"))
+        except EtcdUnavailableError:
+            return
+        if renewal is not None and renewal.ttl > 0:
+            self._renewed(max(self.last_renewed, self._clock() - (time.monotonic() - renewal.sent_at)))
 
     def _renewed(self, sent: float) -> None:
         """etcd confirmed the lease as of `sent` (a keep-alive's or the grant's send time): the sends before it

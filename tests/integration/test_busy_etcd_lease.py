@@ -2,12 +2,14 @@
 
 A busy etcd still receives every keep-alive on time and renews the lease; only its answers come late. The
 lease thread must not take that for a dead member: no failed beat, no failover, no backoff, no new lease.
-A member that sends nothing at all is still given up, soon enough for the next member to renew the lease.
+A member that sends nothing at all is still given up, soon enough for the next member to renew the lease. A
+registration whose put is answered past the TTL keeps the lease it was granted.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 from elastic_rt.chaos.proxy import TcpProxy
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
@@ -17,6 +19,7 @@ from elastic_rt.rendezvous.lease import NodeLease
 
 TTL_S = 3.0  # the default lease_ttl: a beat every second
 LATE_S = 1.2  # every answer at least this late: past a beat's second, well inside the TTL
+LATE_PUT_S = 3.5  # a registration's put answered this late: past the TTL
 
 
 class _Beats:
@@ -117,5 +120,37 @@ def test_the_run_leases_keep_alive_never_holds_the_node_lease_back(etcd_server, 
             assert beats.wait_for(beats.confirmed + 3, 60), f"{beats.confirmed} beats confirmed in 60 s"
             _kept(lease, lease_id, etcd_client, run_id, "the node lease ran out")
         finally:
+            lease.stop(revoke=True)
+            client.close()
+
+
+def test_a_registration_whose_put_is_answered_past_the_ttl_keeps_its_lease(etcd_server, etcd_client, run_id):
+    """A busy etcd answers the alive key's put 3.5 s late, past the 3 s TTL of the lease just granted for it (its
+    requests still arrive on time). A registration that sent one keep-alive and then none until the put was answered
+    lost that lease meanwhile: the alive key was gone before start() returned, and the first beat found the lease
+    gone and registered again. The put's wait sends a keep-alive every beat."""
+    m = etcd_server.members[0]
+    beats = _Beats()
+    with TcpProxy(m.host, m.client_port) as proxy:
+        lease, client = _lease((_hostport(proxy.endpoint),), run_id, beats)
+        grant = client.grant_lease
+
+        def grant_then_answer_late(*args, **kwargs) -> int:  # the grant is answered on time, what follows late
+            client.grant_lease = grant
+            lease_id = grant(*args, **kwargs)
+            proxy.delay(LATE_PUT_S, answers_only=True)
+            return lease_id
+
+        client.grant_lease = grant_then_answer_late
+        try:
+            started = time.monotonic()
+            lease_id = lease.start()
+            took = time.monotonic() - started
+            proxy.delay(0.0)
+            assert took >= TTL_S, f"start() took {took:.1f} s: the put was not answered past the TTL"
+            assert beats.wait_for(3, 30), f"{beats.confirmed} beats confirmed in 30 s"
+            _kept(lease, lease_id, etcd_client, run_id, "the lease ran out while its registration's put waited")
+        finally:
+            proxy.delay(0.0)
             lease.stop(revoke=True)
             client.close()
