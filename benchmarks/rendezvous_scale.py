@@ -31,8 +31,11 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
                     other moves the leadership there before the run
   --cpus X          everything (etcd and the handler processes) in a cgroup of X CPUs: a slower machine on demand;
                     --client-nice N runs the handler processes at nice N (etcd first, as on hosts of its own)
+  --etcd-write-iops N  etcd's members make at most N writes a second to the disk that holds their data (a cgroup
+                    write throttle, set once they run), and fsync their WAL (3.5 too): a slow disk on demand;
+                    etcd.write_iops and etcd.writes record it and the writes they made
   fsync             round.fsync, reform_round.fsync: the members' WAL fsyncs in the window (count, mean and p99 ms);
-                    etcd 3.4 fsyncs to this machine's disk (3.5.1 runs with --unsafe-no-fsync here)
+                    etcd 3.4 fsyncs to this machine's disk (3.5.1 runs with --unsafe-no-fsync here, unless --etcd-write-iops),
   lease lapses      meet_lease_lapses, reform_lease_lapses: leases found gone in the window, by whose silence
                     (LeaseLapse.cause: none sent for a TTL, as the process did not run, its lease thread was held or
                     backed off, or unexplained; or sent and not renewed by etcd)
@@ -56,6 +59,7 @@ import multiprocessing as mp
 import os
 import platform
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -386,7 +390,7 @@ def etcd_facts(cluster) -> dict:
         finally:
             client.close()
     return {"binary": cluster.binary, "version": ",".join(sorted(set(versions))), "member_versions": versions,
-            "members": len(cluster.members)}
+            "members": len(cluster.members), "wal_fsync": cluster.fsyncs}
 
 
 def metrics_delta(after: dict, before: dict) -> dict:
@@ -863,6 +867,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cpus", type=float, default=0.0, metavar="X",
                    help="run everything (etcd's members, the handler processes) in a cgroup limited to X CPUs: a "
                         "slower machine on demand (root; default 0: no limit)")
+    p.add_argument("--etcd-write-iops", type=int, default=0, metavar="N",
+                   help="etcd's members make at most N writes a second to the disk that holds their data (a cgroup "
+                        "write throttle: a slow disk on demand), and fsync their WAL (3.5 too; root; default 0: none)")
     p.add_argument("--client-nice", type=int, default=0, metavar="N",
                    help="run the simulated nodes' processes at this nice value (etcd's members stay at 0): on real "
                         "hardware etcd has its own hosts and no agent takes its CPU (default 0: all compete)")
@@ -899,6 +906,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
         if (why := available()) is not None:
             p.error(f"--cpus: {why}")
+    if a.etcd_write_iops < 0:
+        p.error("--etcd-write-iops must be >= 0")
+    if a.etcd_write_iops:
+        from elastic_rt.chaos import io_throttle
+
+        if (why := io_throttle.available(a.etcd_data_dir or tempfile.gettempdir())) is not None:
+            p.error(f"--etcd-write-iops: {why}")
+        if a.cpus and io_throttle.unified():
+            p.error("--etcd-write-iops with --cpus needs cgroup v1 (in cgroup v2 a process is in one cgroup only)")
     if a.etcd_binary is not None and not (os.path.isfile(a.etcd_binary) and os.access(a.etcd_binary, os.X_OK)):
         p.error(f"--etcd-binary {a.etcd_binary} is not an executable file")
     if any(k not in KINDS for k in a.kinds) or not a.kinds or not a.nodes or a.procs < 0 or a.per_proc < 1:
@@ -920,6 +936,29 @@ def _cpu_quota(cpus: float):
         yield
 
 
+def _throttle_note(etcd: dict) -> str:
+    """The header's words for --etcd-write-iops ('' without it)."""
+    if not etcd.get("write_iops"):
+        return ""
+    return (f"etcd's writes limited to {etcd['write_iops']} a second on disk {etcd['write_iops_disk']} "
+            f"({etcd['writes']} writes made), ")
+
+
+@contextlib.contextmanager
+def _write_throttle(iops: int, cluster):
+    """--etcd-write-iops: etcd's members (running) in a cgroup whose writes to their data's disk are limited to
+    `iops` a second; yields it (None with 0)."""
+    if not iops:
+        yield None
+        return
+    from elastic_rt.chaos.io_throttle import WriteThrottle
+
+    with WriteThrottle(iops, cluster.root, name=f"elastic-rt-bench-io-{os.getpid()}") as throttle:
+        for m in cluster.members:
+            throttle.add(m.proc.pid)
+        yield throttle
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     sys.path.insert(0, REPO)
@@ -934,7 +973,8 @@ def main(argv: list[str] | None = None) -> int:
     load_start = list(os.getloadavg())
     speed = machine_speed()
     with _cpu_quota(args.cpus), EtcdCluster(args.etcd_members, binary=args.etcd_binary,
-                                                        data_root=args.etcd_data_dir) as cluster:
+                                            data_root=args.etcd_data_dir, fsync=bool(args.etcd_write_iops)) as cluster, \
+            _write_throttle(args.etcd_write_iops, cluster) as throttle:
         etcd = etcd_facts(cluster)
         print(f"etcd {etcd['version']} ({etcd['members']} members, {etcd['binary']}), load {load_start[0]:.1f}",
               file=sys.stderr, flush=True)
@@ -950,6 +990,8 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
                 if row["meet_s"] is None:
                     stopped[kind] = n
+        if throttle is not None:
+            etcd.update(write_iops=throttle.iops, write_iops_disk=throttle.disk, writes=throttle.writes())
     import torch
 
     stamp = datetime.date.today().isoformat()
@@ -962,6 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.switch_interval_ms:g} ms, --rdzv-conf {args.rdzv_conf}, "
             f"{f'all in a cgroup of {args.cpus:g} CPUs, ' if args.cpus else ''}"
             f"{f'handler processes at nice {args.client_nice}, ' if args.client_nice else ''}"
+            f"{_throttle_note(etcd)}"
             f"{f'leader moved to the {args.leader} member, ' if args.leader != 'any' else ''}"
             f"nnodes N-1:N\n\n{table(rows, args)}\n\n"
             "reform s: etcd-v3: lease revoked -> every survivor met again, detected by the handlers' own "

@@ -113,8 +113,12 @@ class EtcdCluster:
     """N etcd members on loopback, each on free ports, data in a temporary directory."""
 
     def __init__(self, size: int = 1, *, host: str = "127.0.0.1", binary: str | None = None,
-                 tls: EtcdTls | None = None, auth_token_ttl_s: int | None = None, data_root: str | None = None) -> None:
+                 tls: EtcdTls | None = None, auth_token_ttl_s: int | None = None, data_root: str | None = None,
+                 fsync: bool = False) -> None:
+        """`fsync`: the members fsync their WAL even where etcd can be told not to (3.5's --unsafe-no-fsync, used
+        otherwise): a benchmark of a slow disk."""
         self.binary = binary or find_etcd_binary()
+        self.fsync = fsync
         self.root = tempfile.mkdtemp(prefix="elastic-rt-etcd-", dir=data_root)  # data_root: e.g. a tmpfs
         self.tls = tls
         self.auth_token_ttl_s = auth_token_ttl_s
@@ -144,7 +148,7 @@ class EtcdCluster:
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", os.path.basename(self.root),
             "--heartbeat-interval", "100", "--election-timeout", "1000",
-        ] + (["--unsafe-no-fsync"] if self._supports_no_fsync() else []) + self._security_flags()
+        ] + ([] if self.fsyncs else ["--unsafe-no-fsync"]) + self._security_flags()
 
     def _security_flags(self) -> list[str]:
         flags = []
@@ -221,6 +225,11 @@ class EtcdCluster:
                     self.etcdctl("role", "grant-permission", f"role-{name}", "--prefix=true", "readwrite", prefix)
                 self.etcdctl("user", "grant-role", name, f"role-{name}")
         self.etcdctl("auth", "enable")
+
+    @property
+    def fsyncs(self) -> bool:
+        """The members fsync their WAL (asked to, or an etcd that cannot be told not to: 3.4)."""
+        return self.fsync or not self._supports_no_fsync()
 
     def _supports_no_fsync(self) -> bool:
         """Tests run beside CPU-heavy workers: a slow fsync must not cost a lease (etcd >= 3.5)."""
