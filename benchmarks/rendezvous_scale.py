@@ -32,7 +32,7 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   --cpus X          everything (etcd and the handler processes) in a cgroup of X CPUs: a slower machine on demand;
                     --client-nice N runs the handler processes at nice N (etcd first, as on hosts of its own)
   --etcd-write-iops N  etcd's members make at most N writes a second to the disk that holds their data (a cgroup
-                    write throttle, set once they run), and fsync their WAL (3.5 too): a slow disk on demand;
+                    write throttle they start in), and fsync their WAL (3.5 too): a slow disk on demand;
                     etcd.write_iops and etcd.writes record it and the writes they made
   fsync             round.fsync, reform_round.fsync: the members' WAL fsyncs in the window (count, mean and p99 ms);
                     etcd 3.4 fsyncs to this machine's disk (3.5.1 runs with --unsafe-no-fsync here, unless --etcd-write-iops),
@@ -945,18 +945,29 @@ def _throttle_note(etcd: dict) -> str:
 
 
 @contextlib.contextmanager
-def _write_throttle(iops: int, cluster):
-    """--etcd-write-iops: etcd's members (running) in a cgroup whose writes to their data's disk are limited to
-    `iops` a second; yields it (None with 0)."""
-    if not iops:
-        yield None
+def _etcd_cluster(args):
+    """The run's etcd, started: with --etcd-write-iops, its members fsync their WAL and start in a cgroup whose writes
+    to their data's disk are limited (they are in it from their first write: cgroup v2 charges a file's writeback to
+    the cgroup that first dirtied it); yields (cluster, the throttle or None)."""
+    from etcd_testbed.server import EtcdCluster
+
+    cluster = EtcdCluster(args.etcd_members, binary=args.etcd_binary, data_root=args.etcd_data_dir,
+                          fsync=bool(args.etcd_write_iops))
+    if not args.etcd_write_iops:
+        with cluster:
+            yield cluster, None
         return
     from elastic_rt.chaos.io_throttle import WriteThrottle
 
-    with WriteThrottle(iops, cluster.root, name=f"elastic-rt-bench-io-{os.getpid()}") as throttle:
-        for m in cluster.members:
-            throttle.add(m.proc.pid)
-        yield throttle
+    try:
+        throttle = WriteThrottle(args.etcd_write_iops, cluster.root, name=f"elastic-rt-bench-io-{os.getpid()}")
+    except BaseException:
+        cluster.stop()  # nothing started: its data directory goes
+        raise
+    with throttle:
+        cluster.wrap = throttle.wrap
+        with cluster:
+            yield cluster, throttle
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -967,14 +978,11 @@ def main(argv: list[str] | None = None) -> int:
 
     git = provenance(args.allow_dirty)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from etcd_testbed.server import EtcdCluster
 
     rows, t_start, stopped = [], time.monotonic(), {}
     load_start = list(os.getloadavg())
     speed = machine_speed()
-    with _cpu_quota(args.cpus), EtcdCluster(args.etcd_members, binary=args.etcd_binary,
-                                            data_root=args.etcd_data_dir, fsync=bool(args.etcd_write_iops)) as cluster, \
-            _write_throttle(args.etcd_write_iops, cluster) as throttle:
+    with _cpu_quota(args.cpus), _etcd_cluster(args) as (cluster, throttle):
         etcd = etcd_facts(cluster)
         print(f"etcd {etcd['version']} ({etcd['members']} members, {etcd['binary']}), load {load_start[0]:.1f}",
               file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from elastic_rt.errors import ElasticRTError
 
@@ -116,9 +117,11 @@ class EtcdCluster:
                  tls: EtcdTls | None = None, auth_token_ttl_s: int | None = None, data_root: str | None = None,
                  fsync: bool = False) -> None:
         """`fsync`: the members fsync their WAL even where etcd can be told not to (3.5's --unsafe-no-fsync, used
-        otherwise): a benchmark of a slow disk."""
+        otherwise): a benchmark of a slow disk. `wrap` (set before start()): what each member's command line is
+        run through, e.g. a cgroup's (elastic_rt.chaos.cgroup.Cgroup.wrap)."""
         self.binary = binary or find_etcd_binary()
         self.fsync = fsync
+        self.wrap: Callable[[list[str]], list[str]] | None = None
         self.root = tempfile.mkdtemp(prefix="elastic-rt-etcd-", dir=data_root)  # data_root: e.g. a tmpfs
         self.tls = tls
         self.auth_token_ttl_s = auth_token_ttl_s
@@ -244,7 +247,8 @@ class EtcdCluster:
     def start_member(self, m: EtcdMember) -> None:
         log = open(os.path.join(self.root, f"{m.name}.log"), "ab")
         self._log_files.append(log)
-        m.proc = subprocess.Popen(self._cmd(m), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cmd = self._cmd(m) if self.wrap is None else self.wrap(self._cmd(m))
+        m.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self, timeout_s: float = 30.0) -> "EtcdCluster":
         for m in self.members:

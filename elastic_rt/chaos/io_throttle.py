@@ -34,7 +34,8 @@ def disk_of(path: str, sys_root: str = "/sys") -> str:
     ident = f"{os.major(dev)}:{os.minor(dev)}"
     block = os.path.join(sys_root, "dev", "block", ident)
     if os.major(dev) == 0 or not os.path.exists(block):
-        raise ValueError(f"{path} is on no block device ({ident}: tmpfs or overlay?): its writes cannot be throttled")
+        raise ValueError(f"{path} is on no single block device ({ident}: tmpfs, overlay or btrfs?): its writes "
+                         "cannot be throttled")
     if os.path.exists(os.path.join(block, "partition")):  # a partition: the throttle is set on its disk
         with open(os.path.join(os.path.realpath(block), "..", "dev")) as f:
             return f.read().strip()
@@ -81,12 +82,19 @@ class WriteThrottle(Cgroup):
             text = self._read("io.stat" if self.version == 2 else "blkio.throttle.io_serviced")
         except OSError:
             return None
-        for line in text.splitlines():
-            parts = line.split()
-            if not parts or parts[0] != self.disk:
-                continue
-            if self.version == 2:
-                return next((int(p[4:]) for p in parts[1:] if p.startswith("wios=")), None)
-            if len(parts) == 3 and parts[1] == "Write":
-                return int(parts[2])
-        return 0
+        return writes_in(text, self.disk, self.version)
+
+
+def writes_in(text: str, disk: str, version: int) -> int | None:
+    """The writes to `disk` that a cgroup's io.stat (v2: "M:m rbytes=.. wbytes=.. rios=.. wios=N ...") or
+    blkio.throttle.io_serviced (v1: "M:m Write N" among other lines) counts: 0 when the disk has no line yet, None
+    when its line does not say."""
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts or parts[0] != disk:
+            continue
+        if version == 2:
+            return next((int(p.partition("=")[2]) for p in parts[1:] if p.startswith("wios=")), None)
+        if len(parts) == 3 and parts[1] == "Write":
+            return int(parts[2])
+    return 0

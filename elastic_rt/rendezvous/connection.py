@@ -53,9 +53,15 @@ class Tick:
     every_s: float
     fn: Callable[[], None]
 
+    def __post_init__(self) -> None:
+        if not self.every_s > 0:
+            raise ValueError(f"a tick every {self.every_s} s: must be > 0")
 
-def _ticking(stream: Stream, timeout_s: float, tick: Tick, clock: Callable[[], float] = time.monotonic) -> bytes | None:
-    """stream.next() within timeout_s of the request's send, calling tick.fn() each tick.every_s of the wait."""
+
+def _ticking(stream: Stream, timeout_s: float, tick: Tick, clock: Callable[[], float] = time.monotonic,
+             ended: Callable[[], bool] = lambda: False) -> bytes | None:
+    """stream.next() within timeout_s of the request's send, calling tick.fn() each tick.every_s of the wait.
+    `ended()`: the call has ended (its end came: etcd's own deadline, say), so a deadline now is not this wait's."""
     deadline, due = stream.sent_at + timeout_s, stream.sent_at + tick.every_s
     while due < deadline:
         try:
@@ -63,6 +69,8 @@ def _ticking(stream: Stream, timeout_s: float, tick: Tick, clock: Callable[[], f
         except CallError as exc:
             if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
+            if ended():  # its reply, if one came just after this wait, else its end again: no more ticks
+                return stream.next(0.0)
         tick.fn()
         now = clock()
         due = due + tick.every_s if due + tick.every_s > now else now + tick.every_s  # a late tick is not made up for
@@ -188,14 +196,14 @@ class Connection(StreamTable):
         `tick`, tick.fn() is called every tick.every_s of the wait for the reply, by this thread."""
         stream = self.open(path, metadata, timeout_s=timeout_s, body=body)
         try:
-            reply = stream.next(timeout_s) if tick is None else _ticking(stream, timeout_s, tick)
+            reply = stream.next(timeout_s) if tick is None else _ticking(
+                stream, timeout_s, tick, ended=lambda: stream.id not in self._streams)
             if reply is None:
                 raise CallError(grpc.StatusCode.INTERNAL, "etcd ended the call without an answer")
             stream.next(max(0.0, stream.sent_at + timeout_s - time.monotonic()))  # its trailers: the status
             return reply
-        except BaseException as exc:  # a deadline passed, or the tick failed: the call is given up
-            if not isinstance(exc, CallError) or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                self.cancel(stream)
+        except BaseException:  # a deadline passed, the tick failed, or the call ended: given up (nothing to cancel
+            self.cancel(stream)  # when it ended)
             raise
 
     def send(self, stream: Stream, data: bytes, *, end: bool) -> None:

@@ -120,37 +120,35 @@ def test_etcd_options(tmp_path, capsys):
 
 
 def test_etcds_writes_are_throttled_where_asked_and_counted():
-    """--etcd-write-iops: a real 3-member etcd that fsyncs its WAL (3.5 too), every running member in the write
-    throttle's cgroup, the writes they make counted there, and the cgroup gone afterwards."""
+    """--etcd-write-iops: a real 3-member etcd whose members fsync their WAL (3.5 too) and start in the write
+    throttle's cgroup, the writes they make counted there, and the cgroup gone with the cluster."""
     import tempfile
 
     from elastic_rt.chaos import io_throttle
-    from etcd_testbed.server import EtcdCluster
+    from elastic_rt.rendezvous.etcd_client import EtcdClient
 
     if (why := io_throttle.available(tempfile.gettempdir())) is not None:
         pytest.skip(f"no write throttle here: {why}")
     bench = _bench()
-    assert bench.parse_args(["--etcd-write-iops", "200"]).etcd_write_iops == 200
-    with EtcdCluster(3, fsync=True) as cluster:
+    args = bench.parse_args(["--etcd-write-iops", "200"])
+    assert args.etcd_write_iops == 200
+    with bench._etcd_cluster(args) as (cluster, throttle):
         assert cluster.fsyncs and bench.etcd_facts(cluster)["wal_fsync"]
-        with bench._write_throttle(200, cluster) as throttle:
-            assert sorted(throttle.pids()) == sorted(m.proc.pid for m in cluster.members)
-            before = throttle.writes()
-            client = cluster.client_config()
-            from elastic_rt.rendezvous.etcd_client import EtcdClient
-
-            etcd = EtcdClient(client)
-            try:
-                for i in range(20):
-                    etcd.put(f"/throttled/{i}", b"x")
-            finally:
-                etcd.close()
-            assert throttle.writes() > before, "the members' WAL writes were not counted in the throttle's cgroup"
-            assert bench._throttle_note({"write_iops": 200, "write_iops_disk": throttle.disk, "writes": 7}) == (
-                f"etcd's writes limited to 200 a second on disk {throttle.disk} (7 writes made), ")
-            path = throttle.path
-        assert not os.path.exists(path)
-        assert all(EtcdCluster.is_running(m) for m in cluster.members)
+        assert sorted(throttle.pids()) == sorted(m.proc.pid for m in cluster.members)
+        before = throttle.writes()
+        etcd = EtcdClient(cluster.client_config())
+        try:
+            for i in range(20):
+                etcd.put(f"/throttled/{i}", b"x")
+        finally:
+            etcd.close()
+        assert throttle.writes() > before, "the members' WAL writes were not counted in the throttle's cgroup"
+        assert bench._throttle_note({"write_iops": 200, "write_iops_disk": throttle.disk, "writes": 7}) == (
+            f"etcd's writes limited to 200 a second on disk {throttle.disk} (7 writes made), ")
+        path, root = throttle.path, cluster.root
+    assert not os.path.exists(path) and not os.path.exists(root)
+    with bench._etcd_cluster(bench.parse_args([])) as (cluster, throttle):
+        assert throttle is None and cluster.wrap is None
 
 
 def test_the_leader_is_moved_where_asked_and_recorded_from_etcds_metrics():

@@ -53,7 +53,7 @@ def test_the_disk_is_the_whole_device_that_holds_the_path(throttle_dir):
 
 def test_what_cannot_be_throttled_says_why():
     if os.path.isdir("/dev/shm"):
-        with pytest.raises(ValueError, match="on no block device"):
+        with pytest.raises(ValueError, match="on no single block device"):
             io_throttle.disk_of("/dev/shm")
     with pytest.raises(ValueError, match=">= 1"):
         io_throttle.WriteThrottle(0, "/")

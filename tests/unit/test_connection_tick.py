@@ -94,3 +94,42 @@ def test_a_failure_other_than_the_deadline_ends_the_wait_at_once():
     with pytest.raises(CallError) as info:
         _ticking(stream, 10.0, tick, clock)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE and at == []
+
+
+def test_a_call_that_ended_with_etcds_own_deadline_is_not_ticked_through():
+    """etcd ended the call with DEADLINE_EXCEEDED (its own deadline, from when it received the request): Stream.next
+    raises it again at every wait, and the wait must end with it, not tick on until the local deadline."""
+    clock = _Clock()
+
+    class EndedByEtcd(_Stream):
+        def next(self, timeout_s: float) -> bytes:
+            self.waits.append(timeout_s)
+            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, "context deadline exceeded")
+
+    stream = EndedByEtcd(clock, None)
+    at, tick = _ticks(clock, stream, 1.0)
+    with pytest.raises(CallError):
+        _ticking(stream, 10.0, tick, clock, ended=lambda: True)
+    assert at == [] and stream.waits == [1.0, 0.0]
+
+
+def test_a_reply_that_came_with_the_calls_end_just_after_a_wait_is_returned():
+    clock = _Clock()
+
+    class LateReply(_Stream):
+        def next(self, timeout_s: float) -> bytes:
+            self.waits.append(timeout_s)
+            if len(self.waits) == 1:
+                self.clock.now += timeout_s
+                raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within 1 s")
+            return b"reply"  # it came, with its trailers, as the first wait ended
+
+    stream = LateReply(clock, None)
+    at, tick = _ticks(clock, stream, 1.0)
+    assert _ticking(stream, 10.0, tick, clock, ended=lambda: True) == b"reply"
+    assert at == []
+
+
+def test_a_tick_needs_an_interval():
+    with pytest.raises(ValueError, match="> 0"):
+        Tick(0.0, lambda: None)
