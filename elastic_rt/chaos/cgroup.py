@@ -8,10 +8,20 @@ import os
 import time
 import uuid
 
-V2_ROOT = "/sys/fs/cgroup"  # the cgroup v2 hierarchy, where one is mounted
+_V2_ROOT = "/sys/fs/cgroup"  # the cgroup v2 hierarchy, where one is mounted
 
 
-def v2_usable(root: str, controller: str) -> bool:
+def controller_root(controller: str, v1_root: str, v1_file: str) -> tuple[str, int] | None:
+    """Where cgroups of `controller` go, and the cgroup version: the v2 hierarchy where it gives its children that
+    controller, else `v1_root` where that v1 hierarchy has `v1_file`; None when neither does."""
+    if _v2_usable(_V2_ROOT, controller):
+        return _V2_ROOT, 2
+    if os.path.exists(os.path.join(v1_root, v1_file)):
+        return v1_root, 1
+    return None
+
+
+def _v2_usable(root: str, controller: str) -> bool:
     """`root` is a cgroup v2 hierarchy whose children get `controller`."""
     try:
         with open(os.path.join(root, "cgroup.controllers")) as f:

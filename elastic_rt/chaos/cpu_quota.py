@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import os
 
-from elastic_rt.chaos.cgroup import V2_ROOT, Cgroup, creatable, v2_usable
+from elastic_rt.chaos.cgroup import Cgroup, controller_root, creatable
 
 PERIOD_US = 100_000
 _V1_ROOT = "/sys/fs/cgroup/cpu"
 
 
 def _root() -> tuple[str, int] | None:
-    if v2_usable(V2_ROOT, "cpu"):
-        return V2_ROOT, 2
-    if os.path.exists(os.path.join(_V1_ROOT, "cpu.cfs_quota_us")):
-        return _V1_ROOT, 1
-    return None
+    return controller_root("cpu", _V1_ROOT, "cpu.cfs_quota_us")
 
 
 def available() -> str | None:

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import os
 
-from elastic_rt.chaos.cgroup import V2_ROOT, Cgroup, creatable, v2_usable
+from elastic_rt.chaos.cgroup import Cgroup, controller_root, creatable
 
 _V1_ROOT = "/sys/fs/cgroup/blkio"
 _V1_FILE = "blkio.throttle.write_iops_device"
 
 
 def _root() -> tuple[str, int] | None:
-    if v2_usable(V2_ROOT, "io"):
-        return V2_ROOT, 2
-    if os.path.exists(os.path.join(_V1_ROOT, _V1_FILE)):
-        return _V1_ROOT, 1
-    return None
+    return controller_root("io", _V1_ROOT, _V1_FILE)
 
 
 def unified() -> bool:

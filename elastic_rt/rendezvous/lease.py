@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from elastic_rt.errors import DuplicateNodeError, EtcdUnavailableError
-from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, RangeRead, Tick
+from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, RangeRead, Renewal, Tick
 from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import LivenessListener, parse_peer, probe
@@ -258,7 +258,7 @@ class NodeLease:
                     f"({_describe(held)}); give each agent its own --node-id", held)
             self._client.put(key, self._info, lease=self._lease_id, timeout_s=timeout_s, tick=tick)
         self._registered = True
-        self._renewed(max(self.last_renewed, sent))  # a keep-alive sent during the put may have renewed it since
+        self._renewed(sent)  # (a keep-alive sent during the put may have renewed it since: that stands)
         last = self._sends[-1]  # this registration's last keep-alive: its time in the registration after it is a
         last.after_s = self._clock() - last.at  # silence too (after_s)
         self._next_beat = last.at + self.beat_s
@@ -282,14 +282,19 @@ class NodeLease:
         except EtcdUnavailableError:
             return
         if renewal is not None and renewal.ttl > 0:
-            self._renewed(max(self.last_renewed, self._clock() - (time.monotonic() - renewal.sent_at)))
+            self._renewed(self._sent(renewal))
 
     def _renewed(self, sent: float) -> None:
-        """etcd confirmed the lease as of `sent` (a keep-alive's or the grant's send time): the sends before it
-        no longer count towards a lapse."""
-        self.last_renewed = sent
+        """etcd confirmed the lease as of `sent` (a keep-alive's or the grant's send time), unless a later send was
+        confirmed already (a registration's keep-alive, answered before its put): the sends before it no longer count
+        towards a lapse."""
+        self.last_renewed = sent = max(self.last_renewed, sent)
         while len(self._sends) > 1 and self._sends[1].at < sent:  # the newest one before `sent` stays: the confirmed
             self._sends.popleft()  # keep-alive, recorded just before it went out (its time in the beat counts)
+
+    def _sent(self, renewal: Renewal) -> float:
+        """When the keep-alive that `renewal` answers was sent, on this process's clock."""
+        return self._clock() - (time.monotonic() - renewal.sent_at)
 
     def _beat(self) -> bool:
         """One beat; True when etcd confirmed the lease (or it was granted anew), False when no answer came yet
@@ -312,9 +317,9 @@ class NodeLease:
             renewal = self._client.keep_alive(self._lease_id, every_s=self.beat_s, silent_s=SILENT_BEATS * self.beat_s)
             if renewal is None:
                 return False
-            renewal_sent = self._clock() - (time.monotonic() - renewal.sent_at)  # on this process's clock
+            renewal_sent = self._sent(renewal)
             if renewal.ttl > 0:  # renewed from its request's send time
-                self._renewed(max(self.last_renewed, renewal_sent))
+                self._renewed(renewal_sent)
                 return True
             self.renewals_lost += 1
             self.lost_at = sent
