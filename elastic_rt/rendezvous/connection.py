@@ -5,14 +5,17 @@ engine and back, five context switches, objects enough to run the garbage collec
 a thread of its own that consumes the requests, and a keep-alive on a stream 0.3-0.8 ms. An agent makes
 eleven requests a round and a keep-alive every TTL/3; at a thousand agents on one machine (the scale
 benchmark), or beside a training job, that CPU is what runs out. Here a call is written to the socket by
-the calling thread, and one reader thread per connection (it sleeps in poll() until the member sends
-something) parses the frames and hands each stream its messages on a queue: one hand-off per reply; a stream
-opened with `on_item` (the membership view's watch) is handed its messages by the reader thread itself, with no
-thread to wake at all.
+the calling thread, and the thread that waits for the reply reads the socket itself (it holds the connection's
+read token meanwhile): no thread hand-off for a reply. One reader thread per connection sleeps in epoll and reads
+when no caller does; while a caller reads, the reader's interest in the socket is switched off (it is not woken for
+the reply). Whoever reads parses the frames and hands each stream its messages on a queue; a stream opened with
+`on_item` (the membership view's watch) is handed its messages by the reader thread (woken through an eventfd when
+a caller read them), or, under delivering_here(), by the caller that read them: a thread that holds no lock across
+a request that a receiver takes (the rounds' requests, whose watch events come with their answers).
 
 Timing that survives a starved process: a call's deadline runs from the moment its request was handed to
 the kernel, and before it fails the waiting thread reads whatever the kernel already holds for the
-connection itself (the reader thread may simply not have run). So a reply that arrived in time is never
+connection itself (the thread that reads may simply not have run). So a reply that arrived in time is never
 taken for a silent member because this process could not run.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
 import queue
 import select
 import socket
@@ -28,6 +32,7 @@ import struct
 import termios
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,6 +48,21 @@ SEND_TIMEOUT_S = 2.0  # a member that takes none of our bytes for this long: the
 _READ_MAX = 262144  # bytes one read takes from the kernel
 _INT = struct.Struct("i")
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_here = threading.local()  # .on: this thread hands push streams their items itself (delivering_here)
+
+
+@contextmanager
+def delivering_here():
+    """While it waits for a reply, this thread hands the push streams (the membership view's watch) the items it
+    reads itself, instead of waking the reader thread for them: for a thread that holds no lock across a request that
+    a receiver takes (a receiver never waits on etcd: WatchStream). The rounds' requests (rounds.py): the watch events
+    of a round's writes come with their answers, and the round waits for its view to show them next."""
+    before = getattr(_here, "on", False)
+    _here.on = True
+    try:
+        yield
+    finally:
+        _here.on = before
 
 
 @dataclass(frozen=True)
@@ -77,6 +97,13 @@ def _ticking(stream: Stream, timeout_s: float, tick: Tick, clock: Callable[[], f
     return stream.next(max(0.0, deadline - clock()))
 
 
+def _drain_eventfd(fd: int) -> None:
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:  # another thread drained it
+        pass
+
+
 class Connection(StreamTable):
     """A client connection (h2c, or h2 over TLS through a memory BIO, so that every thread that writes or reads
     shares one TLS session under one lock). Build it with a deadline for connecting; afterwards use it until
@@ -88,10 +115,21 @@ class Connection(StreamTable):
         self._authority, self._tls_on = authority, ssl_context is not None
         self._lock = threading.Lock()
         self._delivering = threading.Lock()  # held by the thread that hands push streams their items (_deliver)
+        self._reading = threading.Lock()  # the read token: held by the one thread that reads the socket now
+        self._closed = False  # the reader thread closed the socket and its descriptors (under the token and _lock)
         self._blocks: dict[tuple, bytes] = {}  # (path, timeout_s, metadata) -> the request's header block
         self._tls: ssl.SSLObject | None = None
         self.heard_at = time.monotonic()  # when the member last sent this connection anything (monotonic)
         self._sock = self._connect(host, port, ssl_context, timeout_s)
+        self._fd = self._sock.fileno()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # the reader thread's doorbell
+        self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # the read token holder's (_catch_up)
+        self._epoll = select.epoll(2)
+        self._epoll.register(self._fd, select.EPOLLIN)
+        self._epoll.register(self._wake, select.EPOLLIN)
+        self._poller = select.poll()  # the read token holder's (one thread at a time)
+        self._poller.register(self._fd, select.POLLIN)
+        self._poller.register(self._bell, select.POLLIN)
         self._reader = threading.Thread(target=self._run, name=f"elastic-rt-etcd-{name}", daemon=True)
         self._reader.start()
 
@@ -280,48 +318,106 @@ class Connection(StreamTable):
 
     # ---- reading --------------------------------------------------------------------------------------
     def wait(self, stream: Stream, timeout_s: float | None) -> bytes | CallError | None:
-        """The next item for `stream`, whose queue is empty (Stream.next); raises CallError DEADLINE_EXCEEDED. Before
-        a deadline fails, what the kernel holds for the connection is read here: a reply that came in time counts
-        even if the reader thread did not run."""
-        try:
-            return stream.replies.get(timeout=timeout_s) if timeout_s is None or timeout_s > 0 \
-                else stream.replies.get_nowait()
-        except queue.Empty:
+        """The next item for `stream`, whose queue is empty (Stream.next); raises CallError DEADLINE_EXCEEDED. The
+        calling thread reads the socket itself when no other thread does (_read_for); else the thread that does
+        queues the item. Before a deadline fails, what the kernel holds for the connection is read here: a reply
+        that came in time counts even if the thread that reads did not run."""
+        if self._reading.acquire(blocking=False):
             try:
-                self._catch_up(stream)
+                if self.error is None:
+                    self._read_for(stream, timeout_s)
             finally:
-                self._deliver()
+                if self._deliveries and not self._closed:  # what this thread read for the push streams
+                    os.eventfd_write(self._wake, 1)
+                self._reading.release()
+        else:
             try:
-                return stream.replies.get_nowait()
+                return stream.replies.get(timeout=timeout_s) if timeout_s is None or timeout_s > 0 \
+                    else stream.replies.get_nowait()
             except queue.Empty:
-                raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s") from None
+                try:
+                    self._catch_up(stream)
+                finally:
+                    self._deliver()
+        try:
+            return stream.replies.get_nowait()
+        except queue.Empty:
+            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s") from None
+
+    def _read_for(self, stream: Stream, timeout_s: float | None) -> None:
+        """Read the socket on this thread, which holds the read token, until `stream` has an item, the connection
+        failed or timeout_s passed (after a last read of what the kernel holds). Meanwhile the reader thread's epoll
+        does not wake it for the socket's data (a hang-up still does: it then waits for the token), and a thread whose
+        deadline passed while it waited on its queue may read the socket too (_catch_up): it rings this thread's bell.
+        Items for the push streams are handed over by this thread under delivering_here(), else by the reader thread
+        (woken for them). A BDP ping's answer read here goes with the next write (the lease's keep-alive writes every
+        TTL/3), or when the reader thread next wakes (_run): never a wake-up of its own."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        here = getattr(_here, "on", False)
+        self._epoll.modify(self._fd, 0)
+        try:
+            while stream.replies.empty() and self.error is None:
+                wait_ms = -1 if deadline is None else max(0, int(1000 * (deadline - time.monotonic()) + 0.999))
+                ready = self._poller.poll(wait_ms)
+                if not ready and wait_ms == 0:
+                    self._pump()  # the deadline: one last read (a socket closed under this call fails it here)
+                    return
+                for fd, events in ready:
+                    if fd == self._bell:
+                        _drain_eventfd(self._bell)
+                    elif events & select.POLLNVAL:  # its descriptor closed: the read fails the connection
+                        self._pump()
+                        return
+                    else:
+                        self._pump()
+                if self._deliveries:
+                    if here:
+                        self._deliver()
+                    else:
+                        os.eventfd_write(self._wake, 1)
+        finally:
+            self._epoll.modify(self._fd, select.EPOLLIN)
 
     def _catch_up(self, stream: Stream) -> None:
         """Read what the kernel holds for this connection now, all of it (a backlog of other streams' data, a watch's,
         may be ahead of `stream`'s answer), or until `stream` has an item: at most as many bytes as it held when this
-        began."""
+        began. A thread that holds the read token meanwhile is told (its bell): what it waits for may be among it."""
         try:
             held = _INT.unpack(fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, bytes(_INT.size)))[0]
         except (OSError, ValueError):  # ValueError: the reader thread closed the socket (its descriptor is -1)
             held = 1  # unknown: one read (_pump: nothing on a failed connection, a clean failure on a closed socket)
+        read = 0
         while held > 0 and stream.replies.empty():
             got = self._pump()
             if not got:
-                return
+                break
             held -= got
+            read += got
+        if read:
+            with self._lock:
+                if not self._closed:
+                    os.eventfd_write(self._bell, 1)
 
     def _run(self) -> None:
-        poller = select.poll()
-        poller.register(self._sock.fileno(), select.POLLIN)
         try:
             while self.error is None:
                 due = self._acks_at + ACK_DELAY_S - time.monotonic() if self._acks else None
-                if poller.poll(None if due is None else max(0, int(1000 * due) + 1)):
-                    self.pump()
+                for fd, _ in self._epoll.poll(-1 if due is None else max(0.0, due) + 0.001):
+                    if fd == self._wake:
+                        _drain_eventfd(self._wake)
+                    else:  # the socket: unless a caller reads it now (then this waits for it to be done)
+                        with self._reading:
+                            self._pump()
+                self._deliver()
                 if self._acks and time.monotonic() - self._acks_at >= ACK_DELAY_S:
                     self._send_acks()
         finally:
-            self._sock.close()
+            with self._reading, self._lock:  # no thread polls or rings a descriptor while it is closed
+                self._closed = True
+                self._sock.close()
+                self._epoll.close()
+                os.close(self._wake)
+                os.close(self._bell)
             self._deliver()  # the ends of the push streams that the failure ended
 
     def _send_acks(self) -> None:
@@ -332,14 +428,6 @@ class Connection(StreamTable):
                     self._write(b"")
                 except CallError:
                     pass  # the connection failed (every call was told)
-
-    def pump(self) -> None:
-        """Read what the kernel holds for this connection and handle every complete frame in it; then hand the push
-        streams what came for them."""
-        try:
-            self._pump()
-        finally:
-            self._deliver()
 
     def _deliver(self) -> None:
         """Hand push streams (Stream.on_item) their items, in order, outside the connection's lock (an on_item may

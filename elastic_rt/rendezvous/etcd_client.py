@@ -21,7 +21,7 @@ from pyetcd import etcdrpc
 
 from elastic_rt.errors import ConfigError, EtcdUnavailableError, LeaseGoneError
 from elastic_rt.rendezvous.etcd_access import access_error, check_tls, needs_tls_check, tls_context
-from elastic_rt.rendezvous.connection import Tick
+from elastic_rt.rendezvous.connection import Tick, delivering_here  # noqa: F401 - the client's API too (rounds.py)
 from elastic_rt.rendezvous.etcd_endpoint import Endpoint, Renewal, WatchCompacted, WatchStream, label
 from elastic_rt.rendezvous.wire import CallError
 

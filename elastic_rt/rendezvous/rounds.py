@@ -14,7 +14,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from elastic_rt.rendezvous.decide import (
     Action, Membership, NodeState, RoundView, Step, abandoned, closable, decide, decode_final,
 )
-from elastic_rt.rendezvous.etcd_client import EtcdClient, GuardedPut, IfHeld, KeyValue, Put, RangeRead
+from elastic_rt.rendezvous.etcd_client import EtcdClient, GuardedPut, IfHeld, KeyValue, Put, RangeRead, delivering_here
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import free_port
 from elastic_rt.rendezvous.signing import KeySigner
@@ -103,7 +103,8 @@ class Rounds:
             while True:
                 with self._view.lock:
                     action = decide(self._snapshot(node.joined), node, self._clock())
-                node = self._do(action)
+                with delivering_here():  # the view's watch events that come with our answers: applied by
+                    node = self._do(action)  # this thread (it holds none of the view's locks across a request)
                 if action.step is Step.FORMED:
                     return action.membership
         finally:

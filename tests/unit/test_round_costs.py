@@ -23,9 +23,9 @@ from elastic_rt.rendezvous.liveness import _Waker
 from elastic_rt.rendezvous.monitor import incarnation
 from elastic_rt.rendezvous.view import MembershipView
 from elastic_rt.rendezvous.wire import (
-    ACK, DATA, END_HEADERS, END_STREAM, HEAD_SIZE, HEADERS, PING, PREFACE, SETTINGS, WINDOW_UPDATE, frame, frame_head,
-    message, split_messages,
+    ACK, DATA, END_HEADERS, END_STREAM, HEADERS, PING, SETTINGS, WINDOW_UPDATE, frame, message, split_messages,
 )
+from tests.support.h2_member import Member
 
 
 def test_a_formed_round_shares_one_placeholder_for_the_members_the_view_never_read():
@@ -94,40 +94,6 @@ def test_the_waker_wakes_a_select_once_drained_sleeps_and_is_harmless_after_clos
 # ---- writes on the etcd connection: each sendall is a system call and a GIL hand-off, per node per round -------
 BDP_PING = bytes([2, 4, 16, 16, 9, 14, 7, 7])  # grpc-go's bandwidth-delay probe (etcd 3.4 and 3.5)
 
-class _Member:
-    """A loopback peer that speaks just enough HTTP/2 server side (reads frames, sends what the test says)."""
-
-    def __init__(self) -> None:
-        self._srv = socket.create_server(("127.0.0.1", 0))
-        self.port = self._srv.getsockname()[1]
-        self.sock: socket.socket | None = None
-        self._buf = bytearray()
-
-    def accept(self) -> None:
-        self.sock, _ = self._srv.accept()
-        self.sock.settimeout(10)
-        self.read_exactly(len(PREFACE))
-
-    def read_exactly(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise AssertionError("the client closed the connection")
-            self._buf += chunk
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        return out
-
-    def next_frame(self) -> tuple[int, int, int, bytes]:
-        length, ftype, flags, sid = frame_head(self.read_exactly(HEAD_SIZE), 0)
-        return ftype, flags, sid, self.read_exactly(length)
-
-    def close(self) -> None:
-        for s in (self.sock, self._srv):
-            if s is not None:
-                s.close()
-
-
 class _CountingSocket:
     """The connection's socket, with every sendall's bytes recorded."""
 
@@ -144,7 +110,7 @@ class _CountingSocket:
 
 @pytest.fixture
 def member_and_connection():
-    member = _Member()
+    member = Member()
     conn = Connection("127.0.0.1", member.port, authority="m", ssl_context=None, timeout_s=5, name="test")
     member.accept()
     conn._sock = counted = _CountingSocket(conn._sock)  # noqa: SLF001 - count what the connection writes from now

@@ -1,0 +1,176 @@
+"""Who reads the etcd connection (connection.py): the thread that waits for a reply reads it itself, with no hand-off
+from the reader thread; the reader thread reads when no caller does, and hands the push streams their items unless
+the caller that read them does so under delivering_here(); a thread whose deadline passed while another held the
+read token may read the socket too, and then wakes that one. Against a loopback peer that speaks the server side
+of HTTP/2 (tests/support/h2_member.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import struct
+import termios
+import threading
+import time
+
+import pytest
+
+from elastic_rt.rendezvous.connection import Connection, delivering_here
+from elastic_rt.rendezvous.wire import CallError
+from tests.support.h2_member import Member, answer, settings
+
+KV_RANGE = "/etcdserverpb.KV/Range"
+WATCH = "/etcdserverpb.Watch/Watch"
+
+
+@pytest.fixture
+def member_and_connection():
+    member = Member()
+    conn = Connection("127.0.0.1", member.port, authority="m", ssl_context=None, timeout_s=5, name="test")
+    member.accept()
+    try:
+        yield member, conn
+    finally:
+        conn.close()
+        member.close()
+
+
+class _Readers:
+    """Which threads took bytes from the connection's socket (Connection._pump), and how many."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.bytes: dict[str, int] = {}
+        pump = conn._pump  # noqa: SLF001
+
+        def counted() -> int:
+            got = pump()
+            if got:
+                name = threading.current_thread().name
+                self.bytes[name] = self.bytes.get(name, 0) + got
+            return got
+
+        conn._pump = counted  # noqa: SLF001
+
+
+def _held(conn: Connection) -> int:
+    """Bytes the kernel holds for the connection's socket, unread."""
+    return struct.unpack("i", fcntl.ioctl(conn._sock.fileno(), termios.FIONREAD, bytes(4)))[0]  # noqa: SLF001
+
+
+def _settled(member: Member, conn: Connection) -> None:
+    """The member's SETTINGS sent and answered (read by the reader thread: no call was waiting)."""
+    member.sock.sendall(settings())
+    deadline = time.monotonic() + 10
+    while not conn.answered:
+        assert time.monotonic() < deadline, "the reader thread never read the member's SETTINGS"
+        time.sleep(0.005)
+
+
+def _answer_when_asked(member: Member, conn: Connection, frames) -> threading.Thread:
+    """A thread that waits for the client's next request (HEADERS and DATA of one stream), until the caller holds
+    the read token, then sends frames(stream_id) in one write."""
+
+    def run() -> None:
+        while True:
+            ftype, _, sid, _ = member.next_frame()
+            if ftype == 1:  # HEADERS: the request's; its DATA follows in the same write
+                break
+        member.next_frame()
+        deadline = time.monotonic() + 10
+        while not conn._reading.locked():  # noqa: SLF001 - the caller waits on the socket itself
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        member.sock.sendall(frames(sid))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_unary_reply_is_read_by_the_thread_that_waits_for_it_not_the_reader_thread(member_and_connection):
+    member, conn = member_and_connection
+    _settled(member, conn)
+    readers = _Readers(conn)
+    peer = _answer_when_asked(member, conn, lambda sid: answer(sid, b"reply"))
+    assert conn.unary(KV_RANGE, b"q", 10) == b"reply"
+    peer.join(10)
+    assert set(readers.bytes) == {threading.current_thread().name}  # the caller read every byte of it
+    assert conn._reader.name not in readers.bytes  # noqa: SLF001
+
+
+def test_the_reader_thread_reads_what_comes_while_no_call_waits(member_and_connection):
+    member, conn = member_and_connection
+    _settled(member, conn)
+    got, done = [], threading.Event()
+    stream = conn.open(WATCH, first=(b"w",), on_item=lambda item: (got.append((item, threading.current_thread().name)),
+                                                                  done.set()))
+    member.sock.sendall(answer(stream.id, b"event", end=False))
+    assert done.wait(10)
+    assert got == [(b"event", conn._reader.name)]  # noqa: SLF001
+
+
+@pytest.mark.parametrize("here", [False, True])
+def test_a_push_item_read_by_a_caller_is_handed_over_by_the_reader_thread_unless_the_caller_delivers_here(
+        member_and_connection, here):
+    member, conn = member_and_connection
+    _settled(member, conn)
+    got, done = [], threading.Event()
+    watch = conn.open(WATCH, first=(b"w",), on_item=lambda item: (got.append((item, threading.current_thread().name)),
+                                                                 done.set()))
+    while member.next_frame()[0] != 0:  # the watch's headers, then its DATA (type 0): read before the call's
+        pass
+    readers = _Readers(conn)
+    # the call's answer and a watch event in one write: both read by the caller
+    peer = _answer_when_asked(member, conn, lambda sid: answer(watch.id, b"event", end=False) + answer(sid, b"reply"))
+    if here:
+        with delivering_here():
+            assert conn.unary(KV_RANGE, b"q", 10) == b"reply"
+        assert got == [(b"event", threading.current_thread().name)]  # before the reply was returned
+    else:
+        assert conn.unary(KV_RANGE, b"q", 10) == b"reply"
+        assert done.wait(10)
+        assert got == [(b"event", conn._reader.name)]  # noqa: SLF001 - never a caller's thread
+    peer.join(10)
+    assert set(readers.bytes) == {threading.current_thread().name}
+
+
+def test_a_thread_that_reads_the_socket_past_its_deadline_wakes_the_token_holder_whose_reply_it_took(
+        member_and_connection):
+    """Thread A holds the read token and waits for its reply. Thread B's deadline passes while it waits on its queue;
+    before it fails, B reads what the kernel holds, A's reply among it. A must not sleep on to its own deadline."""
+    member, conn = member_and_connection
+    _settled(member, conn)
+    a = conn.open(KV_RANGE, timeout_s=30, body=b"a")
+    b = conn.open(KV_RANGE, timeout_s=30, body=b"b")
+    polling, go = threading.Event(), threading.Event()
+    poller = conn._poller  # noqa: SLF001
+
+    class _Held:  # A's poll() starts only once B has read A's reply (as if A had not been scheduled meanwhile)
+        def poll(self, timeout_ms):
+            polling.set()
+            go.wait(10)
+            return poller.poll(timeout_ms)
+
+    conn._poller = _Held()  # noqa: SLF001
+    result: dict = {}
+
+    def wait_a() -> None:
+        started = time.monotonic()
+        result["reply"] = a.next(20.0)
+        result["waited_s"] = time.monotonic() - started
+
+    thread_a = threading.Thread(target=wait_a, daemon=True)
+    thread_a.start()
+    assert polling.wait(10) and conn._reading.locked()  # noqa: SLF001 - A holds the token
+    member.sock.sendall(answer(a.id, b"for a"))
+    deadline = time.monotonic() + 10
+    while _held(conn) < len(answer(a.id, b"for a")):  # all of it with the kernel
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    with pytest.raises(CallError) as failed:
+        b.next(0.05)  # B: its queue stays empty; past its deadline it reads the socket: A's reply
+    assert failed.value.code().name == "DEADLINE_EXCEEDED"
+    assert not a.replies.empty()  # B queued A's reply
+    go.set()
+    thread_a.join(20)
+    assert result["reply"] == b"for a"
+    assert result["waited_s"] < 10  # woken by B, not by its own deadline of 20 s
