@@ -324,7 +324,7 @@ class Connection(StreamTable):
         that came in time counts even if the thread that reads did not run."""
         if self._reading.acquire(blocking=False):
             try:
-                if self.error is None:
+                if self.error is None and not self._closed:
                     self._read_for(stream, timeout_s)
             finally:
                 if self._deliveries and not self._closed:  # what this thread read for the push streams
@@ -413,6 +413,7 @@ class Connection(StreamTable):
                     self._send_acks()
         finally:
             with self._reading, self._lock:  # no thread polls or rings a descriptor while it is closed
+                self._fail(CallError(_UNAVAILABLE, "the connection's reader stopped"))  # a no-op after a failure
                 self._closed = True
                 self._sock.close()
                 self._epoll.close()

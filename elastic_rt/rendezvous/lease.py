@@ -1,4 +1,5 @@
-"""This node's liveness: an etcd lease kept alive by a thread, and the alive key attached to it."""
+"""This node's liveness: an etcd lease kept alive by a thread, and the alive key attached to it. Between its
+beats the same thread serves the node's liveness listener (liveness.py), which has no thread of its own."""
 
 from __future__ import annotations
 
@@ -356,7 +357,7 @@ class NodeLease:
         wait, backoff = max(0.0, self._next_beat - self._clock()), False  # a slow start may have used the first beat
         while True:
             due = self._clock() + wait
-            if self._stop.wait(wait):
+            if self._idle(wait):
                 return
             woke = self._clock()
             self._woke = (woke, max(0.0, woke - due), wait if backoff else 0.0)  # for its send (_send_now)
@@ -370,6 +371,16 @@ class NodeLease:
             if nxt is None:
                 return
             wait, backoff = nxt
+
+    def _idle(self, wait_s: float) -> bool:
+        """Between beats: serve the liveness listener for wait_s (this thread is its host); True once stop() came."""
+        end = time.monotonic() + wait_s
+        while not self._stop.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            self._listener.serve(left)
+        return True
 
     def _iteration(self) -> tuple[float, bool] | None:
         """A beat, then a confirmed one's callbacks: the time until the next beat and whether that wait is a backoff
@@ -398,7 +409,7 @@ class NodeLease:
         """Stop refreshing; with revoke, peers see this node gone at once."""
         self._stop.set()
         self._read = None
-        self._listener.close()
+        self._listener.close()  # its port refuses and its connections close (the lease thread served it)
         if self._thread is not None:
             self._thread.join(timeout=5)
         if revoke and self._lease_id:

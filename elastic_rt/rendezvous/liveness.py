@@ -124,8 +124,11 @@ def free_port() -> int:
 class LivenessListener:
     """Accepts connections and keeps them open for as long as this process lives.
 
-    At most `max_connections` are held; beyond that it stops accepting (new connections
-    wait in the kernel's backlog, which a prober reads as "no answer", never as "dead").
+    It has no thread of its own: the thread that hosts it waits in serve() (the node's lease thread, between its
+    beats: lease.py). Until then, connections wait in the kernel's backlog, and a prober's connect succeeds all the
+    same (the kernel completes it); when the process dies they are reset with its other sockets. At most
+    `max_connections` are held; beyond that it stops accepting (new connections wait in the kernel's backlog, which a
+    prober reads as "no answer", never as "dead").
     """
 
     def __init__(self, local_addr: str = "0.0.0.0", *, max_connections: int = MAX_CONNECTIONS) -> None:
@@ -138,26 +141,20 @@ class LivenessListener:
         self._sel.register(self._sock, selectors.EVENT_READ)
         self._waker = _Waker(self._sel)
         self._closed = threading.Event()
+        self._serving = threading.Lock()  # held by the thread in serve(): close() waits for it
+        self._released = False
         log.info("liveness listener on %s", self.address)
-        self._thread = threading.Thread(target=self._serve, name="elastic-rt-liveness", daemon=True)
-        self._thread.start()
 
-    def _serve(self) -> None:
-        try:
-            self._serve_until_closed()
-        finally:  # closing the listener drops every held connection, as the process exiting would
-            for key in list(self._sel.get_map().values()):
-                if key.fileobj is not self._sock and key.data is not self._waker:
-                    self._forget(key.fileobj)
-            self._sel.close()
-            self._waker.close()
-
-    def _serve_until_closed(self) -> None:
-        while not self._closed.is_set():
+    def serve(self, timeout_s: float | None) -> bool:
+        """Wait up to timeout_s (None: until close()) for connections and hang-ups, and handle what came; False once
+        the listener is closed."""
+        with self._serving:
+            if self._closed.is_set() or self._released:
+                return False
             try:
-                events = self._sel.select()
+                events = self._sel.select(timeout_s)
             except (OSError, ValueError):
-                return
+                return False
             for key, _ in events:
                 if key.data is self._waker:
                     self._waker.drain()
@@ -176,6 +173,7 @@ class LivenessListener:
                     if key.fileobj is not self._sock:
                         self._forget(key.fileobj)
             self._throttle()
+            return not self._closed.is_set()
 
     def _forget(self, conn) -> None:
         try:
@@ -196,12 +194,23 @@ class LivenessListener:
             self._accepting = True
 
     def close(self) -> None:
+        """Stop listening (the port refuses from now on) and drop every held connection (peers read EOF), as the
+        process exiting would: once a serve() in progress returned (it is woken)."""
         self._closed.set()
         self._waker.wake()
         try:
             self._sock.close()
         except OSError:
             pass
+        with self._serving:
+            if self._released:
+                return
+            self._released = True
+            for key in list(self._sel.get_map().values()):
+                if key.fileobj is not self._sock and key.data is not self._waker:
+                    self._forget(key.fileobj)
+            self._sel.close()
+            self._waker.close()
 
 
 @dataclass(frozen=True)

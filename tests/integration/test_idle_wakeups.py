@@ -13,6 +13,7 @@ import time
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import LivenessListener, Peer, PeerWatch
 from elastic_rt.rendezvous.view import MembershipView
+from tests.support.net import refuses
 from tests.integration.test_handler import _poll
 
 
@@ -25,24 +26,37 @@ def _switches(thread: threading.Thread) -> int:
     raise AssertionError("no voluntary_ctxt_switches line")
 
 
+def _hosted(listener: LivenessListener) -> threading.Thread:
+    """A thread that serves the listener until it is closed, waiting without a timeout (as the lease thread does
+    between its beats, with the time to its next beat)."""
+    def serve() -> None:
+        while listener.serve(None):
+            pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_idle_listener_and_peer_watch_do_not_wake_until_something_happens():
     listener = LivenessListener("127.0.0.1")
+    host = _hosted(listener)
     watch = PeerWatch(lambda p: None, retry_s=0.2)
     try:
         watch.watch([Peer("a", "127.0.0.1", listener.port, 1)])
         assert _poll(lambda: listener._held == 1)  # noqa: SLF001 - the connection the watch holds
         time.sleep(0.3)  # let both threads settle into select()
-        before = _switches(listener._thread), _switches(watch._thread)  # noqa: SLF001
+        before = _switches(host), _switches(watch._thread)  # noqa: SLF001
         time.sleep(2.0)  # a 0.2 s poll would wake each thread ~10 times here
-        after = _switches(listener._thread), _switches(watch._thread)  # noqa: SLF001
+        after = _switches(host), _switches(watch._thread)  # noqa: SLF001
         assert after[0] - before[0] <= 1, ("listener", before, after)
         assert after[1] - before[1] <= 1, ("peer watch", before, after)
     finally:
         watch.stop()
         listener.close()
-    listener._thread.join(5)  # noqa: SLF001
+    host.join(5)  # noqa: SLF001
     watch._thread.join(5)  # noqa: SLF001
-    assert not listener._thread.is_alive() and not watch._thread.is_alive()  # noqa: SLF001 - woken by stop
+    assert not host.is_alive() and not watch._thread.is_alive()  # noqa: SLF001 - woken by stop
 
 
 def test_a_peer_that_refused_at_first_is_retried_when_its_retry_falls_due():
@@ -83,3 +97,30 @@ def test_an_idle_membership_watch_wakes_at_most_once_a_second_and_at_once_for_an
         assert view.wait_for(lambda: "b" in view.alive, 10)
     finally:
         view.stop()
+
+
+def test_the_lease_thread_serves_the_liveness_listener_and_stop_closes_its_connections(etcd_server, run_id):
+    """No thread of the listener's own: the node's lease thread accepts a peer's connection between its beats (within a
+    beat of a second at the default TTL), and the lease's stop() closes it and the port (the peer's evidence)."""
+    from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+    from elastic_rt.rendezvous.etcd_reachability import EtcdHealth
+    from elastic_rt.rendezvous.lease import NodeLease
+
+    m = etcd_server.members[0]
+    client = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),)))
+    lease = NodeLease(client, RunKeys(run_id), "n0", ttl_s=3.0, info={"addr": "127.0.0.1"},
+                      health=EtcdHealth(node_id="n0"), local_addr="127.0.0.1")
+    try:
+        lease.start()
+        assert not [t for t in threading.enumerate() if t.name == "elastic-rt-liveness"]
+        listener = lease._listener  # noqa: SLF001
+        peer = socket.create_connection(("127.0.0.1", listener.port), timeout=5)
+        assert _poll(lambda: listener._held == 1, 10)  # noqa: SLF001 - accepted by the lease thread
+        lease.stop(revoke=True)
+        peer.settimeout(5)
+        assert peer.recv(1) == b""
+        peer.close()
+        assert refuses("127.0.0.1", listener.port)  # the port is closed
+    finally:
+        lease.stop(revoke=False)
+        client.close()

@@ -174,3 +174,24 @@ def test_a_thread_that_reads_the_socket_past_its_deadline_wakes_the_token_holder
     thread_a.join(20)
     assert result["reply"] == b"for a"
     assert result["waited_s"] < 10  # woken by B, not by its own deadline of 20 s
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the bug, on purpose
+def test_a_reader_thread_that_stops_on_a_bug_fails_the_connection_so_it_is_replaced(member_and_connection,
+                                                                                    monkeypatch):
+    member, conn = member_and_connection
+    receive = conn._receive  # noqa: SLF001
+
+    def broken(data: bytes) -> None:
+        if threading.current_thread() is conn._reader:  # noqa: SLF001
+            raise RuntimeError("a bug in the frame parser")
+        receive(data)
+
+    monkeypatch.setattr(conn, "_receive", broken)
+    member.sock.sendall(settings())  # read by the reader thread, which dies of it
+    conn._reader.join(10)  # noqa: SLF001
+    assert not conn._reader.is_alive()  # noqa: SLF001
+    assert not conn.usable and conn.error.code().name == "UNAVAILABLE"  # the endpoint connects anew
+    with pytest.raises(CallError) as failed:
+        conn.unary(KV_RANGE, b"q", 1)
+    assert failed.value.code().name == "UNAVAILABLE"
