@@ -149,7 +149,7 @@ class LivenessListener:
         """Wait up to timeout_s (None: until close()) for connections and hang-ups, and handle what came; False once
         the listener is closed."""
         with self._serving:
-            if self._closed.is_set() or self._released:
+            if self._closed.is_set():  # set before close() releases anything
                 return False
             try:
                 events = self._sel.select(timeout_s)

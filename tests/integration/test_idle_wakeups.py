@@ -54,7 +54,7 @@ def test_idle_listener_and_peer_watch_do_not_wake_until_something_happens():
     finally:
         watch.stop()
         listener.close()
-    host.join(5)  # noqa: SLF001
+    host.join(5)
     watch._thread.join(5)  # noqa: SLF001
     assert not host.is_alive() and not watch._thread.is_alive()  # noqa: SLF001 - woken by stop
 
