@@ -15,9 +15,9 @@ import grpc
 
 from elastic_rt.rendezvous.wire import (
     ACK, CONTINUATION, DATA, DEFAULT_MAX_FRAME, DEFAULT_WINDOW, END_HEADERS, END_STREAM, GOAWAY, HEAD_SIZE, HEADERS,
-    PING, PRIORITY_FLAG, RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, WINDOW_UPDATE,
-    CallError, HeaderDecoder, frame, frame_head, http_status_error, message, parse_settings, reset_error, rst_stream,
-    split_messages, trailer_status, u32, unpad, window_update,
+    MAX_WINDOW, PADDED, PING, PRIORITY_FLAG, RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,
+    WINDOW_UPDATE, CallError, HeaderDecoder, frame, http_status_error, message, parse_settings, reset_error, rst_stream,
+    split_messages, trailer_status, u32, unpack_head, unpad, window_update,
 )
 
 _REPLENISH = 1 << 30  # consumed receive window given back once this much arrived (the windows are 2^31 - 1)
@@ -159,13 +159,13 @@ class StreamTable:
         buf += data
         off, n = 0, len(buf)
         while n - off >= HEAD_SIZE:
-            length, ftype, flags, sid = frame_head(buf, off)
-            end = off + HEAD_SIZE + length
+            lt, flags, sid = unpack_head(buf, off)  # wire.frame_head, inline: a round reads a few frames per reply
+            end = off + HEAD_SIZE + (lt >> 8)
             if end > n:
                 break
             payload = bytes(buf[off + HEAD_SIZE:end])
             off = end
-            self._frame(ftype, flags, sid, payload)
+            self._frame(lt & 0xFF, flags, sid & MAX_WINDOW, payload)
             if self.error is not None:
                 return
         del buf[:off]
@@ -174,7 +174,7 @@ class StreamTable:
         if ftype == DATA:
             self._on_data(flags, sid, payload)
         elif ftype == HEADERS:
-            payload = unpad(flags, payload)
+            payload = unpad(flags, payload) if flags & PADDED else payload
             if flags & PRIORITY_FLAG:
                 payload = payload[5:]
             if flags & END_HEADERS:
@@ -225,7 +225,7 @@ class StreamTable:
         if stream.unacked >= _REPLENISH:
             self._write(window_update(sid, stream.unacked))
             stream.unacked = 0
-        stream.inbuf += unpad(flags, payload)
+        stream.inbuf += unpad(flags, payload) if flags & PADDED else payload
         for body in split_messages(stream.inbuf):
             self._put(stream, body)
         if flags & END_STREAM:

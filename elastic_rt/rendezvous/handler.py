@@ -180,7 +180,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
     def is_closed(self) -> bool:
         """The run has a `closed` marker that the job's secret signs (any, without a secret)."""
         if self._started:
-            with self._view.lock:
+            with self._view.mutex:
                 return self._rounds.closed_trusted()
         kv, _ = self._io(self._client.get, self.keys.closed)
         return kv is not None and self._signer.refuses(kv) is None
@@ -352,7 +352,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         deadline = self._clock() + timeout_s
         version = -1
         while True:
-            with self._view.lock:
+            with self._view.mutex:
                 ok = kv is None or (self._view.round is not None
                                     and self._view.round.mod_revision >= kv.mod_revision)
                 version = self._view.version
@@ -361,7 +361,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
             self._view.wait(version, deadline - self._clock())
 
     def _known_run_lease(self) -> KeyValue | None:
-        with self._view.lock:
+        with self._view.mutex:
             return self._view.run_lease
 
     def _registrations(self, nodes: list[str], revision: int) -> dict[str, KeyValue | None]:
@@ -370,7 +370,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         it lacks in one request, whose values the view keeps for the rounds after. The run lease's key is left out
         when the view is behind the final: its node wrote the final and the run lease's key with it."""
         wanted = [self.keys.alive(n) for n in dict.fromkeys(nodes)]
-        with self._view.lock:
+        with self._view.mutex:
             found = self._view.registrations([*wanted, self.keys.run_lease], revision)
         missing = [k for k in wanted if k not in found]
         if missing:
@@ -412,7 +412,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
             return None
         last_renewed = self._lease.last_renewed  # before renewals_lost: a fresh renewal implies its loss count
         renewals_lost = self._lease.renewals_lost
-        with self._view.lock:
+        with self._view.mutex:
             kv = self._view.round
             rnd = self._view.current_round()
         return {"run_id": self.settings.run_id, "launch_id": str(kv.create_revision) if kv else "",
@@ -457,7 +457,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         if self._announced == rnd:
             return
         self._announced = rnd
-        with self._view.lock:
+        with self._view.mutex:
             try:
                 held = self._view.round if self._view.current_round() == rnd else None
             except RendezvousDataError:
@@ -484,7 +484,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
     def _retrying(self, fn, deadline: float):
         """Run fn(deadline); while etcd is unreachable, retry with jittered backoff until the deadline,
         saying every 10 s what it waits for."""
-        backoff = Backoff(base_s=0.2, cap_s=2.0, rng=self._rng)
+        backoff: Backoff | None = None  # made at the first failure: most calls succeed at once
         first: float | None = None
         said = 0.0
         while True:
@@ -503,6 +503,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
                     if self._lease.lease_id != before:
                         continue  # registered again under a new lease: retry at once
                 now = self._clock()
+                backoff = backoff or Backoff(base_s=0.2, cap_s=2.0, rng=self._rng)
                 wait = backoff.next()
                 if now + wait >= deadline:
                     raise RendezvousConnectionError(str(exc)) from exc

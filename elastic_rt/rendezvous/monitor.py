@@ -58,7 +58,7 @@ class MembershipMonitor:
         """A round formed with `nodes` whose agents are `incarnations` (from the final; None: unknown, then
         the first alive/ value seen counts). The view's lock must not be held. Costs no JSON decoding
         per member: an alive/ value is decoded only when it changes."""
-        with self._view.lock:
+        with self._view.mutex:
             self._seen = dict(zip(nodes, map(self._view.alive.get, nodes)))
         self._incarnations = {n: i for n, i in zip(nodes, incarnations) if i is not None}
         self._restarted = set()
@@ -72,7 +72,7 @@ class MembershipMonitor:
         if not self._nodes:
             return None
         v = self._view
-        with v.lock:
+        with v.mutex:
             state = (v.version, self._renewals_lost(), self._health.last_recovery())
             if state == self._quiet:
                 return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
@@ -101,7 +101,7 @@ class Rounds:
                          incarnation=self._incarnation, refuses=self._signer.refuses)
         try:
             while True:
-                with self._view.lock:
+                with self._view.mutex:
                     action = decide(self._snapshot(node.joined), node, self._clock())
                 with delivering_here():  # the view's watch events that come with our answers: applied by
                     node = self._do(action)  # this thread (it holds none of the view's locks across a request)
@@ -193,7 +193,7 @@ class Rounds:
             read=RangeRead([keys.join_range(rnd)] if action.track else []))
         state = action.state
         if opened or joined:
-            state = replace(state, joined=rnd, joined_with=action.lease, read_due=self._next_read(state))
+            state = state.evolve(joined=rnd, joined_with=action.lease, read_due=self._next_read(state))
             if action.track:  # before the wait: the joins' watcher, where it is needed, starts from the read
                 self._track(state, rnd, ranges[0], revision)
         view = self._view
@@ -209,7 +209,7 @@ class Rounds:
         serves such a watcher from its sync loop, up to 100 ms late."""
         view = self._view
         view.track_joins(rnd, joins, revision)
-        with view.lock:
+        with view.mutex:
             members, _ = closable(node, rnd, view.joins_of(rnd) or {}, self._clock(),
                                   view.alive if view.alive_puts else None, view.waiting, view.finals.get(rnd - 1))
         if members is None:
@@ -240,11 +240,11 @@ class Rounds:
         if action.track:  # this node expects to close the round: its joins, read with this one, then followed
             (joins,), revision = self._client.put_then_read(Put(key, self._join_value, action.lease),
                                                             RangeRead([self.keys.join_range(action.round)]))
-            self._track(replace(node, joined=action.round), action.round, joins, revision)
+            self._track(node.evolve(joined=action.round), action.round, joins, revision)
         else:
             self._client.put(key, self._join_value, lease=action.lease)
         due = node.read_due if node.joined_with else self._next_read(node)  # the first join schedules the first read
-        return replace(node, joined_with=action.lease, read_due=due)
+        return node.evolve(joined_with=action.lease, read_due=due)
 
     def _track_joins(self, action: Action) -> NodeState:
         if not action.track_alive:  # the joins only: read, then a watcher on the view's own stream from there
@@ -270,7 +270,7 @@ class Rounds:
     def _read_joins(self, action: Action) -> NodeState:
         (kvs,), _ = self._client.read_ranges([self.keys.join_range(action.round)])
         node = action.state
-        return replace(node, read={self.keys.parse(kv.key)[2]: kv for kv in kvs}, fresh_read=True,
+        return node.evolve(read={self.keys.parse(kv.key)[2]: kv for kv in kvs}, fresh_read=True,
                        read_due=self._next_read(node))
 
     def _write_final(self, action: Action) -> NodeState:
@@ -292,7 +292,7 @@ class Rounds:
             self._settle_lease(outcome)
         if made and history:
             self.history_deleted = action.round
-        return replace(action.state, written=written)
+        return action.state.evolve(written=written)
 
     def _wait(self, action: Action) -> NodeState:
         view, tracker = self._view, self._tracker

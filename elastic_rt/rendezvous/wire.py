@@ -38,6 +38,9 @@ def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
     return _HEAD.pack((len(payload) << 8) | ftype, flags, stream_id) + payload
 
 
+unpack_head = _HEAD.unpack_from  # (length << 8 | type, flags, stream id with its reserved bit) at (buf, offset)
+
+
 def frame_head(buf, offset: int) -> tuple[int, int, int, int]:
     """(length, type, flags, stream id) of the frame header at buf[offset:offset + 9]."""
     lt, flags, sid = _HEAD.unpack_from(buf, offset)
@@ -125,9 +128,10 @@ class HeaderDecoder:
     def __init__(self) -> None:
         self._decoder = hpack.Decoder()
         self._decoder.max_allowed_table_size = 0
+        self._stateless = False  # the table's size is 0, as it stays: the member may not raise it above our setting
 
     def decode(self, block: bytes) -> dict[bytes, bytes]:
-        stateless = self._decoder.header_table_size == 0
+        stateless = self._stateless = self._stateless or self._decoder.header_table_size == 0
         if stateless:
             cached = _DECODED.get(block)
             if cached is not None:
