@@ -140,8 +140,9 @@ class NodeState:
         return max(2.0, self.last_call_timeout_s)
 
     def evolve(self, **changes) -> NodeState:
-        """A copy with `changes` (dataclasses.replace without its per-field getattr and __init__: a round makes
-        several, and replace() was 8% of a restart's CPU)."""
+        """A copy with `changes`: dataclasses.replace without its per-field getattr and generated __init__ (a round
+        makes several; replace() was 8% of the time of back-to-back restarts under a profiler). NodeState has no
+        __post_init__ for this to skip; one added would have to run here too."""
         unknown = changes.keys() - _NODE_FIELDS
         if unknown:
             raise TypeError(f"NodeState has no field {', '.join(sorted(unknown))}")

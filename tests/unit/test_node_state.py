@@ -35,3 +35,8 @@ def test_the_copy_is_frozen_and_has_every_field():
         new.joined = 4
     assert {f.name for f in dataclasses.fields(NodeState)} == set(vars(new))
     assert new.fallback_s == 30.0 and new.between_rounds().joined is None
+
+
+def test_there_is_no_post_init_for_evolve_to_skip():
+    """evolve() copies the instance dict; a __post_init__ added to NodeState would have to run there too."""
+    assert not hasattr(NodeState, "__post_init__")
