@@ -1,7 +1,7 @@
 """The only module that talks to etcd: a small v3 client with endpoint failover.
 
 It uses the protobuf messages of `etcd-sdk-python` (import name `pyetcd`), the maintained fork
-of python-etcd3, and nothing else of it: calls travel over connection.py (gRPC's protocol on
+of python-etcd3, and nothing else of it (the requests of a round are encoded by pb.py, byte for byte the same): calls travel over connection.py (gRPC's protocol on
 one HTTP/2 connection per member, a fraction of gRPC Python's CPU per call), every call has an
 explicit deadline, every read returns the header revision that watches start from, and every
 failure is translated here into EtcdUnavailableError (or EtcdAccessError, LeaseGoneError).
@@ -20,6 +20,7 @@ import grpc  # StatusCode: connection.py reports failures as gRPC statuses
 from pyetcd import etcdrpc
 
 from elastic_rt.errors import ConfigError, EtcdUnavailableError, LeaseGoneError
+from elastic_rt.rendezvous import pb
 from elastic_rt.rendezvous.etcd_access import access_error, check_tls, needs_tls_check, tls_context
 from elastic_rt.rendezvous.connection import Tick, delivering_here  # noqa: F401 - the client's API too (rounds.py)
 from elastic_rt.rendezvous.etcd_endpoint import Endpoint, Renewal, WatchCompacted, WatchStream, label
@@ -126,30 +127,25 @@ class IfHeld:
     absent: tuple[str, ...] = ()
     puts: tuple[Put, ...] = ()
 
-    def txn(self):
-        compare = [etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.VALUE, key=self.key.encode(),
-                                   value=self.value), *(_compare_mod(k, None) for k in self.absent)]
-        return etcdrpc.RequestOp(request_txn=etcdrpc.TxnRequest(compare=compare, success=[*map(_put_op, self.puts)],
-                                                                failure=[]))
+    def txn(self) -> bytes:
+        compare = [pb.compare_value(self.key.encode(), self.value), *(_compare_mod(k, None) for k in self.absent)]
+        return pb.txn_op(pb.txn(compare, [*map(_put_op, self.puts)], []))
 
 
-def _compare_mod(key: str, expected_mod_revision: int | None):
+def _compare_mod(key: str, expected_mod_revision: int | None) -> bytes:
     """The compare of a key's mod_revision with `expected_mod_revision` (None: the key is absent)."""
     if expected_mod_revision is None:
-        return etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.CREATE, key=key.encode(),
-                               create_revision=0)
-    return etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD, key=key.encode(),
-                           mod_revision=expected_mod_revision)
+        return pb.compare_created(key.encode())
+    return pb.compare_mod(key.encode(), expected_mod_revision)
 
 
-def _put_op(put: Put):
-    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=put.key.encode(), value=put.value, lease=put.lease))
+def _put_op(put: Put) -> bytes:
+    return pb.put_op(put.key.encode(), put.value, put.lease)
 
 
-def _delete_ops(ranges) -> list:
+def _delete_ops(ranges) -> list[bytes]:
     """A DeleteRange operation of every key k with start <= k < end, for each (start, end)."""
-    return [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=a.encode(), range_end=b.encode()))
-            for a, b in ranges]
+    return [pb.delete_op(a.encode(), b.encode()) for a, b in ranges]
 
 
 def _expect_results(resp, operations: int) -> None:
@@ -159,9 +155,8 @@ def _expect_results(resp, operations: int) -> None:
                                    f"{len(resp.responses)} results")
 
 
-def _range_ops(read: RangeRead) -> list:
-    return [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
-                key=a.encode(), range_end=b, keys_only=i in read.keys_only, limit=1 if i in read.first_only else 0))
+def _range_ops(read: RangeRead) -> list[bytes]:
+    return [pb.range_op(a.encode(), b, keys_only=i in read.keys_only, limit=1 if i in read.first_only else 0)
             for i, (a, b) in enumerate(read.ranges)]
 
 
@@ -364,11 +359,11 @@ class EtcdClient:
         condition holds (before the read); `deletes` and `tick` as compare_and_put's. Returns (succeeded, otherwise's puts made,
         the key as it is after the transaction, the ranges' keys, that revision)."""
         cmp = _compare_mod(key, expected_mod_revision)
-        get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
+        get = pb.range_op(key.encode())
         writes = [_put_op(Put(key, value, lease)), *map(_put_op, also), *_delete_ops(deletes)]
         reads = _range_ops(read)
         nested = [otherwise.txn()] if otherwise is not None else []
-        req = etcdrpc.TxnRequest(compare=[cmp], success=[*writes, get, *reads], failure=[*nested, get, *reads])
+        req = pb.txn([cmp], [*writes, get, *reads], [*nested, get, *reads])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t, tick=tick), timeout_s)
         _expect_results(resp, len(reads) + 1 + (len(writes) if resp.succeeded else len(nested)))
         made = False
@@ -387,14 +382,11 @@ class EtcdClient:
         same request and revision (a transaction nested in the put's branch: etcd 3.3 and later). Returns (put, the key
         as it is after the transaction, and when it put: (guarded's put made, its key as it is after it); else None)."""
         gkey = guarded.put.key
-        get = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
-        gget = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=gkey.encode()))
-        inner = etcdrpc.TxnRequest(compare=[_compare_mod(gkey, guarded.expected_mod_revision)],
-                                   success=[_put_op(guarded.put), gget], failure=[gget])
-        req = etcdrpc.TxnRequest(compare=[_compare_mod(key, None)],
-                                 success=[_put_op(Put(key, value)), get, etcdrpc.RequestOp(request_txn=inner),
-                                          *_delete_ops(deletes)],
-                                 failure=[get])
+        get = pb.range_op(key.encode())
+        gget = pb.range_op(gkey.encode())
+        inner = pb.txn([_compare_mod(gkey, guarded.expected_mod_revision)], [_put_op(guarded.put), gget], [gget])
+        req = pb.txn([_compare_mod(key, None)], [_put_op(Put(key, value)), get, pb.txn_op(inner), *_delete_ops(deletes)],
+                     [get])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         _expect_results(resp, 3 + len(deletes) if resp.succeeded else 1)
         rng = resp.responses[1 if resp.succeeded else 0].response_range
@@ -410,7 +402,7 @@ class EtcdClient:
         """put, and in the same transaction (one request, one revision: the put's) read_ranges(read). Returns the
         ranges' keys and that revision."""
         reads = _range_ops(read)
-        req = etcdrpc.TxnRequest(compare=[], success=[_put_op(put), *reads], failure=[])
+        req = pb.txn([], [_put_op(put), *reads], [])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         _expect_results(resp, len(reads) + 1)
         return [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses[1:]], resp.header.revision
@@ -422,12 +414,10 @@ class EtcdClient:
     def delete_ranges_if_empty(self, ranges: list[tuple[str, str]], *, empty: tuple[str, bytes]) -> int:
         """delete_ranges, in a transaction that does it only while no key k with start <= k < end of `empty`
         exists (etcd compares an empty range as one key of version 0). Returns the keys deleted (0: not done)."""
-        cmp = etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.VERSION,
-                              key=empty[0].encode(), range_end=empty[1], version=0)
-        return self._delete_ranges(ranges, compare=[cmp])
+        return self._delete_ranges(ranges, compare=[pb.compare_version(empty[0].encode(), 0, empty[1])])
 
-    def _delete_ranges(self, ranges: list[tuple[str, str]], *, compare: list) -> int:
-        req = etcdrpc.TxnRequest(compare=compare, success=_delete_ops(ranges), failure=[])
+    def _delete_ranges(self, ranges: list[tuple[str, str]], *, compare: list[bytes]) -> int:
+        req = pb.txn(compare, _delete_ops(ranges), [])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         return sum(int(r.response_delete_range.deleted) for r in resp.responses) if resp.succeeded else 0
 
@@ -451,13 +441,13 @@ class EtcdClient:
         the ranges whose indexes are in `keys_only` come without values (b""), those in `first_only` as
         their smallest key only, or none (a limit etcd applies while it reads: O(1), where the greatest
         key would cost it a sort of the whole range)."""
-        req = etcdrpc.TxnRequest(compare=[], success=_range_ops(RangeRead(ranges, keys_only, first_only)), failure=[])
+        req = pb.txn([], _range_ops(RangeRead(ranges, keys_only, first_only)), [])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         return [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses], resp.header.revision
 
     # ---- leases -----------------------------------------------------------
     def grant_lease(self, ttl_s: float, *, timeout_s: float | None = None) -> int:
-        req = etcdrpc.LeaseGrantRequest(TTL=max(1, int(round(ttl_s))))
+        req = pb.lease_grant(max(1, int(round(ttl_s))))
         resp = self._call(lambda ep, t: ep.call("Lease/LeaseGrant", req, t), timeout_s)
         return int(resp.ID)
 

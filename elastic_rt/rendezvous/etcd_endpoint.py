@@ -15,6 +15,7 @@ import grpc
 from pyetcd import etcdrpc
 
 from elastic_rt.errors import EtcdUnavailableError
+from elastic_rt.rendezvous import pb
 from elastic_rt.rendezvous.connection import Connection, Stream, Tick
 from elastic_rt.rendezvous.wire import CallError
 
@@ -64,8 +65,10 @@ class Endpoint:
         return conn
 
     def call(self, method: str, request, timeout_s: float, metadata: tuple | None = None, tick: Tick | None = None):
-        """One unary call; raises CallError (a grpc.RpcError). `tick`: see Connection.unary."""
-        body = self.connection(timeout_s).unary(_PATHS[method], request.SerializeToString(), timeout_s,
+        """One unary call; raises CallError (a grpc.RpcError). `request`: a protobuf message, or its bytes (pb.py).
+        `tick`: see Connection.unary."""
+        body = self.connection(timeout_s).unary(_PATHS[method], request if type(request) is bytes
+                                                else request.SerializeToString(), timeout_s,
                                                 self.metadata or () if metadata is None else metadata, tick)
         return _REPLIES[method].FromString(body)
 
@@ -144,7 +147,7 @@ class _KeepAliveStream:
         self._owed_since = 0.0  # when the oldest unanswered keep-alive was sent to a member that owed nothing
 
     def beat(self, lease_id: int, timeout_s: float, silent_s: float) -> Renewal | None:
-        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id).SerializeToString()
+        request = pb.lease_keep_alive(lease_id)
         if self._stream is None:
             self._stream = self._conn.open(_PATHS["Lease/LeaseKeepAlive"], self.metadata or (), first=(request,))
         else:

@@ -56,10 +56,8 @@ class Stream:
     def next(self, timeout_s: float | None) -> bytes | None:
         """The next message, or None once the call ended OK; raises CallError (DEADLINE_EXCEEDED when nothing
         came within timeout_s, None: wait as long as it takes); see Connection.wait."""
-        try:
-            item = self.replies.get_nowait()
-        except queue.Empty:
-            item = self.conn.wait(self, timeout_s)
+        replies = self.replies  # read by this stream's caller alone: not empty stays so until it takes the item
+        item = replies.get_nowait() if not replies.empty() else self.conn.wait(self, timeout_s)
         if item is None or isinstance(item, CallError):
             self.replies.put(item)  # the end stays the answer to every later call
             if item is not None:
@@ -122,6 +120,12 @@ class StreamTable:
             for i, p in enumerate(parts) if i)
 
     def _data(self, stream: Stream, data: bytes, end: bool) -> bytes:
+        n = len(data)
+        if 0 < n <= self._max_frame and n <= self._window and n <= stream.send_window and not stream.pending:
+            self._window -= n  # a request that fits the windows and a frame (each of a round's): one frame, as
+            stream.send_window -= n  # _drain() would write it
+            stream.end_pending = stream.end_pending or end
+            return frame(DATA, END_STREAM if stream.end_pending else 0, stream.id, data)
         stream.pending += data
         stream.end_pending = stream.end_pending or end
         return self._drain(stream)
