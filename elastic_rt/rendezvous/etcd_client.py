@@ -529,10 +529,8 @@ class EtcdClient:
         (False); one watch stream for all of them. A compacted history also returns True: re-read."""
         if timeout_s <= 0:
             return False
-        creates = [etcdrpc.WatchCreateRequest(key=k.encode(), start_revision=after_revision + 1) for k in keys]
-        creates += [etcdrpc.WatchCreateRequest(key=p.encode(), range_end=prefix_end(p), start_revision=after_revision + 1)
-                    for p in prefixes]
-        requests = tuple(etcdrpc.WatchRequest(create_request=c).SerializeToString() for c in creates)
+        requests = tuple([*(pb.watch_create(k.encode(), b"", after_revision + 1) for k in keys),
+                          *(pb.watch_create(p.encode(), prefix_end(p), after_revision + 1) for p in prefixes)])
 
         def watch(ep: Endpoint, t: float) -> bool:
             stream = ep.stream("Watch/Watch", t, ep.metadata or (), first=requests)  # watchers and headers: one write

@@ -195,9 +195,7 @@ class WatchCompacted(Exception):
 
 def _create(key_range: tuple[str, bytes], start_revision: int, deletes_only: bool) -> bytes:
     """A WatchRequest that creates a watcher of `key_range` from `start_revision` (only its deletions, if so)."""
-    create = etcdrpc.WatchCreateRequest(key=key_range[0].encode(), range_end=key_range[1], start_revision=start_revision,
-                                        filters=[etcdrpc.WatchCreateRequest.NOPUT] if deletes_only else [])
-    return etcdrpc.WatchRequest(create_request=create).SerializeToString()
+    return pb.watch_create(key_range[0].encode(), key_range[1], start_revision, no_put=deletes_only)
 
 
 _FORGOTTEN = -1  # a pending create whose range forget() dropped

@@ -82,7 +82,12 @@ def range_op(key: bytes, range_end: bytes = b"", *, limit: int = 0, keys_only: b
 
 
 def put_op(key: bytes, value: bytes, lease: int = 0) -> bytes:
-    return _ld(b"\x12", _bytes(b"\x0a", key) + _bytes(b"\x12", value) + _int(b"\x18", lease))
+    body = _bytes(b"\x0a", key)
+    if value:
+        body += _ld(b"\x12", value)
+    if lease:
+        body += b"\x18" + varint(lease)
+    return _ld(b"\x12", body)
 
 
 def delete_op(key: bytes, range_end: bytes = b"") -> bytes:
@@ -97,8 +102,12 @@ def txn_op(txn_request: bytes) -> bytes:
 # ---- requests ------------------------------------------------------------------------------------------------
 def txn(compare: list[bytes], success: list[bytes], failure: list[bytes]) -> bytes:
     """A TxnRequest of encoded Compares and RequestOps."""
-    return b"".join([*(_ld(b"\x0a", c) for c in compare), *(_ld(b"\x12", op) for op in success),
-                     *(_ld(b"\x1a", op) for op in failure)])
+    out = []
+    for tag, items in ((b"\x0a", compare), (b"\x12", success), (b"\x1a", failure)):
+        for item in items:  # _ld(), inline: a round's transaction has a dozen of them
+            n = len(item)
+            out += (tag + (_LENGTH[n] if n < 0x80 else varint(n)), item)
+    return b"".join(out)
 
 
 def lease_grant(ttl: int, lease_id: int = 0) -> bytes:
@@ -107,3 +116,12 @@ def lease_grant(ttl: int, lease_id: int = 0) -> bytes:
 
 def lease_keep_alive(lease_id: int) -> bytes:
     return _int(b"\x08", lease_id)
+
+
+def watch_create(key: bytes, range_end: bytes = b"", start_revision: int = 0, *, no_put: bool = False) -> bytes:
+    """A WatchRequest that creates a watcher (its create_request, a oneof member); `no_put`: the NOPUT filter (0,
+    packed: a repeated enum)."""
+    body = _bytes(b"\x0a", key) + _bytes(b"\x12", range_end) + _int(b"\x18", start_revision)
+    if no_put:
+        body += b"\x2a\x01\x00"
+    return _ld(b"\x0a", body)

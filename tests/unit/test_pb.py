@@ -88,3 +88,11 @@ def test_leases(ttl, lease_id):
 def test_a_large_value_takes_a_multibyte_length():
     value = b"v" * 40_000
     _same(pb.put_op(b"k", value), etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=b"k", value=value)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(keys, keys, ints, st.booleans())
+def test_watch_creates(key, end, rev, no_put):
+    W = etcdrpc.WatchCreateRequest
+    _same(pb.watch_create(key, end, rev, no_put=no_put), etcdrpc.WatchRequest(create_request=W(
+        key=key, range_end=end, start_revision=rev, filters=[W.NOPUT] if no_put else [])))

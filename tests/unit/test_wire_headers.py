@@ -32,3 +32,24 @@ def test_blocks_after_the_size_update_decode_alike_on_every_connection():
     assert b.decode(update) == dict(OK)  # b's own table shrinks only by decoding the update itself
     assert b.decode(plain) == dict(OK)
     assert b.decode(plain) is a.decode(plain)  # one decoded copy, shared
+
+
+def test_the_size_update_is_applied_without_hpack_and_later_blocks_still_decode():
+    """The first block's update to 0 is taken off and applied to hpack's table, so the rest of it is looked up in the
+    process's cache; a block not seen before, later, is decoded by hpack, whose table is then the member's."""
+    sender = hpack.Encoder()
+    sender.header_table_size = 0
+    first = sender.encode(OK)
+    assert first[:1] == b"\x20"
+    HeaderDecoder().decode(first)  # the process has seen the plain block now
+    d = HeaderDecoder()
+    assert d.decode(first) == dict(OK)
+    rare = sender.encode([(b"grpc-status", b"14"), (b"grpc-message", b"etcdserver: leader changed %d" % id(d))])
+    assert d.decode(rare) == {b"grpc-status": b"14", b"grpc-message": b"etcdserver: leader changed %d" % id(d)}
+
+
+def test_an_update_to_a_size_above_zero_is_still_refused():
+    sender = hpack.Encoder()
+    sender.header_table_size = 100  # above this client's setting of 0
+    with pytest.raises(hpack.HPACKError):
+        HeaderDecoder().decode(sender.encode(OK))
