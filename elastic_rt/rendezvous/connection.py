@@ -148,6 +148,7 @@ class Connection(StreamTable):
         self._closed = False  # the reader thread closed the socket and its descriptors (under the token and _lock)
         self._blocks: dict[tuple, bytes] = {}  # (path, timeout_s, metadata) -> the request's header block
         self._tls: ssl.SSLObject | None = None
+        self._preface = b""  # what goes before the first request (_connect)
         self.heard_at = time.monotonic()  # when the member last sent this connection anything (monotonic)
         self._sock = self._connect(host, port, ssl_context, timeout_s)
         self._fd = self._sock.fileno()
@@ -178,8 +179,7 @@ class Connection(StreamTable):
             sock.settimeout(None)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0))
             self._sock = sock
-            with self._lock:
-                self._write(PREFACE + client_settings())
+            self._preface = PREFACE + client_settings()  # sent with the first request (_write)
         except BaseException:
             sock.close()
             raise
@@ -295,6 +295,9 @@ class Connection(StreamTable):
         self._deliver()
 
     def _write(self, data: bytes) -> None:
+        if self._preface:  # this connection's preface and SETTINGS, in its first request's write: one system call,
+            data, self._preface = self._preface + data, b""  # and the member's SETTINGS come with the answer (read
+            # by the caller, not by the reader thread woken for them)
         if self._acks and time.monotonic() - self._acks_at >= ACK_HOLD_S:  # etcd's BDP pings' answers (frames.py)
             data = bytes(self._acks) + data
             self._acks.clear()

@@ -20,11 +20,12 @@ class Member:
         self.port = self._srv.getsockname()[1]
         self.sock: socket.socket | None = None
         self._buf = bytearray()
+        self._preface_read = False
 
     def accept(self) -> None:
+        """The client's connection (its preface comes with its first request: read before the first frame)."""
         self.sock, _ = self._srv.accept()
         self.sock.settimeout(10)
-        self.read_exactly(len(PREFACE))
 
     def read_exactly(self, n: int) -> bytes:
         while len(self._buf) < n:
@@ -37,6 +38,9 @@ class Member:
         return out
 
     def next_frame(self) -> tuple[int, int, int, bytes]:
+        if not self._preface_read:
+            assert self.read_exactly(len(PREFACE)) == PREFACE
+            self._preface_read = True
         length, ftype, flags, sid = frame_head(self.read_exactly(HEAD_SIZE), 0)
         return ftype, flags, sid, self.read_exactly(length)
 

@@ -31,7 +31,7 @@ def test_an_address_literal_is_connected_to_without_a_name_lookup(lookups):
     member = Member()
     conn = Connection("127.0.0.1", member.port, authority="m", ssl_context=None, timeout_s=5, name="test")
     try:
-        member.accept()  # the client's preface arrived: connected
+        member.accept()  # connected
         assert lookups == []
     finally:
         conn.close()

@@ -23,7 +23,7 @@ from elastic_rt.rendezvous.liveness import _Waker
 from elastic_rt.rendezvous.monitor import incarnation
 from elastic_rt.rendezvous.view import MembershipView
 from elastic_rt.rendezvous.wire import (
-    ACK, DATA, END_HEADERS, END_STREAM, HEADERS, PING, SETTINGS, WINDOW_UPDATE, frame, message, split_messages,
+    ACK, DATA, END_HEADERS, END_STREAM, HEADERS, PING, PREFACE, SETTINGS, WINDOW_UPDATE, frame, message, split_messages,
 )
 from tests.support.h2_member import Member
 
@@ -123,10 +123,11 @@ def member_and_connection():
 
 def test_a_streaming_call_sends_its_first_requests_with_its_headers_in_one_write(member_and_connection):
     member, conn, counted = member_and_connection
+    conn.open("/etcdserverpb.Watch/Watch", first=(b"a", b"bb", b"ccc"))
+    assert len(counted.sent) == 1  # preface, SETTINGS, headers and three requests (the watch's watchers): one call
+    assert counted.sent[0].startswith(PREFACE)  # nothing was written at connect: the preface went with the request
     while member.next_frame()[0] != WINDOW_UPDATE:  # the client's SETTINGS, then its window
         pass
-    conn.open("/etcdserverpb.Watch/Watch", first=(b"a", b"bb", b"ccc"))
-    assert len(counted.sent) == 1  # headers and three requests (the watch's watchers): one system call
     ftype, flags, sid, _ = member.next_frame()
     assert (ftype, flags & END_HEADERS, sid) == (HEADERS, END_HEADERS, 1)
     ftype, flags, sid, payload = member.next_frame()
