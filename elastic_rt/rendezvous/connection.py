@@ -295,12 +295,12 @@ class Connection(StreamTable):
         self._deliver()
 
     def _write(self, data: bytes) -> None:
-        if self._preface:  # this connection's preface and SETTINGS, in its first request's write: one system call,
-            data, self._preface = self._preface + data, b""  # and the member's SETTINGS come with the answer (read
-            # by the caller, not by the reader thread woken for them)
         if self._acks and time.monotonic() - self._acks_at >= ACK_HOLD_S:  # etcd's BDP pings' answers (frames.py)
             data = bytes(self._acks) + data
             self._acks.clear()
+        if self._preface:  # this connection's preface and SETTINGS, before anything else, in its first request's
+            data, self._preface = self._preface + data, b""  # write: one system call, and (plaintext) the member's
+            # SETTINGS come with the answer, read by the caller, not by the reader thread woken for them
         try:
             if self._tls is not None:
                 self._tls.write(data)

@@ -162,6 +162,21 @@ def test_etcds_bdp_ping_is_answered_with_a_write_once_held_and_any_other_ping_at
     assert counted.sent[-1] == frame(PING, ACK, 0, b"keepaliv")
 
 
+def test_the_preface_goes_first_even_behind_a_ping_answer_held_before_the_first_write(member_and_connection,
+                                                                                      monkeypatch):
+    """The preface waits for the first request; a BDP ping's answer held until then goes after it, not before it."""
+    member, conn, counted = member_and_connection
+    monkeypatch.setattr(connection_mod, "ACK_HOLD_S", 0.0)
+    member.sock.sendall(frame(PING, 0, 0, BDP_PING))  # before the client wrote anything
+    deadline = time.monotonic() + 10
+    while not conn._acks:  # noqa: SLF001 - the reader thread took the ping (it writes nothing to say so)
+        assert time.monotonic() < deadline, "the reader thread never handled the ping"
+        time.sleep(0.005)
+    conn.open("/etcdserverpb.KV/Range", timeout_s=5, body=b"q")
+    assert counted.sent[0].startswith(PREFACE)
+    assert [member.next_frame()[0] for _ in range(5)] == [SETTINGS, WINDOW_UPDATE, PING, HEADERS, DATA]
+
+
 def test_a_bdp_pings_answer_is_held_back_from_the_writes_that_follow_it_at_once(member_and_connection, monkeypatch):
     """grpc-go sends its next BDP ping (and a WINDOW_UPDATE before it) after the answer: answered with the very
     next request, each request would wake the reader thread once more for nothing."""
