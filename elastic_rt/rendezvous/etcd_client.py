@@ -423,12 +423,8 @@ class EtcdClient:
 
     def read_many(self, keys: list[str], prefixes: list[str]) -> tuple[list[KeyValue | None], list[list[KeyValue]], int]:
         """Read several keys and prefixes in one round trip, at one revision."""
-        ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=k.encode())) for k in keys]
-        ops += [
-            etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=p.encode(), range_end=prefix_end(p)))
-            for p in prefixes
-        ]
-        req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
+        ops = [pb.range_op(k.encode()) for k in keys] + [pb.range_op(p.encode(), prefix_end(p)) for p in prefixes]
+        req = pb.txn([], ops, [])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         ranges = [r.response_range for r in resp.responses]
         singles = [(_kv(r.kvs[0]) if r.kvs else None) for r in ranges[: len(keys)]]
@@ -509,18 +505,13 @@ class EtcdClient:
 
     def put_many(self, items: list[tuple[str, bytes]], *, lease: int = 0) -> int:
         """Put every (key, value) in one transaction (keys must be distinct)."""
-        ops = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k.encode(), value=v, lease=lease))
-               for k, v in items]
-        req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
+        req = pb.txn([], [_put_op(Put(k, v, lease)) for k, v in items], [])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         return resp.header.revision
 
     def delete_if_unchanged(self, key: str, mod_revision: int) -> bool:
         """Delete `key` only if its mod_revision is still `mod_revision`; True if this call deleted it."""
-        cmp = etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD,
-                              key=key.encode(), mod_revision=mod_revision)
-        delete = etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode()))
-        req = etcdrpc.TxnRequest(compare=[cmp], success=[delete], failure=[])
+        req = pb.txn([_compare_mod(key, mod_revision)], [pb.delete_op(key.encode())], [])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t))
         return bool(resp.succeeded) and resp.responses[0].response_delete_range.deleted > 0
 

@@ -39,8 +39,7 @@ def _ld(tag: bytes, data: bytes) -> bytes:
 
 def _bytes(tag: bytes, data: bytes) -> bytes:
     """A bytes field outside a oneof: absent when empty."""
-    n = len(data)
-    return (tag + (_LENGTH[n] if n < 0x80 else varint(n)) + data) if n else b""
+    return _ld(tag, data) if data else b""
 
 
 def _int(tag: bytes, n: int) -> bytes:

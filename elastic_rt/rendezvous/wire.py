@@ -104,14 +104,14 @@ def _indexed_name(index: int, value: bytes) -> bytes:
     return _int(index, 4) + _string(value)
 
 
+_REQUEST_TAIL = _indexed_name(31, b"application/grpc") + literal(b"te", b"trailers")  # content-type, te
+
+
 def request_prefix(path: str, authority: str, *, tls: bool) -> bytes:
     """The constant part of a request's header block: :method POST (static 3), :scheme (6 or 7), :path (4),
     :authority (1), content-type (31), te: trailers."""
     return (b"\x83" + (b"\x87" if tls else b"\x86") + _indexed_name(4, path.encode())
             + _indexed_name(1, authority.encode()) + _REQUEST_TAIL)
-
-
-_REQUEST_TAIL = _indexed_name(31, b"application/grpc") + literal(b"te", b"trailers")
 
 
 def timeout_field(timeout_s: float) -> bytes:
