@@ -37,6 +37,7 @@ from typing import Callable
 
 import grpc
 
+from elastic_rt.rendezvous.daemon import Daemon
 from elastic_rt.rendezvous.frames import ACK_DELAY_S, ACK_HOLD_S, Stream, StreamTable
 from elastic_rt.rendezvous.wire import (
     MAX_WINDOW, PREFACE, CallError, client_settings, literal, message, request_prefix, rst_stream, timeout_field,
@@ -160,8 +161,7 @@ class Connection(StreamTable):
         self._poller = select.poll()  # the read token holder's (one thread at a time)
         self._poller.register(self._fd, select.POLLIN)
         self._poller.register(self._bell, select.POLLIN)
-        self._reader = threading.Thread(target=self._run, name=f"elastic-rt-etcd-{name}", daemon=True)
-        self._reader.start()
+        self._reader = Daemon(self._run, f"elastic-rt-etcd-{name}")
 
     # ---- connecting ---------------------------------------------------------------------------------
     def _connect(self, host: str, port: int, ctx: ssl.SSLContext | None, timeout_s: float) -> socket.socket:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from elastic_rt.errors import DuplicateNodeError, EtcdUnavailableError
+from elastic_rt.rendezvous.daemon import Daemon
 from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, RangeRead, Renewal, Tick
 from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
@@ -153,7 +154,7 @@ class NodeLease:
         self._published = 0  # the lease the alive key is registered on (lease_id): read without the lock
         self._registered = False
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: Daemon | None = None
         self.last_renewed = 0.0  # monotonic send time of the last beat etcd answered with the lease alive
         self._next_beat = 0.0  # when the next beat is due: a beat_s after the last one (or the grant) was sent
         self.renewals_lost = 0  # times the lease was found gone (an outage, a pause, a partition, an eviction)
@@ -209,8 +210,7 @@ class NodeLease:
                                 "to run out", self._node_id, _describe(held), left)
                 self._client.wait_for_any([held.key], [], after_revision=held.mod_revision, timeout_s=left)
         self._on_granted()  # outside the lock (see lease_id)
-        self._thread = threading.Thread(target=self._run, name="elastic-rt-lease", daemon=True)
-        self._thread.start()
+        self._thread = Daemon(self._run, "elastic-rt-lease")
         return self._lease_id
 
     def _holder_gone(self, held: KeyValue) -> bool:
@@ -343,7 +343,7 @@ class NodeLease:
         self._beat()
 
     def _on_lease_thread(self) -> bool:
-        return threading.current_thread() is self._thread
+        return self._thread is not None and self._thread.is_current()
 
     def _send_now(self) -> Send:
         """A keep-alive sent now; on the lease thread, with how late it woke and how long it took since."""

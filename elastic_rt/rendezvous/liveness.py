@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from elastic_rt.rendezvous.daemon import Daemon
+
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 64  # each agent is held by its two ring neighbours; the rest is slack
@@ -269,8 +271,7 @@ class PeerWatch:
         self._pending: dict[str, float] = {}  # node -> when to try connecting again
         self._dead: set[Peer] = set()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="elastic-rt-peer-watch", daemon=True)
-        self._thread.start()
+        self._thread = Daemon(self._run, "elastic-rt-peer-watch")
 
     def watch(self, peers: list[Peer]) -> None:
         """Replace the watched set (after every rendezvous); connections to peers kept are kept."""

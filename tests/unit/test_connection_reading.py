@@ -15,6 +15,7 @@ import time
 import pytest
 
 from elastic_rt.rendezvous.connection import Connection, delivering_here
+from elastic_rt.rendezvous.daemon import thread_name
 from elastic_rt.rendezvous.wire import CallError
 from tests.support.h2_member import Member, answer, settings
 
@@ -44,7 +45,7 @@ class _Readers:
         def counted() -> int:
             got = pump()
             if got:
-                name = threading.current_thread().name
+                name = thread_name()
                 self.bytes[name] = self.bytes.get(name, 0) + got
             return got
 
@@ -93,7 +94,7 @@ def test_a_unary_reply_is_read_by_the_thread_that_waits_for_it_not_the_reader_th
     peer = _answer_when_asked(member, conn, lambda sid: answer(sid, b"reply"))
     assert conn.unary(KV_RANGE, b"q", 10) == b"reply"
     peer.join(10)
-    assert set(readers.bytes) == {threading.current_thread().name}  # the caller read every byte of it
+    assert set(readers.bytes) == {thread_name()}  # the caller read every byte of it
     assert conn._reader.name not in readers.bytes  # noqa: SLF001
 
 
@@ -101,7 +102,7 @@ def test_the_reader_thread_reads_what_comes_while_no_call_waits(member_and_conne
     member, conn = member_and_connection
     _settled(member, conn)
     got, done = [], threading.Event()
-    stream = conn.open(WATCH, first=(b"w",), on_item=lambda item: (got.append((item, threading.current_thread().name)),
+    stream = conn.open(WATCH, first=(b"w",), on_item=lambda item: (got.append((item, thread_name())),
                                                                   done.set()))
     member.sock.sendall(answer(stream.id, b"event", end=False))
     assert done.wait(10)
@@ -114,7 +115,7 @@ def test_a_push_item_read_by_a_caller_is_handed_over_by_the_reader_thread_unless
     member, conn = member_and_connection
     _settled(member, conn)
     got, done = [], threading.Event()
-    watch = conn.open(WATCH, first=(b"w",), on_item=lambda item: (got.append((item, threading.current_thread().name)),
+    watch = conn.open(WATCH, first=(b"w",), on_item=lambda item: (got.append((item, thread_name())),
                                                                  done.set()))
     while member.next_frame()[0] != 0:  # the watch's headers, then its DATA (type 0): read before the call's
         pass
@@ -124,13 +125,13 @@ def test_a_push_item_read_by_a_caller_is_handed_over_by_the_reader_thread_unless
     if here:
         with delivering_here():
             assert conn.unary(KV_RANGE, b"q", 10) == b"reply"
-        assert got == [(b"event", threading.current_thread().name)]  # before the reply was returned
+        assert got == [(b"event", thread_name())]  # before the reply was returned
     else:
         assert conn.unary(KV_RANGE, b"q", 10) == b"reply"
         assert done.wait(10)
         assert got == [(b"event", conn._reader.name)]  # noqa: SLF001 - never a caller's thread
     peer.join(10)
-    assert set(readers.bytes) == {threading.current_thread().name}
+    assert set(readers.bytes) == {thread_name()}
 
 
 def test_a_thread_that_reads_the_socket_past_its_deadline_wakes_the_token_holder_whose_reply_it_took(
@@ -183,7 +184,7 @@ def test_a_reader_thread_that_stops_on_a_bug_fails_the_connection_so_it_is_repla
     receive = conn._receive  # noqa: SLF001
 
     def broken(data: bytes) -> None:
-        if threading.current_thread() is conn._reader:  # noqa: SLF001
+        if conn._reader.is_current():  # noqa: SLF001
             raise RuntimeError("a bug in the frame parser")
         receive(data)
 

@@ -206,6 +206,7 @@ def test_a_push_streams_items_come_in_order_on_the_reader_thread_and_may_call_ba
 
     from hpack import Encoder
 
+    from elastic_rt.rendezvous.daemon import thread_name
     from elastic_rt.rendezvous.wire import CallError
 
     member, conn, _ = member_and_connection
@@ -214,7 +215,7 @@ def test_a_push_streams_items_come_in_order_on_the_reader_thread_and_may_call_ba
     done = threading.Event()
 
     def on_item(item):
-        threads.add(threading.current_thread().name)
+        threads.add(thread_name())
         got.append(item)
         if item == b"bb":
             conn.cancel(stream)  # back into the connection (its lock), from the thread that reads it
