@@ -1005,7 +1005,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.date.today().isoformat()
     text = (f"rendezvous scale benchmark {stamp}: code {git['commit']}{' (dirty)' if git['dirty'] else ''}; "
             f"torch {torch.__version__}, {os.cpu_count()} CPU(s) ({speed['cpu_model'] or 'model unknown'}; "
-            f"{speed['python_loop_2m_s']:.3f} s for a 2M-addition Python loop), "
+            f"{speed['python_loop_2m_s']:.3f} s for a 2M-addition Python loop, {speed['page_fault_us']:.2f} us per page "
+            "first touched), "
             f"load average {load_start[0]:.1f} at the start, "
             f"etcd {etcd['version']} ({etcd['members']} members on loopback, {etcd['binary']}), handlers in "
             f"{args.procs or f'max(8, N / {args.per_proc})'} processes (procs column) with a GIL switch interval of "

@@ -57,3 +57,11 @@ def test_outside_a_checkout_only_allow_dirty_runs(tmp_path):
     with pytest.raises(SystemExit, match="--allow-dirty"):
         provenance(False, repo=str(tmp_path))
     assert provenance(True, repo=str(tmp_path))["commit"] == "unknown"
+
+
+def test_the_machine_record_names_the_cost_of_a_page_first_touched():
+    speed = provenance_mod.machine_speed()
+    assert set(speed) == {"cpu_model", "python_loop_2m_s", "page_fault_us"}
+    # a first touch costs a fault and a page's zeroing: more than nothing, and well under a millisecond anywhere
+    assert 0.0 < speed["page_fault_us"] < 1000.0
+    assert 0.0 < provenance_mod.page_fault_us(pages=64, tries=1) < 1000.0
