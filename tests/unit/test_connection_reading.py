@@ -196,3 +196,28 @@ def test_a_reader_thread_that_stops_on_a_bug_fails_the_connection_so_it_is_repla
     with pytest.raises(CallError) as failed:
         conn.unary(KV_RANGE, b"q", 1)
     assert failed.value.code().name == "UNAVAILABLE"
+
+
+def test_a_read_lands_in_the_connections_own_buffer_not_a_new_read_sized_allocation(member_and_connection):
+    """recv(_READ_MAX) allocated 256 KiB per read and gave most of it back, which a thread's malloc arena returns to the
+    kernel and faults in again read after read. A small reply is read without any allocation near _READ_MAX, and one
+    of 40,192 bytes (three DATA frames, several reads) comes out whole through the same buffer."""
+    import tracemalloc
+
+    from elastic_rt.rendezvous.connection import _READ_MAX
+
+    member, conn = member_and_connection
+    _settled(member, conn)
+    peer = _answer_when_asked(member, conn, lambda sid: answer(sid, b"reply"))
+    tracemalloc.start()
+    try:
+        assert conn.unary(KV_RANGE, b"q", 10) == b"reply"
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    peer.join(10)
+    assert peak < _READ_MAX // 2, peak  # the test member's own recv(65536) is traced too
+    big = bytes(range(256)) * 157
+    peer = _answer_when_asked(member, conn, lambda sid: answer(sid, big))
+    assert conn.unary(KV_RANGE, b"q", 10) == big
+    peer.join(10)
