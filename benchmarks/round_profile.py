@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _kind(thread: threading.Thread) -> str:
+def _kind(thread) -> str:
+    """A thread's kind from its name (a threading.Thread's or a Daemon's: the agent's loops, rendezvous/daemon.py)."""
     return ("elastic-rt-etcd" if thread.name.startswith("elastic-rt-etcd") else
             "".join(c for c in thread.name if not c.isdigit()).split(" (")[0].rstrip("-"))
 
@@ -181,7 +182,9 @@ def _kind(thread: threading.Thread) -> str:
 def _per_thread(before: dict, read) -> dict:
     """read(tid) of this process's live threads, summed by thread kind. With `before` empty: also each thread's
     figure, under the key None; with an earlier call's result: the change since then."""
-    names = {t.native_id: _kind(t) for t in threading.enumerate()}
+    from elastic_rt.rendezvous.daemon import running
+
+    names = {t.native_id: _kind(t) for t in (*threading.enumerate(), *running())}
     seen = before.get(None, {})
     now, out = {}, {}
     for tid in os.listdir("/proc/self/task"):
@@ -213,7 +216,7 @@ class Counts:
               9: "CONTINUATION"}
 
     def __init__(self) -> None:
-        from elastic_rt.rendezvous import connection, frames
+        from elastic_rt.rendezvous import connection, daemon, frames
 
         self.c: collections.Counter = collections.Counter()
         c = self.c
@@ -231,6 +234,7 @@ class Counts:
         counting(connection.Connection, "open", lambda self, path, *a, **k: "opened " + path.rsplit("/", 1)[-1])
         counting(frames.StreamTable, "_frame", lambda self, ftype, *a: "frames read " + Counts.FRAMES.get(ftype, str(ftype)))
         counting(threading.Thread, "start", lambda self: "threads started " + _kind(self))
+        counting(daemon.Daemon, "start", lambda self: "threads started " + _kind(self))
         counting(socket.socket, "__init__", "sockets")
 
     def reset(self) -> None:

@@ -157,7 +157,7 @@ class Connection(StreamTable):
         # kernel and faulted in again read after read (2 page faults and about 18 us more per small read, measured
         # on a 2-core VM where a fault costs several us). An anonymous mapping's pages cost nothing until a read
         # first reaches them, and then stay: the largest read so far is what the connection holds.
-        self._rbuf = mmap.mmap(-1, _READ_MAX)
+        self._rbuf = mmap.mmap(-1, _READ_MAX, flags=mmap.MAP_PRIVATE)  # anonymous, not shared with a fork
         self._sock = self._connect(host, port, ssl_context, timeout_s)
         self._fd = self._sock.fileno()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # the reader thread's doorbell
@@ -169,6 +169,7 @@ class Connection(StreamTable):
         self._poller.register(self._fd, select.POLLIN)
         self._poller.register(self._bell, select.POLLIN)
         self._reader = Daemon(self._run, f"elastic-rt-etcd-{name}")
+        self._reader.start()
 
     # ---- connecting ---------------------------------------------------------------------------------
     def _connect(self, host: str, port: int, ctx: ssl.SSLContext | None, timeout_s: float) -> socket.socket:

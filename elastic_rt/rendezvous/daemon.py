@@ -6,8 +6,11 @@ until the new thread has run (a switch there and back) so that it can be listed 
 starts two such threads in its first round and three once it has peers; measured on this project's 2-core machines,
 after the pause before a round, a Thread's start costs 0.27 ms of process CPU where a bare thread costs 0.16 (the
 thread's first run included). These loops need only a start, a join with a deadline, and to know whether the calling
-thread is theirs. They do not appear in threading.enumerate() (thread_name() says a running one's name); an exception that escapes
-one is logged with its name.
+thread is theirs. They do not appear in threading.enumerate() (running() lists them, thread_name() says a running one's name); an
+exception that escapes one is logged with its name. What they give up: logging's %(threadName)s says threading's
+Dummy-N in them (elastic-rt's log lines carry no thread name), threading keeps that dummy entry after the thread ends
+(its documented behaviour for threads it did not start), and a forked child sees them as still running (elastic-rt
+forks no process that keeps its rendezvous objects).
 """
 
 from __future__ import annotations
@@ -19,49 +22,62 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-_NAMES: dict[int, str] = {}  # a running Daemon's thread ident -> its name
+_RUNNING: dict[int, "Daemon"] = {}  # a running Daemon's thread ident -> the Daemon
 
 
 def thread_name() -> str:
     """The calling thread's name: a Daemon's own (threading would call it Dummy-N), else threading's."""
-    name = _NAMES.get(_thread.get_ident())
-    return name if name is not None else threading.current_thread().name
+    running = _RUNNING.get(_thread.get_ident())
+    return running.name if running is not None else threading.current_thread().name
+
+
+def running() -> list["Daemon"]:
+    """The Daemons whose threads run now (threading.enumerate() does not list them)."""
+    return list(_RUNNING.values())
 
 
 class Daemon:
-    """Runs `target()` on a new daemon thread at once."""
+    """A daemon thread that runs `target()` once start() is called. Keep the object before starting it: the thread
+    may run, and ask is_current(), before start() returns."""
 
     def __init__(self, target: Callable[[], object], name: str) -> None:
         self.name = name
         self._target = target
-        self._done = _thread.allocate_lock()
-        self._done.acquire()  # released when target returns or raises
-        self.ident: int | None = None
+        self._done = _thread.allocate_lock()  # held from start() until the target returned or raised
+        self._started = self._finished = False
+        self.ident: int | None = None  # the thread's while it runs (None before and after: idents are reused)
         self.native_id: int | None = None  # the kernel's thread id (/proc/self/task/<id>), once the thread runs
-        self.ident = _thread.start_new_thread(self._main, ())
+
+    def start(self) -> Daemon:
+        self._done.acquire()
+        self._started = True
+        _thread.start_new_thread(self._main, ())  # its ident is set by the thread itself, first (is_current)
+        return self
 
     def _main(self) -> None:
-        self.ident = _thread.get_ident()  # before the target runs: it may ask is_current() before start returned
+        self.ident = _thread.get_ident()
         self.native_id = _thread.get_native_id()
-        _NAMES[self.ident] = self.name
+        _RUNNING[self.ident] = self
         try:
             self._target()
         except BaseException:  # noqa: BLE001 - a daemon's death is logged, never silent
             log.exception("thread %s failed", self.name)
         finally:
-            _NAMES.pop(self.ident, None)
+            _RUNNING.pop(self.ident, None)
+            self.ident = None  # a later thread may get the same ident at once: it is not this one
+            self._finished = True
             self._done.release()
 
     def is_current(self) -> bool:
-        """Whether the calling thread is this one."""
-        return _thread.get_ident() == self.ident
+        """Whether the calling thread is this one (while it runs)."""
+        return self.ident is not None and _thread.get_ident() == self.ident
 
     def is_alive(self) -> bool:
-        return self._done.locked()
+        return self._started and not self._finished
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait until the thread's target returned, at most `timeout` seconds (None: without limit); whether it did.
-        From the thread itself, returns False at once (it cannot wait for its own end)."""
+        """Wait until the thread's target returned, at most `timeout` seconds (None: without limit); whether it did
+        (True for a Daemon never started). From the thread itself, returns False at once."""
         if self.is_current():
             return False
         if not self._done.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):

@@ -210,7 +210,8 @@ class NodeLease:
                                 "to run out", self._node_id, _describe(held), left)
                 self._client.wait_for_any([held.key], [], after_revision=held.mod_revision, timeout_s=left)
         self._on_granted()  # outside the lock (see lease_id)
-        self._thread = Daemon(self._run, "elastic-rt-lease")
+        self._thread = Daemon(self._run, "elastic-rt-lease")  # kept before it runs: it asks _on_lease_thread()
+        self._thread.start()
         return self._lease_id
 
     def _holder_gone(self, held: KeyValue) -> bool:

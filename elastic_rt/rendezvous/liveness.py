@@ -272,6 +272,7 @@ class PeerWatch:
         self._dead: set[Peer] = set()
         self._stop = threading.Event()
         self._thread = Daemon(self._run, "elastic-rt-peer-watch")
+        self._thread.start()
 
     def watch(self, peers: list[Peer]) -> None:
         """Replace the watched set (after every rendezvous); connections to peers kept are kept."""

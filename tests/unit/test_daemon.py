@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 
-from elastic_rt.rendezvous.daemon import Daemon, thread_name
+from elastic_rt.rendezvous.daemon import Daemon, running, thread_name
 
 
 def test_runs_its_target_and_join_returns_once_it_returned():
@@ -18,13 +18,16 @@ def test_runs_its_target_and_join_returns_once_it_returned():
         release.wait(10)
 
     d = Daemon(body, "t-body")
+    assert d.join(0) and not d.is_alive()  # not started: nothing to wait for
+    d.start()
     assert not d.join(0.05)  # still running: the deadline passes
     assert d.is_alive() and not d.is_current()
     release.set()
     assert d.join(10)
     assert not d.is_alive()
-    assert seen == [True]  # is_current() held on the thread itself, even if it ran before the constructor returned
+    assert seen == [True]  # is_current() held on the thread itself, even when it ran before start() returned
     assert d.join(0) and d.join(None)  # joining again returns at once
+    assert d.ident is None and not d.is_current()  # an ident is reused at once: a later thread is not this one
 
 
 def test_its_kernel_thread_id_is_in_proc_while_it_runs():
@@ -34,7 +37,7 @@ def test_its_kernel_thread_id_is_in_proc_while_it_runs():
         started.set()
         release.wait(10)
 
-    d = Daemon(body, "t-proc")
+    d = Daemon(body, "t-proc").start()
     try:
         assert started.wait(10)
         assert d.native_id is not None and d.native_id != threading.get_native_id()
@@ -42,11 +45,13 @@ def test_its_kernel_thread_id_is_in_proc_while_it_runs():
     finally:
         release.set()
         assert d.join(10)
+    assert d not in running()
 
 
 def test_a_thread_cannot_wait_for_its_own_end():
     out = []
     d = Daemon(lambda: out.append(d.join(5)), "t-self")
+    d.start()
     assert d.join(10)
     assert out == [False]
 
@@ -56,7 +61,7 @@ def test_an_escaping_exception_is_logged_with_the_threads_name_and_ends_it(caplo
         raise RuntimeError("boom")
 
     with caplog.at_level(logging.ERROR, logger="elastic_rt.rendezvous.daemon"):
-        d = Daemon(body, "t-fails")
+        d = Daemon(body, "t-fails").start()
         assert d.join(10)
     assert not d.is_alive()
     failed = [r for r in caplog.records if "t-fails" in r.getMessage()]
@@ -71,11 +76,13 @@ def test_thread_name_names_a_running_daemon_and_any_other_thread():
         named.set()
         release.wait(10)
 
-    d = Daemon(body, "t-named")
+    d = Daemon(body, "t-named").start()
     try:
         assert named.wait(10)
         assert names == ["t-named"]
+        assert d in running()
         assert thread_name() == threading.current_thread().name  # not a Daemon: threading's own name
     finally:
         release.set()
         assert d.join(10)
+    assert d not in running()
