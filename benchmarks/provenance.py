@@ -68,10 +68,11 @@ def machine_speed() -> dict:
 
 def page_fault_us(pages: int = 8192, tries: int = 3) -> float:
     """Microseconds per 4 KiB page that a process touches for the first time (a fresh anonymous mapping written
-    through in C: the kernel's fault, and its zeroing of the page), the best of `tries`. About 0.1-0.3 us on a
-    bare-metal or plain KVM x86 host; several times that in a VM whose memory the hypervisor takes back when the
-    guest frees it (free page reporting, proactive reclaim), where every process that frees and allocates memory
-    again (etcd's Go heap, a Python process's arenas and thread stacks) pays it over and over."""
+    through in C: the kernel's fault, and its zeroing of the page), the best of `tries`. Small on a host that keeps
+    a process's freed memory (not measured by this project on one); 2-5 us on the AMD EPYC VM of the results of
+    2026-12-07, whose memory the hypervisor takes back when the guest frees it (free page reporting, proactive
+    reclaim), where every process that frees and allocates memory again (etcd's Go heap, a Python process's arenas
+    and thread stacks) pays it over and over."""
     size = pages * mmap.PAGESIZE
     best = float("inf")
     for _ in range(tries):

@@ -6,11 +6,11 @@ until the new thread has run (a switch there and back) so that it can be listed 
 starts two such threads in its first round and three once it has peers; measured on this project's 2-core machines,
 after the pause before a round, a Thread's start costs 0.27 ms of process CPU where a bare thread costs 0.16 (the
 thread's first run included). These loops need only a start, a join with a deadline, and to know whether the calling
-thread is theirs. They do not appear in threading.enumerate() (running() lists them, thread_name() says a running one's name); an
-exception that escapes one is logged with its name. What they give up: logging's %(threadName)s says threading's
-Dummy-N in them (elastic-rt's log lines carry no thread name), threading keeps that dummy entry after the thread ends
-(its documented behaviour for threads it did not start), and a forked child sees them as still running (elastic-rt
-forks no process that keeps its rendezvous objects).
+thread is theirs. They do not appear in threading.enumerate() (running() lists them, thread_name() says a running
+one's name); an exception that escapes one is logged with its name. What they give up: logging's %(threadName)s says
+threading's Dummy-N in them (elastic-rt's log lines carry no thread name), threading keeps that dummy entry after
+the thread ends (its documented behaviour for threads it did not start), and a forked child sees them as still
+running (elastic-rt forks no process that keeps its rendezvous objects).
 """
 
 from __future__ import annotations
