@@ -147,6 +147,7 @@ class Connection(StreamTable):
         self._lock = threading.Lock()
         self._delivering = threading.Lock()  # held by the thread that hands push streams their items (_deliver)
         self._reading = threading.Lock()  # the read token: held by the one thread that reads the socket now
+        self._claimed = 0  # the thread that took the token before its write (claim()), until its wait uses it
         self._closed = False  # the reader thread closed the socket and its descriptors (under the token and _lock)
         self._blocks: dict[tuple, bytes] = {}  # (path, timeout_s, metadata) -> the request's header block
         self._tls: ssl.SSLObject | None = None
@@ -269,17 +270,22 @@ class Connection(StreamTable):
     def unary(self, path: str, body: bytes, timeout_s: float, metadata: tuple = (), tick: Tick | None = None) -> bytes:
         """One request, one reply (bytes); raises CallError. The deadline runs from the send (Stream.next). With
         `tick`, tick.fn() is called every tick.every_s of the wait for the reply, by this thread."""
-        stream = self.open(path, metadata, timeout_s=timeout_s, body=body)
+        claimed = self.claim()
         try:
-            reply = stream.next(timeout_s) if tick is None else _ticking(
-                stream, timeout_s, tick, ended=lambda: stream.id not in self._streams)
-            if reply is None:
-                raise CallError(grpc.StatusCode.INTERNAL, "etcd ended the call without an answer")
-            stream.next(max(0.0, stream.sent_at + timeout_s - time.monotonic()))  # its trailers: the status
-            return reply
-        except BaseException:  # a deadline passed, the tick failed, or the call ended: given up (nothing to cancel
-            self.cancel(stream)  # when it ended)
-            raise
+            stream = self.open(path, metadata, timeout_s=timeout_s, body=body)
+            try:
+                reply = stream.next(timeout_s) if tick is None else _ticking(
+                    stream, timeout_s, tick, ended=lambda: stream.id not in self._streams)
+                if reply is None:
+                    raise CallError(grpc.StatusCode.INTERNAL, "etcd ended the call without an answer")
+                stream.next(max(0.0, stream.sent_at + timeout_s - time.monotonic()))  # its trailers: the status
+                return reply
+            except BaseException:  # a deadline passed, the tick failed, or the call ended: given up (nothing to
+                self.cancel(stream)  # cancel when it ended)
+                raise
+        finally:
+            if claimed:
+                self.unclaim()
 
     def send(self, stream: Stream, data: bytes, *, end: bool) -> None:
         with self._lock:
@@ -357,15 +363,48 @@ class Connection(StreamTable):
             pass
 
     # ---- reading --------------------------------------------------------------------------------------
+    def claim(self) -> bool:
+        """Take the read token before writing a request whose answer this thread will wait for (Stream.next), and
+        switch the reader thread's interest in the socket off now. Switched off only once the wait began, after the
+        write, the answer (a fraction of a millisecond later on a LAN) had often woken the reader thread already,
+        which then waited for the GIL and the token only to find the socket empty: a wake-up, a dozen futex calls and
+        an empty read per call. True: taken; the caller's wait uses it, and the caller calls unclaim() when done (a
+        no-op once a wait used it: its reply was queued by another thread's catch-up, or the write failed). False:
+        another thread reads now (it queues the answer), or the connection failed."""
+        if not self._reading.acquire(blocking=False):
+            return False
+        if self.error is not None or self._closed:
+            self._reading.release()
+            return False
+        self._epoll.modify(self._fd, 0)
+        self._claimed = threading.get_ident()
+        return True
+
+    def unclaim(self) -> None:
+        """Give back the token claim() took, unless a wait used it (the wait gave it back)."""
+        if self._claimed != threading.get_ident():
+            return
+        self._claimed = 0
+        try:
+            self._epoll.modify(self._fd, select.EPOLLIN)  # open: the reader thread closes it only under the token
+        finally:
+            if self._deliveries and not self._closed:  # none read here, but as wait() does
+                os.eventfd_write(self._wake, 1)
+            self._reading.release()
+
     def wait(self, stream: Stream, timeout_s: float | None) -> bytes | CallError | None:
         """The next item for `stream`, whose queue is empty (Stream.next); raises CallError DEADLINE_EXCEEDED. The
         calling thread reads the socket itself when no other thread does (_read_for); else the thread that does
         queues the item. Before a deadline fails, what the kernel holds for the connection is read here: a reply
         that came in time counts even if the thread that reads did not run."""
-        if self._reading.acquire(blocking=False):
+        claimed = self._claimed == threading.get_ident()
+        if claimed or self._reading.acquire(blocking=False):
+            self._claimed = 0
             try:
                 if self.error is None and not self._closed:
-                    self._read_for(stream, timeout_s)
+                    self._read_for(stream, timeout_s, switched_off=claimed)
+                elif claimed:
+                    self._epoll.modify(self._fd, select.EPOLLIN)  # open: the reader closes it under the token
             finally:
                 if self._deliveries and not self._closed:  # what this thread read for the push streams
                     os.eventfd_write(self._wake, 1)
@@ -384,7 +423,7 @@ class Connection(StreamTable):
         except queue.Empty:
             raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s") from None
 
-    def _read_for(self, stream: Stream, timeout_s: float | None) -> None:
+    def _read_for(self, stream: Stream, timeout_s: float | None, switched_off: bool = False) -> None:
         """Read the socket on this thread, which holds the read token, until `stream` has an item, the connection
         failed or timeout_s passed (after a last read of what the kernel holds). Meanwhile the reader thread's epoll
         does not wake it for the socket's data (a hang-up still does: it then waits for the token), and a thread whose
@@ -394,7 +433,8 @@ class Connection(StreamTable):
         TTL/3), or when the reader thread next wakes (_run): never a wake-up of its own."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         here = getattr(_here, "on", False)
-        self._epoll.modify(self._fd, 0)
+        if not switched_off:  # (claim() switched it off before the write)
+            self._epoll.modify(self._fd, 0)
         try:
             while stream.replies.empty() and self.error is None:
                 wait_ms = -1 if deadline is None else max(0, int(1000 * (deadline - time.monotonic()) + 0.999))

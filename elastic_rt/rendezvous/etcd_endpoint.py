@@ -118,7 +118,8 @@ class Endpoint:
 def _busy(exc: CallError) -> bool:
     """etcd answered that it timed out (its leader busy: "etcdserver: request timed out, waiting for the applied
     index took too long"): the member is there, another member would forward to the same leader."""
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith("etcdserver: request timed out")
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and \
+        (exc.details() or "").startswith("etcdserver: request timed out")
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,14 @@ class _KeepAliveStream:
         self._owed_since = 0.0  # when the oldest unanswered keep-alive was sent to a member that owed nothing
 
     def beat(self, lease_id: int, timeout_s: float, silent_s: float) -> Renewal | None:
+        claimed = self._conn.claim()  # this thread reads the answer: the reader thread is not woken for it
+        try:
+            return self._beat(lease_id, timeout_s, silent_s)
+        finally:
+            if claimed:
+                self._conn.unclaim()
+
+    def _beat(self, lease_id: int, timeout_s: float, silent_s: float) -> Renewal | None:
         request = pb.lease_keep_alive(lease_id)
         if self._stream is None:
             self._stream = self._conn.open(_PATHS["Lease/LeaseKeepAlive"], self.metadata or (), first=(request,))

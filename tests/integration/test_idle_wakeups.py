@@ -124,3 +124,24 @@ def test_the_lease_thread_serves_the_liveness_listener_and_stop_closes_its_conne
     finally:
         lease.stop(revoke=False)
         client.close()
+
+
+def test_a_callers_own_answer_does_not_wake_the_connections_reader_thread(etcd_client, run_id):
+    """The thread that waits for an answer reads it itself, and switches the reader thread's interest in the socket
+    off before its request goes out (Connection.claim): switched off after the write, a fast answer (a keep-alive's
+    comes in a fraction of a millisecond) had often woken the reader already, which then queued for the GIL and the
+    read token to find nothing. Keep-alives a lease's beat sends and unary calls: the reader thread sleeps through
+    all of them."""
+    lease = etcd_client.grant_lease(5.0)
+    etcd_client.keep_alive(lease, every_s=1.0, silent_s=1.5)  # the keep-alive stream is open
+    reader = etcd_client._endpoints[etcd_client._current]._conn._reader  # noqa: SLF001 - the connection's reader
+    time.sleep(0.3)
+    before = _switches(reader)
+    for i in range(60):
+        renewal = etcd_client.keep_alive(lease, every_s=1.0, silent_s=1.5)
+        assert renewal is not None and renewal.own and renewal.ttl > 0
+        etcd_client.put(f"/{run_id}/k{i % 4}", b"x")
+        time.sleep(0.01)  # as between beats: the reader thread settles into its wait
+    woke = _switches(reader) - before
+    assert woke <= 2, woke  # before claim(): woken for a third of the keep-alives or more
+    etcd_client.revoke_lease(lease)
