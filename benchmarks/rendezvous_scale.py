@@ -944,6 +944,14 @@ def _throttle_note(etcd: dict) -> str:
             f"({etcd['writes']} writes made), ")
 
 
+def _disk_note(etcd: dict) -> str:
+    """The header's words for the disk under etcd's data: how fast it makes a small write durable, and whether the
+    members wait for that (etcd 3.4 always does; 3.5 runs with --unsafe-no-fsync unless --etcd-write-iops)."""
+    disk = etcd["data_fsync"]
+    return (f"data in {disk['dir']}, whose fdatasync took {disk['p50_ms']:.2f} ms (median) and {disk['p99_ms']:.2f} ms "
+            f"(p99) before the run; the members {'fsync their WAL there' if etcd['wal_fsync'] else 'do not fsync'}")
+
+
 @contextlib.contextmanager
 def _etcd_cluster(args):
     """The run's etcd, started: with --etcd-write-iops, its members fsync their WAL and start in a cgroup whose writes
@@ -973,7 +981,7 @@ def _etcd_cluster(args):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     sys.path.insert(0, REPO)
-    from provenance import machine_speed, provenance  # benchmarks/provenance.py: benchmarks/ is sys.path[0]
+    from provenance import disk_fsync_ms, machine_speed, provenance  # benchmarks/provenance.py (sys.path[0])
     from results_file import write_results
 
     git = provenance(args.allow_dirty)
@@ -984,6 +992,7 @@ def main(argv: list[str] | None = None) -> int:
     speed = machine_speed()
     with _cpu_quota(args.cpus), _etcd_cluster(args) as (cluster, throttle):
         etcd = etcd_facts(cluster)
+        etcd["data_fsync"] = disk_fsync_ms(cluster.root)  # the disk etcd 3.4 (and --etcd-write-iops) fsyncs to
         print(f"etcd {etcd['version']} ({etcd['members']} members, {etcd['binary']}), load {load_start[0]:.1f}",
               file=sys.stderr, flush=True)
         for n in args.nodes:
@@ -1008,7 +1017,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{speed['python_loop_2m_s']:.3f} s for a 2M-addition Python loop, {speed['page_fault_us']:.2f} us per page "
             "first touched), "
             f"load average {load_start[0]:.1f} at the start, "
-            f"etcd {etcd['version']} ({etcd['members']} members on loopback, {etcd['binary']}), handlers in "
+            f"etcd {etcd['version']} ({etcd['members']} members on loopback, {etcd['binary']}; {_disk_note(etcd)}), "
+            "handlers in "
             f"{args.procs or f'max(8, N / {args.per_proc})'} processes (procs column) with a GIL switch interval of "
             f"{args.switch_interval_ms:g} ms, --rdzv-conf {args.rdzv_conf}, "
             f"{f'all in a cgroup of {args.cpus:g} CPUs, ' if args.cpus else ''}"

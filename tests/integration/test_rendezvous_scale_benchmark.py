@@ -48,6 +48,8 @@ def test_quick_run_writes_results_that_parse(tmp_path):
     etcd = result["etcd"]  # which etcd the run used, as its members report it
     assert etcd["members"] == 3 and len(etcd["member_versions"]) == 3 and etcd["version"][:2] == "3."
     assert os.path.isfile(etcd["binary"]) and f"etcd {etcd['version']} (3 members" in text
+    disk = etcd["data_fsync"]  # the disk under etcd's data, timed before the run
+    assert 0.0 <= disk["p50_ms"] <= disk["p99_ms"] and f"data in {disk['dir']}, whose fdatasync took" in text
     assert len(result["host"]["loadavg_at_start"]) == 3
     rows = {(r["kind"], r["n"]): r for r in result["rows"]}
     assert set(rows) == {(k, n) for k in ("etcd-v3", "c10d") for n in (8, 16)}

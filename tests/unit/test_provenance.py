@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 from pathlib import Path
 
@@ -65,3 +66,12 @@ def test_the_machine_record_names_the_cost_of_a_page_first_touched():
     # a first touch costs a fault and a page's zeroing: more than nothing, and well under a millisecond anywhere
     assert 0.0 < speed["page_fault_us"] < 1000.0
     assert 0.0 < provenance_mod.page_fault_us(pages=64, tries=1) < 1000.0
+
+
+def test_the_disk_probe_times_durable_small_writes_and_leaves_nothing_behind(tmp_path):
+    disk = provenance_mod.disk_fsync_ms(str(tmp_path), writes=20)
+    assert set(disk) == {"p50_ms", "p99_ms", "dir"} and disk["dir"] == str(tmp_path)
+    assert 0.0 <= disk["p50_ms"] <= disk["p99_ms"] < 60_000.0
+    assert list(tmp_path.iterdir()) == []  # the probe's file is gone
+    if os.path.isdir("/dev/shm"):  # tmpfs: fdatasync has nothing to wait for
+        assert provenance_mod.disk_fsync_ms("/dev/shm", writes=20)["p50_ms"] < 1.0
