@@ -270,8 +270,8 @@ class Connection(StreamTable):
     def unary(self, path: str, body: bytes, timeout_s: float, metadata: tuple = (), tick: Tick | None = None) -> bytes:
         """One request, one reply (bytes); raises CallError. The deadline runs from the send (Stream.next). With
         `tick`, tick.fn() is called every tick.every_s of the wait for the reply, by this thread."""
-        claimed = self.claim()
         try:
+            self.claim()
             stream = self.open(path, metadata, timeout_s=timeout_s, body=body)
             try:
                 reply = stream.next(timeout_s) if tick is None else _ticking(
@@ -284,8 +284,7 @@ class Connection(StreamTable):
                 self.cancel(stream)  # cancel when it ended)
                 raise
         finally:
-            if claimed:
-                self.unclaim()
+            self.unclaim()
 
     def send(self, stream: Stream, data: bytes, *, end: bool) -> None:
         with self._lock:
@@ -373,12 +372,17 @@ class Connection(StreamTable):
         another thread reads now (it queues the answer), or the connection failed."""
         if not self._reading.acquire(blocking=False):
             return False
-        if self.error is not None or self._closed:
-            self._reading.release()
-            return False
-        self._epoll.modify(self._fd, 0)
-        self._claimed = threading.get_ident()
-        return True
+        mine = threading.get_ident()
+        try:
+            if self.error is None and not self._closed:
+                self._epoll.modify(self._fd, 0)
+                self._claimed = mine  # last: set, the token is the caller's to give back (unclaim, or its wait)
+        finally:
+            if self._claimed != mine:  # not taken: a failed connection, or an exception (a stop signal's) on the way
+                if not self._closed:
+                    self._epoll.modify(self._fd, select.EPOLLIN)
+                self._reading.release()
+        return self._claimed == mine
 
     def unclaim(self) -> None:
         """Give back the token claim() took, unless a wait used it (the wait gave it back)."""
@@ -399,8 +403,8 @@ class Connection(StreamTable):
         that came in time counts even if the thread that reads did not run."""
         claimed = self._claimed == threading.get_ident()
         if claimed or self._reading.acquire(blocking=False):
-            self._claimed = 0
             try:
+                self._claimed = 0
                 if self.error is None and not self._closed:
                     self._read_for(stream, timeout_s, switched_off=claimed)
                 elif claimed:
@@ -431,11 +435,11 @@ class Connection(StreamTable):
         Items for the push streams are handed over by this thread under delivering_here(), else by the reader thread
         (woken for them). A BDP ping's answer read here goes with the next write (the lease's keep-alive writes every
         TTL/3), or when the reader thread next wakes (_run): never a wake-up of its own."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        here = getattr(_here, "on", False)
-        if not switched_off:  # (claim() switched it off before the write)
-            self._epoll.modify(self._fd, 0)
-        try:
+        try:  # from the first line: an exception anywhere (a stop signal's) leaves the reader thread's interest on
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            here = getattr(_here, "on", False)
+            if not switched_off:  # (claim() switched it off before the write)
+                self._epoll.modify(self._fd, 0)
             while stream.replies.empty() and self.error is None:
                 wait_ms = -1 if deadline is None else max(0, int(1000 * (deadline - time.monotonic()) + 0.999))
                 ready = self._poller.poll(wait_ms)

@@ -148,12 +148,11 @@ class _KeepAliveStream:
         self._owed_since = 0.0  # when the oldest unanswered keep-alive was sent to a member that owed nothing
 
     def beat(self, lease_id: int, timeout_s: float, silent_s: float) -> Renewal | None:
-        claimed = self._conn.claim()  # this thread reads the answer: the reader thread is not woken for it
         try:
+            self._conn.claim()  # this thread reads the answer: the reader thread is not woken for it
             return self._beat(lease_id, timeout_s, silent_s)
         finally:
-            if claimed:
-                self._conn.unclaim()
+            self._conn.unclaim()
 
     def _beat(self, lease_id: int, timeout_s: float, silent_s: float) -> Renewal | None:
         request = pb.lease_keep_alive(lease_id)

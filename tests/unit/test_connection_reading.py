@@ -221,3 +221,47 @@ def test_a_read_lands_in_the_connections_own_buffer_not_a_new_read_sized_allocat
     peer = _answer_when_asked(member, conn, lambda sid: answer(sid, big))
     assert conn.unary(KV_RANGE, b"q", 10) == big
     peer.join(10)
+
+
+def test_an_exception_right_after_claim_switched_the_reader_off_gives_the_token_back(member_and_connection):
+    """A stop signal's exception (stop_signal.py raises it in the main thread, at any call's return) that lands just
+    after claim() switched the reader thread's interest off: the call fails with it, the read token is free, the
+    interest is on again, and the next call is answered at once (a token left held made every later call wait for
+    its whole deadline)."""
+    member, conn = member_and_connection
+    _settled(member, conn)
+    real = conn._epoll  # noqa: SLF001
+
+    class Interrupting:
+        def __init__(self) -> None:
+            self.armed = True
+
+        def modify(self, fd, events) -> None:
+            real.modify(fd, events)
+            if events == 0 and self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    conn._epoll = Interrupting()  # noqa: SLF001
+    with pytest.raises(KeyboardInterrupt):
+        conn.unary(KV_RANGE, b"q", 10)
+    assert not conn._reading.locked() and conn._claimed == 0  # noqa: SLF001
+
+    def respond() -> None:  # every request at once, whichever thread reads the answer (the interrupted call's
+        try:  # request went out if the exception came in its wait, not in claim())
+            while True:
+                ftype, _, sid, _ = member.next_frame()
+                if ftype == 1:  # a request's HEADERS; its DATA came in the same write
+                    member.next_frame()
+                    member.sock.sendall(answer(sid, b"reply"))
+        except Exception:  # noqa: BLE001 - the test is over: the socket closed
+            pass
+
+    peer = threading.Thread(target=respond, daemon=True)
+    peer.start()
+    started = time.monotonic()
+    assert conn.unary(KV_RANGE, b"q", 10) == b"reply"
+    assert time.monotonic() - started < 5
