@@ -362,16 +362,17 @@ class Connection(StreamTable):
             pass
 
     # ---- reading --------------------------------------------------------------------------------------
-    def claim(self) -> bool:
+    def claim(self) -> None:
         """Take the read token before writing a request whose answer this thread will wait for (Stream.next), and
         switch the reader thread's interest in the socket off now. Switched off only once the wait began, after the
         write, the answer (a fraction of a millisecond later on a LAN) had often woken the reader thread already,
         which then waited for the GIL and the token only to find the socket empty: a wake-up, a dozen futex calls and
-        an empty read per call. True: taken; the caller's wait uses it, and the caller calls unclaim() when done (a
-        no-op once a wait used it: its reply was queued by another thread's catch-up, or the write failed). False:
-        another thread reads now (it queues the answer), or the connection failed."""
+        an empty read per call. Nothing is taken when another thread reads now (it queues the answer) or the
+        connection failed. Call it inside a try whose finally calls unclaim(): the caller's first wait uses the
+        claim, and unclaim() gives back one that no wait used (a reply another thread's catch-up queued, a failed
+        write); it does nothing where no claim of this thread is left."""
         if not self._reading.acquire(blocking=False):
-            return False
+            return
         mine = threading.get_ident()
         try:
             if self.error is None and not self._closed:
@@ -382,7 +383,6 @@ class Connection(StreamTable):
                 if not self._closed:
                     self._epoll.modify(self._fd, select.EPOLLIN)
                 self._reading.release()
-        return self._claimed == mine
 
     def unclaim(self) -> None:
         """Give back the token claim() took, unless a wait used it (the wait gave it back)."""
@@ -392,8 +392,8 @@ class Connection(StreamTable):
         try:
             self._epoll.modify(self._fd, select.EPOLLIN)  # open: the reader thread closes it only under the token
         finally:
-            if self._deliveries and not self._closed:  # none read here, but as wait() does
-                os.eventfd_write(self._wake, 1)
+            if self._deliveries and not self._closed:  # push streams' ends a failure queued while the token was
+                os.eventfd_write(self._wake, 1)  # held: the reader thread hands them over, as after a wait
             self._reading.release()
 
     def wait(self, stream: Stream, timeout_s: float | None) -> bytes | CallError | None:
