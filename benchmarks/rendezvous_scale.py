@@ -26,9 +26,11 @@ or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics s
   reform lapses     with --reform-lapses K (etcd-v3): as the one node is lost, K other members' leases are revoked at
                     once from outside (agents alive: they register again), as an overloaded etcd lets them lapse;
                     reform_s then runs until every survivor is in one round of N-1 again (lapsed ones included)
-  leader            every handler talks to etcd member 0 first: leader_at_start says which member led (0: renewals
-                    are answered where they arrive; else member 0 forwards each one to the leader); --leader first or
-                    other moves the leadership there before the run
+  leader            every handler talks first to the member its node id picks (endpoint_order=spread, the agents'
+                    default; --rdzv-conf endpoint_order=listed: member 0): leader_at_start says which member led (a
+                    member that does not lead forwards each keep-alive it gets to the leader); --leader first or
+                    other moves the leadership to member 0 or the last before the run; round.member_requests: the
+                    gRPC messages each member received in the meeting
   --cpus X          everything (etcd and the handler processes) in a cgroup of X CPUs: a slower machine on demand;
                     --client-nice N runs the handler processes at nice N (etcd first, as on hosts of its own)
   --etcd-write-iops N  etcd's members make at most N writes a second to the disk that holds their data (a cgroup
@@ -349,8 +351,8 @@ def etcd_metrics(cluster) -> dict:
     leads (its index, None with no leader)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"requests": {}, "bytes": 0.0, "events": 0.0, "leader_changes": 0.0, "leader": None,
-           "fsync": {"count": 0.0, "sum": 0.0, "buckets": {}}}
+    out = {"requests": {}, "member_requests": [0.0] * len(cluster.members), "bytes": 0.0, "events": 0.0,
+           "leader_changes": 0.0, "leader": None, "fsync": {"count": 0.0, "sum": 0.0, "buckets": {}}}
     for index, m in enumerate(cluster.members):
         with urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=30) as resp:
             text = resp.read().decode()
@@ -359,6 +361,7 @@ def etcd_metrics(cluster) -> dict:
                 if fam.name == "grpc_server_msg_received" and s.name.endswith("_total"):
                     method = s.labels["grpc_method"]
                     out["requests"][method] = out["requests"].get(method, 0.0) + s.value
+                    out["member_requests"][index] += s.value
                 elif fam.name == "etcd_debugging_mvcc_events" and s.name.endswith("_total"):
                     out["events"] += s.value
                 elif fam.name == "etcd_server_leader_changes_seen" and s.name.endswith("_total"):
@@ -371,7 +374,7 @@ def etcd_metrics(cluster) -> dict:
                         le = float(s.labels["le"])
                         fsync["buckets"][le] = fsync["buckets"].get(le, 0.0) + s.value
                 elif fam.name == "etcd_server_is_leader" and s.value == 1:
-                    out["leader"] = index  # the member that leads (the handlers all talk to member 0 first)
+                    out["leader"] = index  # the member that leads
                 elif fam.name in ("etcd_network_client_grpc_received_bytes",
                                   "etcd_network_client_grpc_sent_bytes") and s.name.endswith("_total"):
                     out["bytes"] += s.value
@@ -395,7 +398,9 @@ def etcd_facts(cluster) -> dict:
 
 def metrics_delta(after: dict, before: dict) -> dict:
     req = {k: v - before["requests"].get(k, 0.0) for k, v in after["requests"].items()}
-    return {"requests": {k: v for k, v in req.items() if v}, "bytes": after["bytes"] - before["bytes"],
+    return {"requests": {k: v for k, v in req.items() if v},
+            "member_requests": [a - b for a, b in zip(after["member_requests"], before["member_requests"])],
+            "bytes": after["bytes"] - before["bytes"],
             "events": after["events"] - before["events"],
             "leader_changes": after.get("leader_changes", 0.0) - before.get("leader_changes", 0.0),
             "fsync": fsync_delta(after["fsync"], before["fsync"])}
@@ -639,7 +644,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
     procs = procs_for(n, args)
     row = {"kind": kind, "n": n, "procs": procs, "loadavg_before": list(os.getloadavg()),
            "meet_s": None, "reform_s": None, "error": ""}
-    if args.leader != "any" and kind != "c10d":  # the handlers talk to member 0 first: it leads, or forwards to it
+    if args.leader != "any" and kind != "c10d":  # with endpoint_order=listed the handlers talk to member 0 first
         cluster.move_leader(0 if args.leader == "first" else len(cluster.members) - 1)
     t_setup = time.monotonic()
     run = Run(kind, n, procs, wargs)
@@ -1002,7 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_one(kind, n, cluster, args)
                 rows.append(row)
                 print(f"[{time.monotonic() - t_start:6.0f}s] {kind:<13} N={n:<5} meet {_f(row['meet_s'], '.2f')} s, "
-                      f"reform {_f(row['reform_s'], '.2f')} s, leader m{row.get('leader_at_start')}, "
+                      f"reform {_f(row['reform_s'], '.2f')} s, leader m{row.get('leader_at_start')}, requests by "
+                      f"member {'/'.join(f'{x:.0f}' for x in row.get('round', {}).get('member_requests', []))}, "
                       f"load {row['loadavg_after'][0]:.1f} {row['error']}",
                       file=sys.stderr, flush=True)
                 if row["meet_s"] is None:

@@ -57,6 +57,11 @@ KEYS: tuple[ConfKey, ...] = (
     ConfKey(key="password_file", meaning="file holding the etcd password"),
     ConfKey(key="allow_plaintext_auth",
             meaning="`1`: send `user` and password over a plaintext (http) etcd connection; refused otherwise"),
+    ConfKey(key="endpoint_order",
+            meaning="`spread` (default): each agent talks first to the member of `--rdzv-endpoint` its node id picks "
+                    "(a stable hash), so that a job's connections, watches and keep-alives spread over etcd's "
+                    "members; `listed`: every agent talks to the first one first. Failover goes on to the next "
+                    "endpoints in the list either way"),
     ConfKey(key="secret_file",
             meaning="the job secret: `etcd-v3` signs each round's membership and `closed` with it, `etcd-v3-torch` "
                     "its pickled state (docs/rendezvous.md)"),

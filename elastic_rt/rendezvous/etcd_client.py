@@ -13,6 +13,7 @@ import logging
 import ssl
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,7 +35,8 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 @dataclass(frozen=True, kw_only=True)
 class EtcdConfig:
-    """How to reach etcd: endpoints tried in order, TLS and credentials.
+    """How to reach etcd: endpoints tried in order from `first` (an index into `endpoints`; failover goes on to the
+    next ones, wrapping round), TLS and credentials.
 
     TLS is used when `tls` is set (https:// endpoints) or any TLS file is given;
     without ca_cert the server is verified against gRPC's default root certificates.
@@ -48,8 +50,11 @@ class EtcdConfig:
     key: str | None = None
     user: str | None = None
     password: str | None = None
+    first: int = 0
 
     def __post_init__(self) -> None:
+        if self.endpoints and not 0 <= self.first < len(self.endpoints):
+            raise ConfigError(f"etcd endpoint index {self.first} is not one of the {len(self.endpoints)} endpoints")
         if bool(self.cert) != bool(self.key):
             raise ConfigError("etcd client certificate: give both cert= and key= in --rdzv-conf (or neither)")
 
@@ -63,6 +68,12 @@ class EtcdConfig:
     def __repr__(self) -> str:  # never print the password
         return (f"EtcdConfig(endpoints={self.describe()}, secure={self.secure}, user={self.user!r}, "
                 f"password={'***' if self.password else None})")
+
+
+def spread_first(spread_key: str, endpoints: int) -> int:
+    """The endpoint (index) an agent named `spread_key` talks to first: a stable hash of its name, so that a job's
+    agents spread evenly over etcd's members and an agent that restarts under its name goes back to the same one."""
+    return zlib.crc32(spread_key.encode()) % endpoints if endpoints > 1 else 0
 
 
 @dataclass(frozen=True)
@@ -199,7 +210,7 @@ class EtcdClient:
         self.config = config
         ctx = _ssl_context(config)
         self._endpoints = [Endpoint(h, p, ctx) for h, p in config.endpoints]
-        self._current = 0
+        self._current = config.first
         self._lock = threading.Lock()
 
     # ---- plumbing -------------------------------------------------------

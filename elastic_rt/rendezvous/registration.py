@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Mapping
 from elastic_rt.checkpoint import secret as job_secret
 from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous import conf as rdzv_conf
-from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig, spread_first
 from elastic_rt.rendezvous.keys import RunKeys
 
 if TYPE_CHECKING:  # torch is imported where a handler is built: the etcd options below serve commands without it
@@ -94,17 +94,24 @@ def _password(conf: Mapping[str, str], env: Mapping[str, str]) -> str | None:
 
 
 def etcd_config_from_conf(endpoint: str, conf: Mapping[str, str], *, timeout_s: float,
-                          env: Mapping[str, str] | None = None) -> EtcdConfig:
-    """EtcdConfig from --rdzv-endpoint and --rdzv-conf keys (TLS files, user, password sources). A user over a
-    plaintext connection is refused unless allow_plaintext_auth=1: the password would cross the network in clear."""
+                          env: Mapping[str, str] | None = None, spread_key: str | None = None) -> EtcdConfig:
+    """EtcdConfig from --rdzv-endpoint and --rdzv-conf keys (TLS files, user, password sources, endpoint_order). A
+    user over a plaintext connection is refused unless allow_plaintext_auth=1: the password would cross the network
+    in clear. `spread_key`: the agent's node id, which picks the endpoint it talks to first unless
+    endpoint_order=listed (None: a one-off command, which talks to the first listed)."""
     scheme = endpoint_scheme(endpoint)
     conf = rdzv_conf.canonical(conf)
+    endpoints = parse_endpoints(endpoint)
+    order = str(conf.get("endpoint_order") or "spread").strip().lower()
+    if order not in ("spread", "listed"):
+        raise ConfigError(f"--rdzv-conf endpoint_order={conf.get('endpoint_order')!r}: expected spread or listed")
     ca_cert, cert, key = conf.get("ca_cert"), conf.get("cert"), conf.get("key")
     if scheme == "http" and (ca_cert or cert or key):
         raise ConfigError("--rdzv-endpoint uses http:// but --rdzv-conf gives ca_cert/cert/key: "
                           "use https:// endpoints for TLS, or drop the TLS files")
     config = EtcdConfig(
-        endpoints=parse_endpoints(endpoint),
+        endpoints=endpoints,
+        first=spread_first(spread_key, len(endpoints)) if order == "spread" and spread_key else 0,
         request_timeout_s=timeout_s,
         tls=scheme == "https",
         ca_cert=ca_cert,
@@ -127,9 +134,10 @@ def conf_from_params(params: RendezvousParameters) -> dict[str, str]:
     return conf
 
 
-def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
+def etcd_config_from_params(params: RendezvousParameters, node_id: str) -> EtcdConfig:
+    """The agent's EtcdConfig; `node_id` picks the endpoint it talks to first (endpoint_order)."""
     return etcd_config_from_conf(params.endpoint, conf_from_params(params),
-                                 timeout_s=_float(params, "read_timeout", 5.0))
+                                 timeout_s=_float(params, "read_timeout", 5.0), spread_key=node_id)
 
 
 def default_node_id() -> str:
@@ -156,13 +164,19 @@ def advertised_metrics_addr(local_addr: str, host: str | None, port: object) -> 
     return f"[{target}]:{number}" if ":" in target else f"{target}:{number}"
 
 
+def node_id_from_params(params: RendezvousParameters) -> str:
+    """`--node-id` (`node_id=`), else hostname-pid; ConfigError for a name the rendezvous keys cannot hold."""
+    node_id = str(params.get("node_id") or default_node_id())
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", node_id):
+        raise ConfigError(f"invalid node id {node_id!r}: use letters, digits, '.', '_' or '-'")
+    return node_id
+
+
 def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
     from elastic_rt.rendezvous.handler import RendezvousSettings
 
     conf = conf_from_params(params)
-    node_id = str(params.get("node_id") or default_node_id())
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", node_id):
-        raise ConfigError(f"invalid node id {node_id!r}: use letters, digits, '.', '_' or '-'")
+    node_id = node_id_from_params(params)
     local_addr = params.local_addr or socket.getfqdn()
     return RendezvousSettings(
         run_id=params.run_id,
@@ -197,7 +211,8 @@ def create_etcd_v3_handler(params: RendezvousParameters) -> EtcdRendezvousHandle
     settings = settings_from_params(params)  # validates the keys, timeouts and the node id first
     path = params.get("secret_file")
     secret = read_secret_file(path) if path else None
-    return EtcdRendezvousHandler(EtcdClient(etcd_config_from_params(params)), settings, secret=secret)
+    return EtcdRendezvousHandler(EtcdClient(etcd_config_from_params(params, settings.node_id)), settings,
+                                 secret=secret)
 
 
 def create_etcd_v3_torch_handler(params: RendezvousParameters):
@@ -221,7 +236,7 @@ def create_etcd_v3_torch_handler(params: RendezvousParameters):
             f"{keys.state} runs code in every agent; give --rdzv-conf secret_file=PATH (openssl rand -hex 32 > "
             "job.secret; the same file on every node), or say insecure_state=1")
     secret = read_secret_file(path) if path else None
-    client = EtcdClient(etcd_config_from_params(params))
+    client = EtcdClient(etcd_config_from_params(params, node_id_from_params(params)))
     backend = EtcdV3RendezvousBackend(client, params.run_id, name=params.backend, secret=secret)
     return create_handler(EtcdStore(client, keys.store), backend, params)
 

@@ -1,4 +1,5 @@
-"""An etcd member dies: clients fail over to the next endpoint and a running job is not disturbed."""
+"""An etcd member dies: clients fail over to the next endpoint and a running job is not disturbed (the agents that
+talked to it move to the next member, the others stay where they are)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 import pytest
 
 from etcd_testbed.server import EtcdCluster
-from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
+from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig, spread_first
 from tests.chaos.harness import Node, launch_args
 from tests.chaos.test_launch_e2e import _rank0, nodes  # noqa: F401 - fixture
 
@@ -38,12 +39,13 @@ def test_client_fails_over_when_its_member_dies(cluster):
 
 def test_job_survives_the_loss_of_an_etcd_member(cluster, run_id, nodes):  # noqa: F811
     endpoints = cluster.endpoints
+    assert spread_first("a", 3) != spread_first("b", 3)  # the two agents start on members of their own
     a = Node(launch_args(endpoints, run_id, "a", nnodes="2", steps=150, step_sleep=0.05), name="a")
     b = Node(launch_args(endpoints, run_id, "b", nnodes="2", steps=150, step_sleep=0.05), name="b")
     nodes.extend([a, b])
     leader, _ = _rank0(a, b)
     leader.wait_for(r"step=5 ", 120)
-    victim = cluster.members[0]  # the first endpoint: where both agents start
+    victim = cluster.members[spread_first(leader.name, 3)]  # the member rank 0's agent talks to
     killed_at = time.monotonic()
     cluster.kill_member(victim)
     leader.wait_for(r"step=\d+ ", 60, after=killed_at)

@@ -275,7 +275,7 @@ def check_rendezvous_conf(cfg) -> None:
             min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, local_addr=cfg.local_addr, **conf,
         )
         settings_from_params(params)
-        config = etcd_config_from_params(params)
+        config = etcd_config_from_params(params, "node-a")
     assert config.user is None or config.password == "stand-in", "the password must come from password_file"
 
 

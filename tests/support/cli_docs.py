@@ -114,7 +114,7 @@ def rdzv_conf_defaults() -> dict[str, object]:
 
     params = RendezvousParameters(backend="etcd-v3", endpoint="localhost:2379", run_id="docs", min_nodes=1,
                                   max_nodes=1, local_addr="localhost")
-    built = {**vars(etcd_config_from_params(params)), **vars(settings_from_params(params))}
+    built = {**vars(etcd_config_from_params(params, "node-a")), **vars(settings_from_params(params))}
     return {k.key: ("hostname-pid" if k.key == "node_id" else built[k.field] if k.field else None)
             for k in _rdzv_conf_keys()}
 

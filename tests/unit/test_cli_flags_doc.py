@@ -74,6 +74,6 @@ def test_each_documented_timeout_key_sets_its_setting(key):
     field = next(k.field for k in KEYS if k.key == key)
     params = RendezvousParameters(backend="etcd-v3", endpoint="localhost:2379", run_id="docs", min_nodes=1,
                                   max_nodes=1, local_addr="localhost", **{key: "7.5"})
-    built = {**vars(etcd_config_from_params(params)), **vars(settings_from_params(params))}
+    built = {**vars(etcd_config_from_params(params, "node-a")), **vars(settings_from_params(params))}
     assert built[field] == 7.5
     assert cli_docs.rdzv_conf_defaults()[key] != 7.5

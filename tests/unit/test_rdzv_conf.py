@@ -15,7 +15,7 @@ from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous import conf as rdzv_conf
 from elastic_rt.rendezvous import registration
 from elastic_rt.rendezvous.claim import JobFingerprint
-from elastic_rt.rendezvous.etcd_client import KeyValue
+from elastic_rt.rendezvous.etcd_client import EtcdConfig, KeyValue
 from elastic_rt.rendezvous.registration import ENV_ETCD_PASSWORD, etcd_config_from_conf
 from elastic_rt.rendezvous.signing import KeySigner, master_refusal, registered_addr
 
@@ -147,3 +147,29 @@ def test_fingerprint_names_what_differs():
     assert "its script is other.py, not train.py" in text and "arguments differ" in text
     assert "its --nnodes is 2, not 2:4" in text and "its launch_id is 7, not (none)" in text
     assert a.differences(a) == "its fingerprint differs"  # never asked for equal ones: says so anyway
+
+
+def test_agents_spread_over_the_listed_endpoints_by_their_node_id():
+    endpoints = "10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379"
+    firsts = [etcd_config_from_conf(endpoints, {}, timeout_s=5, spread_key=f"node-{i}").first for i in range(300)]
+    counts = [firsts.count(i) for i in range(3)]
+    assert min(counts) >= 80, counts  # 100 each, give or take the hash's spread
+    again = [etcd_config_from_conf(endpoints, {}, timeout_s=5, spread_key=f"node-{i}").first for i in range(300)]
+    assert again == firsts  # stable: a restarted agent goes back to the member it had
+
+
+def test_endpoint_order_listed_and_one_off_commands_start_at_the_first_endpoint():
+    endpoints = "10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379"
+    listed = {etcd_config_from_conf(endpoints, {"endpoint_order": "listed"}, timeout_s=5, spread_key=f"n{i}").first
+              for i in range(30)}
+    assert listed == {0}
+    assert etcd_config_from_conf(endpoints, {}, timeout_s=5).first == 0  # status, gc, doctor: no node id
+    assert etcd_config_from_conf("10.0.0.1:2379", {}, timeout_s=5, spread_key="g").first == 0
+
+
+def test_a_bad_endpoint_order_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as info:
+        etcd_config_from_conf("10.0.0.1:2379", {"endpoint_order": "random"}, timeout_s=5, spread_key="a")
+    assert "\n" not in str(info.value) and "endpoint_order='random': expected spread or listed" in str(info.value)
+    with pytest.raises(ConfigError, match="endpoint index 3 is not one of the 3 endpoints"):
+        EtcdConfig(endpoints=(("a", 1), ("b", 1), ("c", 1)), first=3)

@@ -1,0 +1,88 @@
+"""A job's agents spread over the members of `--rdzv-endpoint` (endpoint_order=spread, the default): each opens its
+connection, keep-alive stream and watch on the member its node id picks, and the job meets across members; with
+endpoint_order=listed they all start at the first member."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from etcd_testbed.server import EtcdCluster
+from elastic_rt.rendezvous.etcd_client import spread_first
+from elastic_rt.rendezvous.registration import create_etcd_v3_handler
+from tests.support.rendezvous import ranks
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with EtcdCluster(3) as c:
+        yield c
+
+
+def _streams(cluster) -> list[dict[str, float]]:
+    """Per member: the Watch and LeaseKeepAlive streams it has had opened (etcd's own counters)."""
+    out = []
+    for m in cluster.members:
+        with urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        counts = {"Watch": 0.0, "LeaseKeepAlive": 0.0}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "grpc_server_started_total" and s.labels.get("grpc_method") in counts:
+                    counts[s.labels["grpc_method"]] += s.value
+        out.append(counts)
+    return out
+
+
+def _one_per_member(n: int) -> list[str]:
+    """Node ids whose agents talk first to member 0, 1, ..., n-1."""
+    names: dict[int, str] = {}
+    i = 0
+    while len(names) < n:
+        names.setdefault(spread_first(f"node-{i}", n), f"node-{i}")
+        i += 1
+    return [names[k] for k in range(n)]
+
+
+def _meet(cluster, run_id: str, names: list[str], **conf) -> list:
+    handlers = [create_etcd_v3_handler(RendezvousParameters(
+        "etcd-v3", cluster.endpoints, run_id, len(names), len(names), local_addr="127.0.0.1", node_id=name,
+        last_call_timeout=2, **conf)) for name in names]
+    got = ranks(handlers)
+    assert sorted(r for r, _ in got.values()) == list(range(len(names)))
+    return handlers
+
+
+def _opened(before, after) -> list[tuple[float, float]]:
+    return [(a["Watch"] - b["Watch"], a["LeaseKeepAlive"] - b["LeaseKeepAlive"]) for a, b in zip(after, before)]
+
+
+def test_a_jobs_agents_each_talk_to_the_member_their_node_id_picks(cluster, run_id):
+    names = _one_per_member(3)
+    before = _streams(cluster)
+    handlers = _meet(cluster, run_id, names)
+    try:
+        opened = _opened(before, _streams(cluster))
+        for member, (watches, keep_alives) in enumerate(opened):
+            assert watches >= 1 and keep_alives >= 1, (member, opened)  # each member serves its own agent
+        for i, h in enumerate(handlers):
+            assert h._client.current_endpoint == cluster.members[i].endpoint
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
+def test_endpoint_order_listed_puts_every_agent_on_the_first_member(cluster, run_id):
+    names = _one_per_member(3)
+    before = _streams(cluster)
+    handlers = _meet(cluster, run_id, names, endpoint_order="listed")
+    try:
+        opened = _opened(before, _streams(cluster))
+        assert opened[0][0] >= 3 and opened[0][1] >= 3, opened
+        assert opened[1] == (0, 0) and opened[2] == (0, 0), opened
+    finally:
+        for h in handlers:
+            h.shutdown()
