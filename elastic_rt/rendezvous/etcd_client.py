@@ -228,17 +228,23 @@ class EtcdClient:
               attempts: int | None = None):
         """Run fn on the current endpoint; on an unreachable one, fail over to the next.
 
-        With `attempts`, at most that many endpoints are tried; the next call starts at the
-        one after the last that failed (the lease keepalive tries one endpoint per beat).
+        With `attempts`, at most that many endpoints are tried whose failure took time (the lease keepalive tries
+        one a beat); one that failed at once (UNAVAILABLE within a quarter of the deadline: refused, reset, no
+        leader: a dead member) is passed over without counting, so a dead member costs a keep-alive no beat. The
+        next call starts at the one after the last that failed.
         """
         timeout = self.config.request_timeout_s if timeout_s is None else timeout_s
         errors: list[str] = []
         with self._lock:
             start = self._current
-        tries = len(self._endpoints) if attempts is None else max(1, min(attempts, len(self._endpoints)))
-        for i in range(tries):
-            idx = (start + i) % len(self._endpoints)
+        count = len(self._endpoints)
+        tries = count if attempts is None else max(1, min(attempts, count))
+        spent = tried = 0
+        while spent < tries and tried < count:
+            idx = (start + tried) % count
             ep = self._endpoints[idx]
+            tried += 1
+            began = time.monotonic()
             try:
                 result = self._authenticated(ep, fn, timeout)
             except grpc.RpcError as exc:
@@ -250,6 +256,8 @@ class EtcdClient:
                     why = "no answer within %g s" % timeout if code == grpc.StatusCode.DEADLINE_EXCEEDED \
                         else "unavailable"
                     errors.append(f"{ep.label}: {why}")
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() - began >= timeout / 4:
+                        spent += 1
                     continue
                 details = exc.details() if hasattr(exc, "details") else exc
                 error = LeaseGoneError if code == grpc.StatusCode.NOT_FOUND and "lease not found" in str(details) \
@@ -262,10 +270,10 @@ class EtcdClient:
                     self._current = idx
                 log.info("etcd: failed over to %s", ep.label)
             return result
-        if tries < len(self._endpoints):
+        if tried < count:
             with self._lock:
                 if self._current == start:
-                    self._current = (start + tries) % len(self._endpoints)
+                    self._current = (start + tried) % count
         raise EtcdUnavailableError(
             f"etcd at {self.config.describe()} is not reachable "
             f"({'; '.join(errors)}); is it running? see --rdzv-endpoint"

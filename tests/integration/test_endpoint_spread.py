@@ -4,6 +4,7 @@ endpoint_order=listed they all start at the first member."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
@@ -86,3 +87,30 @@ def test_endpoint_order_listed_puts_every_agent_on_the_first_member(cluster, run
     finally:
         for h in handlers:
             h.shutdown()
+
+
+def test_a_dead_member_moves_its_agents_on_at_once_and_etcd_never_reads_unreachable(cluster, run_id):
+    """The member an agent talks to dies: its next keep-alive goes to the next member in the same beat (a refused
+    connection costs no beat), so the agent never reports etcd unreachable and the lease never goes unrenewed for
+    longer than a beat or so."""
+    name = _one_per_member(3)[2]  # on the last member: the next one is the first (wrapping round)
+    (h,) = _meet(cluster, run_id, [name])
+    changes: list[bool] = []
+    h.health.add_listener(changes.append)  # called once now, with True
+    victim = cluster.members[2]
+    try:
+        cluster.kill_member(victim)
+        killed = time.monotonic()
+        deadline = killed + 10
+        while h._client.current_endpoint != cluster.members[0].endpoint and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert h._client.current_endpoint == cluster.members[0].endpoint
+        renewed = h._lease.last_renewed
+        while h._lease.last_renewed == renewed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert h._lease.last_renewed > killed  # renewed by the next member
+        assert changes == [True] and not h.health.unreachable_since(killed), changes
+    finally:
+        h.shutdown()
+        cluster.restart_member(victim)
+        cluster.wait_healthy(60)
