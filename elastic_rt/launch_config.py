@@ -43,7 +43,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"rendezvous backend: {', '.join(KNOWN_BACKENDS)} (default etcd-v3; static when "
                         "--node-rank, --master-addr or --master-port is given without --rdzv-endpoint)")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
-                   help="etcd endpoints host:port[,host:port...]; tried in order, failing over")
+                   help="etcd endpoints host:port[,host:port...], every member: each agent starts at the one its "
+                        "node id picks (--rdzv-conf endpoint_order) and fails over to the next ones in the list")
     p.add_argument("--rdzv-id", "--rdzv_id", default="none", help="job id, the same on every node")
     p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
                    help="k=v,... : timeouts, TLS files, user and password_file, secret_file, ... (the "

@@ -20,7 +20,7 @@ from typing import Callable
 import grpc  # StatusCode: connection.py reports failures as gRPC statuses
 from pyetcd import etcdrpc
 
-from elastic_rt.errors import ConfigError, EtcdUnavailableError, LeaseGoneError
+from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, LeaseGoneError
 from elastic_rt.rendezvous import pb
 from elastic_rt.rendezvous.etcd_access import access_error, check_tls, needs_tls_check, tls_context
 from elastic_rt.rendezvous.connection import Tick, delivering_here  # noqa: F401 - the client's API too (rounds.py)
@@ -51,6 +51,7 @@ class EtcdConfig:
     user: str | None = None
     password: str | None = None
     first: int = 0
+    home_retry_s: float = 30.0  # after a failover away from `first`: how often to see whether it answers again
 
     def __post_init__(self) -> None:
         if self.endpoints and not 0 <= self.first < len(self.endpoints):
@@ -72,7 +73,8 @@ class EtcdConfig:
 
 def spread_first(spread_key: str, endpoints: int) -> int:
     """The endpoint (index) an agent named `spread_key` talks to first: a stable hash of its name, so that a job's
-    agents spread evenly over etcd's members and an agent that restarts under its name goes back to the same one."""
+    agents spread evenly over etcd's members and an agent restarted under the same --node-id goes back to the same
+    one."""
     return zlib.crc32(spread_key.encode()) % endpoints if endpoints > 1 else 0
 
 
@@ -197,6 +199,9 @@ def _ssl_context(config: EtcdConfig) -> ssl.SSLContext | None:
                           "see --rdzv-conf") from exc
 
 
+_HOME_PROBE = etcdrpc.RangeRequest(key=b"\0", limit=1, keys_only=True)  # go_home(): any linearizable read
+
+
 def _expired_token(code, details: str) -> bool:
     return code == grpc.StatusCode.UNAUTHENTICATED and "invalid auth token" in details
 
@@ -211,6 +216,7 @@ class EtcdClient:
         ctx = _ssl_context(config)
         self._endpoints = [Endpoint(h, p, ctx) for h, p in config.endpoints]
         self._current = config.first
+        self._home_tried = 0.0  # when calls last left the first endpoint, or go_home() last tried it
         self._lock = threading.Lock()
 
     # ---- plumbing -------------------------------------------------------
@@ -268,6 +274,7 @@ class EtcdClient:
             if idx != start:
                 with self._lock:
                     self._current = idx
+                    self._home_tried = time.monotonic()
                 log.info("etcd: failed over to %s", ep.label)
             return result
         if tried < count:
@@ -278,6 +285,31 @@ class EtcdClient:
             f"etcd at {self.config.describe()} is not reachable "
             f"({'; '.join(errors)}); is it running? see --rdzv-endpoint"
         )
+
+    def go_home(self, timeout_s: float = 0.5) -> bool:
+        """After a failover away from the endpoint `config.first` picked: at most once every `home_retry_s`, one
+        linearizable read there (it answers as part of a quorum, not a partitioned minority); when it answers, calls
+        go back there (the keep-alive stream on the member left is closed) and True. Called by the lease thread
+        between beats, so that a job's agents stay spread over the members: without it a rolling restart of etcd's
+        members in list order would end with every agent on one member."""
+        now = time.monotonic()
+        with self._lock:
+            home, away = self.config.first, self._current
+            if away == home or now - self._home_tried < self.config.home_retry_s:
+                return False
+            self._home_tried = now
+        ep = self._endpoints[home]
+        try:
+            self._authenticated(ep, lambda e, t: e.call("KV/Range", _HOME_PROBE, t), timeout_s)
+        except (grpc.RpcError, ElasticRTError):
+            return False
+        with self._lock:
+            if self._current != away:  # a call failed over meanwhile: leave that be
+                return False
+            self._current = home
+        self._endpoints[away].drop_keepalive()
+        log.info("etcd: %s answers again; back to it from %s", ep.label, self._endpoints[away].label)
+        return True
 
     def _refusal(self, ep: Endpoint, code, details: str, timeout: float):
         """The EtcdAccessError this failure proves (TLS, auth, permission), else None: retry or fail over."""

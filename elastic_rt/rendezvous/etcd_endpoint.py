@@ -103,11 +103,16 @@ class Endpoint:
                         return None
                 raise
 
-    def close(self) -> None:
+    def drop_keepalive(self) -> None:
+        """Close this member's keep-alive stream (the client moved its calls to another member); the connection
+        stays, and the next keep-alive here opens a new stream."""
         with self.keepalive_lock:
             if self.keepalive is not None:
                 self.keepalive.close()
                 self.keepalive = None
+
+    def close(self) -> None:
+        self.drop_keepalive()
         with self._conn_lock:
             self._closed = True
             if self._conn is not None:

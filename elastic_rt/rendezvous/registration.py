@@ -236,7 +236,7 @@ def create_etcd_v3_torch_handler(params: RendezvousParameters):
             f"{keys.state} runs code in every agent; give --rdzv-conf secret_file=PATH (openssl rand -hex 32 > "
             "job.secret; the same file on every node), or say insecure_state=1")
     secret = read_secret_file(path) if path else None
-    client = EtcdClient(etcd_config_from_params(params, node_id_from_params(params)))
+    client = EtcdClient(etcd_config_from_params(params, str(params.get("node_id") or default_node_id())))
     backend = EtcdV3RendezvousBackend(client, params.run_id, name=params.backend, secret=secret)
     return create_handler(EtcdStore(client, keys.store), backend, params)
 

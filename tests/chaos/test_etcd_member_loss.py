@@ -49,6 +49,7 @@ def test_job_survives_the_loss_of_an_etcd_member(cluster, run_id, nodes):  # noq
     killed_at = time.monotonic()
     cluster.kill_member(victim)
     leader.wait_for(r"step=\d+ ", 60, after=killed_at)
+    leader.wait_for(r"etcd: failed over to ", 30, after=killed_at)  # its agent was on the victim: it moved on
     try:
         for n in (a, b):
             assert n.wait_exit(240) == 0, n.output[-3000:]

@@ -173,3 +173,13 @@ def test_a_bad_endpoint_order_is_refused_in_one_line():
     assert "\n" not in str(info.value) and "endpoint_order='random': expected spread or listed" in str(info.value)
     with pytest.raises(ConfigError, match="endpoint index 3 is not one of the 3 endpoints"):
         EtcdConfig(endpoints=(("a", 1), ("b", 1), ("c", 1)), first=3)
+
+
+def test_the_torch_backend_spreads_by_its_node_id_and_checks_no_name():
+    params = RendezvousParameters(backend="etcd-v3-torch", endpoint="127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", run_id="job",
+                                  min_nodes=1, max_nodes=1, insecure_state="1", node_id="g")
+    handler = registration.create_etcd_v3_torch_handler(params)  # builds without contacting etcd
+    client = handler._state_holder._backend._client  # torch 2.13's handler -> its state holder -> our backend
+    assert client.current_endpoint == "127.0.0.1:2"  # spread_first("g", 3) == 1
+    params.config["node_id"] = "gpu 7"  # torch's handler never checked the name: it still does not
+    assert registration.create_etcd_v3_torch_handler(params).get_backend() == "etcd-v3-torch"
