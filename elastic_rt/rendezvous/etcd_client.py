@@ -10,6 +10,7 @@ failure is translated here into EtcdUnavailableError (or EtcdAccessError, LeaseG
 from __future__ import annotations
 
 import logging
+import random
 import ssl
 import threading
 import time
@@ -199,9 +200,6 @@ def _ssl_context(config: EtcdConfig) -> ssl.SSLContext | None:
                           "see --rdzv-conf") from exc
 
 
-_HOME_PROBE = etcdrpc.RangeRequest(key=b"\0", limit=1, keys_only=True)  # go_home(): any linearizable read
-
-
 def _expired_token(code, details: str) -> bool:
     return code == grpc.StatusCode.UNAUTHENTICATED and "invalid auth token" in details
 
@@ -209,14 +207,17 @@ def _expired_token(code, details: str) -> bool:
 class EtcdClient:
     """Thread-safe etcd v3 client: KV, transactions, leases, one-shot watches."""
 
-    def __init__(self, config: EtcdConfig) -> None:
+    def __init__(self, config: EtcdConfig, *, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None) -> None:
         if not config.endpoints:
             raise ConfigError("no etcd endpoint given; see --rdzv-endpoint")
         self.config = config
         ctx = _ssl_context(config)
         self._endpoints = [Endpoint(h, p, ctx) for h, p in config.endpoints]
         self._current = config.first
-        self._home_tried = 0.0  # when calls last left the first endpoint, or go_home() last tried it
+        self._clock = clock  # how long a failure took (_call), when to try the first endpoint again (go_home)
+        self._rng = rng or random.Random()
+        self._home_due = 0.0  # go_home() tries the first endpoint again from then on
         self._lock = threading.Lock()
 
     # ---- plumbing -------------------------------------------------------
@@ -250,7 +251,7 @@ class EtcdClient:
             idx = (start + tried) % count
             ep = self._endpoints[idx]
             tried += 1
-            began = time.monotonic()
+            began = self._clock()
             try:
                 result = self._authenticated(ep, fn, timeout)
             except grpc.RpcError as exc:
@@ -262,7 +263,7 @@ class EtcdClient:
                     why = "no answer within %g s" % timeout if code == grpc.StatusCode.DEADLINE_EXCEEDED \
                         else "unavailable"
                     errors.append(f"{ep.label}: {why}")
-                    if code == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() - began >= timeout / 4:
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED or self._clock() - began >= timeout / 4:
                         spent += 1
                     continue
                 details = exc.details() if hasattr(exc, "details") else exc
@@ -274,34 +275,42 @@ class EtcdClient:
             if idx != start:
                 with self._lock:
                     self._current = idx
-                    self._home_tried = time.monotonic()
+                    self._away()
                 log.info("etcd: failed over to %s", ep.label)
             return result
         if tried < count:
             with self._lock:
                 if self._current == start:
                     self._current = (start + tried) % count
+                    self._away()
         raise EtcdUnavailableError(
             f"etcd at {self.config.describe()} is not reachable "
             f"({'; '.join(errors)}); is it running? see --rdzv-endpoint"
         )
 
-    def go_home(self, timeout_s: float = 0.5) -> bool:
-        """After a failover away from the endpoint `config.first` picked: at most once every `home_retry_s`, one
-        linearizable read there (it answers as part of a quorum, not a partitioned minority); when it answers, calls
-        go back there (the keep-alive stream on the member left is closed) and True. Called by the lease thread
-        between beats, so that a job's agents stay spread over the members: without it a rolling restart of etcd's
-        members in list order would end with every agent on one member."""
-        now = time.monotonic()
+    def _away(self) -> None:
+        """Calls just left an endpoint (the caller holds _lock): go_home() tries the first one again in home_retry_s,
+        give or take a quarter (the agents of a member that died do not all come back in the same second)."""
+        self._home_due = self._clock() + self.config.home_retry_s * self._rng.uniform(0.75, 1.25)
+
+    def go_home(self, probe_key: str, timeout_s: float = 0.25) -> bool:
+        """After a failover away from the endpoint `config.first` picked: once it is due (_away), one linearizable
+        read of `probe_key` there (a key the caller may read: the run's; a member cut off from the quorum does not
+        answer it); when it answers, calls go back there, the keep-alive stream on the member left is closed, and
+        True. Called by the lease thread between beats (`timeout_s` bounds what it adds to a beat), so that a job's
+        agents stay spread over the members: without it a rolling restart of etcd's members in list order would
+        end with every agent on one member."""
         with self._lock:
             home, away = self.config.first, self._current
-            if away == home or now - self._home_tried < self.config.home_retry_s:
+            if away == home or self._clock() < self._home_due:
                 return False
-            self._home_tried = now
+            self._away()
         ep = self._endpoints[home]
+        probe = etcdrpc.RangeRequest(key=probe_key.encode(), count_only=True)
         try:
-            self._authenticated(ep, lambda e, t: e.call("KV/Range", _HOME_PROBE, t), timeout_s)
-        except (grpc.RpcError, ElasticRTError):
+            self._authenticated(ep, lambda e, t: e.call("KV/Range", probe, t), timeout_s)
+        except (grpc.RpcError, ElasticRTError, ValueError) as exc:  # ValueError: the client closed meanwhile
+            log.debug("etcd: %s does not answer yet (%s); staying on %s", ep.label, exc, self._endpoints[away].label)
             return False
         with self._lock:
             if self._current != away:  # a call failed over meanwhile: leave that be

@@ -427,7 +427,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         run's lease alive."""
         self._run_lease.beat()
         self._view.revive()
-        self._client.go_home()
+        self._client.go_home(self.keys.round)
         endpoint = self._view.stream_endpoint
         if endpoint is not None and endpoint != self._client.current_endpoint:
             log.info("node %s: moving the membership watch to %s", self.settings.node_id,
