@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import urllib.request
 import uuid
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from etcd_testbed.server import EtcdCluster
 from elastic_rt.rendezvous.etcd_client import EtcdClient, spread_first
 from elastic_rt.rendezvous.handler import EtcdRendezvousHandler
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler, etcd_config_from_params, settings_from_params
+from tests.support.etcd_metrics import grpc_counts
+from tests.support.prometheus import wait_until
 from tests.support.rendezvous import ranks
 
 
@@ -28,17 +28,8 @@ def cluster():
 
 def _streams(cluster) -> list[dict[str, float]]:
     """Per member: the Watch and LeaseKeepAlive streams it has had opened (etcd's own counters)."""
-    out = []
-    for m in cluster.members:
-        with urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        counts = {"Watch": 0.0, "LeaseKeepAlive": 0.0}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name == "grpc_server_started_total" and s.labels.get("grpc_method") in counts:
-                    counts[s.labels["grpc_method"]] += s.value
-        out.append(counts)
-    return out
+    return [{m: counts.started.get(m, 0.0) for m in ("Watch", "LeaseKeepAlive")}
+            for counts in map(grpc_counts, cluster.members)]
 
 
 def _one_per_member(n: int) -> list[str]:
@@ -120,16 +111,17 @@ def _die_and_come_back(cluster, run_id: str, **conf) -> None:
     try:
         cluster.kill_member(victim)
         killed = time.monotonic()
-        assert _poll(lambda: h._client.current_endpoint == next_one, 10)
+        wait_until("calls on the next member", lambda: h._client.current_endpoint == next_one, 10, poll_s=0.05)
         renewed = h._lease.last_renewed
-        assert _poll(lambda: h._lease.last_renewed != renewed, 10)
+        wait_until("a renewal after the kill", lambda: h._lease.last_renewed != renewed, 10, poll_s=0.05)
         assert h._lease.last_renewed > killed  # renewed by the next member
         assert changes == [True] and not h.health.unreachable_since(killed), changes
         cluster.restart_member(victim)  # no wait_healthy(): the testbed's check does not authenticate
-        assert _poll(lambda: h._client.current_endpoint == home and h._view.stream_endpoint == home, 30)
+        wait_until("calls and watch back home",
+                   lambda: h._client.current_endpoint == home and h._view.stream_endpoint == home, 30, poll_s=0.05)
         assert h._client._endpoints[0].keepalive is None  # the keep-alive stream on the member it left is closed
         back = time.monotonic()
-        assert _poll(lambda: h._lease.last_renewed > back, 10)  # renewed at home
+        wait_until("a renewal at home", lambda: h._lease.last_renewed > back, 10, poll_s=0.05)
         assert h.etcd_reachable() and changes == [True], changes
     finally:
         h.shutdown()
@@ -137,12 +129,3 @@ def _die_and_come_back(cluster, run_id: str, **conf) -> None:
             cluster.restart_member(victim)
         if "user" not in conf:
             cluster.wait_healthy(60)
-
-
-def _poll(check, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True

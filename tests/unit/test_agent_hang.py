@@ -7,17 +7,7 @@ import pytest
 from elastic_rt.errors import ConfigError
 from elastic_rt.diagnostics.hang import HangDetector
 from elastic_rt.worker_reports.heartbeat import Heartbeat
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, dt: float) -> None:
-        self.now += dt
+from tests.support.clock import FakeClock
 
 
 def beat(seq: int, *, step: int | None = None, pid: int = 100) -> Heartbeat:
@@ -25,7 +15,7 @@ def beat(seq: int, *, step: int | None = None, pid: int = 100) -> Heartbeat:
 
 
 def make(timeout_s: float = 10.0, **kw) -> tuple[HangDetector, FakeClock]:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     det = HangDetector(hang_timeout_s=timeout_s, clock=clock, **kw)
     det.start([0, 1])
     return det, clock
@@ -125,7 +115,7 @@ def test_with_real_heartbeat_files(tmp_path):
     paths = {0: str(tmp_path / "0.hb"), 1: str(tmp_path / "1.hb")}
     for p in paths.values():
         prepare_heartbeat_file(p)
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     det = HangDetector(hang_timeout_s=30, clock=clock)
     det.start(paths)
     reader = HeartbeatReader(paths)

@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_rt.checkpoint.fence import FENCE_FILE, FenceCheck, FencedError, FencePublisher
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
 
 
 class Handler:
@@ -34,7 +27,7 @@ class Handler:
 
 @pytest.fixture
 def setup(tmp_path):
-    handler, clock = Handler(), Clock()
+    handler, clock = Handler(), FakeClock()
     publisher = FencePublisher(str(tmp_path), handler, clock=clock)
     publisher.publish()
     check = FenceCheck(str(tmp_path / FENCE_FILE), round=3, clock=clock)

@@ -8,21 +8,14 @@ import pytest
 
 from elastic_rt.rendezvous.connection import Tick, _ticking
 from elastic_rt.rendezvous.wire import CallError
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
 
 
 class _Stream:
     """A call sent at the clock's time whose reply comes `reply_after_s` after the send (None: never); each wait
     moves the clock on, and is recorded."""
 
-    def __init__(self, clock: _Clock, reply_after_s: float | None) -> None:
+    def __init__(self, clock: FakeClock, reply_after_s: float | None) -> None:
         self.clock, self.sent_at = clock, clock.now
         self._reply_at = None if reply_after_s is None else self.sent_at + reply_after_s
         self.waits: list[float] = []
@@ -36,7 +29,7 @@ class _Stream:
         raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s")
 
 
-def _ticks(clock: _Clock, stream: _Stream, every_s: float, takes_s: float = 0.0) -> tuple[list[float], Tick]:
+def _ticks(clock: FakeClock, stream: _Stream, every_s: float, takes_s: float = 0.0) -> tuple[list[float], Tick]:
     """The times (from the send) at which the tick ran, and a tick that takes `takes_s` of the clock."""
     at: list[float] = []
 
@@ -48,7 +41,7 @@ def _ticks(clock: _Clock, stream: _Stream, every_s: float, takes_s: float = 0.0)
 
 
 def test_a_reply_within_the_first_interval_calls_no_tick():
-    clock = _Clock()
+    clock = FakeClock()
     stream = _Stream(clock, 0.1)
     at, tick = _ticks(clock, stream, 1.0)
     assert _ticking(stream, 10.0, tick, clock) == b"reply"
@@ -56,7 +49,7 @@ def test_a_reply_within_the_first_interval_calls_no_tick():
 
 
 def test_a_late_reply_is_waited_for_with_a_tick_each_interval_from_the_send():
-    clock = _Clock()
+    clock = FakeClock()
     stream = _Stream(clock, 3.5)
     at, tick = _ticks(clock, stream, 1.0)
     assert _ticking(stream, 10.0, tick, clock) == b"reply"
@@ -64,7 +57,7 @@ def test_a_late_reply_is_waited_for_with_a_tick_each_interval_from_the_send():
 
 
 def test_the_deadline_runs_from_the_send_and_no_tick_comes_at_or_after_it():
-    clock = _Clock()
+    clock = FakeClock()
     stream = _Stream(clock, None)
     at, tick = _ticks(clock, stream, 1.0)
     with pytest.raises(CallError) as info:
@@ -75,7 +68,7 @@ def test_the_deadline_runs_from_the_send_and_no_tick_comes_at_or_after_it():
 
 
 def test_a_tick_that_overran_its_interval_is_not_followed_by_another_at_once():
-    clock = _Clock()
+    clock = FakeClock()
     stream = _Stream(clock, 4.0)
     at, tick = _ticks(clock, stream, 1.0, takes_s=1.5)
     assert _ticking(stream, 10.0, tick, clock) == b"reply"
@@ -83,7 +76,7 @@ def test_a_tick_that_overran_its_interval_is_not_followed_by_another_at_once():
 
 
 def test_a_failure_other_than_the_deadline_ends_the_wait_at_once():
-    clock = _Clock()
+    clock = FakeClock()
 
     class Broken(_Stream):
         def next(self, timeout_s: float) -> bytes:
@@ -99,7 +92,7 @@ def test_a_failure_other_than_the_deadline_ends_the_wait_at_once():
 def test_a_call_that_ended_with_etcds_own_deadline_is_not_ticked_through():
     """etcd ended the call with DEADLINE_EXCEEDED (its own deadline, from when it received the request): Stream.next
     raises it again at every wait, and the wait must end with it, not tick on until the local deadline."""
-    clock = _Clock()
+    clock = FakeClock()
 
     class EndedByEtcd(_Stream):
         def next(self, timeout_s: float) -> bytes:
@@ -114,7 +107,7 @@ def test_a_call_that_ended_with_etcds_own_deadline_is_not_ticked_through():
 
 
 def test_a_reply_that_came_with_the_calls_end_just_after_a_wait_is_returned():
-    clock = _Clock()
+    clock = FakeClock()
 
     class LateReply(_Stream):
         def next(self, timeout_s: float) -> bytes:

@@ -11,14 +11,7 @@ import pytest
 from elastic_rt.errors import EtcdUnavailableError
 from elastic_rt.rendezvous.etcd_client import EtcdClient, EtcdConfig
 from elastic_rt.rendezvous.wire import CallError
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
 
 
 class FakeEndpoint:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from elastic_rt.goodput import compute
 from elastic_rt.goodput.steptime import StepTimer, trimmed_mean
 from elastic_rt.worker_reports.heartbeat import Heartbeat
-from tests.unit.test_goodput_ledger import Clock
+from tests.support.clock import FakeClock as Clock
 
 MS = 1_000_000
 
@@ -186,9 +186,9 @@ def test_step_timer_takes_compute_per_timed_step_from_the_heartbeats():
     timer = StepTimer(window_s=1.0, clock=clock)
     timer.reset([0, 1])
     for tick in range(1, 11):
-        clock.t = tick * 0.1
-        timer.observe({0: _beat(1, tick * 10, clock.t, tick * 10 * 2.0, tick * 10),  # 2 ms a step
-                       1: _beat(2, tick * 10, clock.t, tick * 10 * 6.0, tick * 10)})  # 6 ms a step
+        clock.now = tick * 0.1
+        timer.observe({0: _beat(1, tick * 10, clock.now, tick * 10 * 2.0, tick * 10),  # 2 ms a step
+                       1: _beat(2, tick * 10, clock.now, tick * 10 * 6.0, tick * 10)})  # 6 ms a step
     timer.observe({0: _beat(3, 1, 1.05, 500.0, 1), 1: None})  # a new worker process: no observation
     medians = timer.close_window()
     assert medians.compute == {0: pytest.approx(0.002), 1: pytest.approx(0.006)}

@@ -7,34 +7,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_rt.goodput.ledger import CATEGORIES, GoodputLedger
-
-
-class Clock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> float:
-        self.t += dt
-        return self.t
+from tests.support.clock import FakeClock
 
 
 def _check_sum(ledger: GoodputLedger) -> None:
     assert sum(ledger.totals().values()) + ledger.uncommitted() == pytest.approx(ledger.elapsed(), abs=1e-9)
 
 
-def _train(ledger: GoodputLedger, clock: Clock, first: int, last: int, step_s: float = 1.0) -> None:
+def _train(ledger: GoodputLedger, clock: FakeClock, first: int, last: int, step_s: float = 1.0) -> None:
     """Report steps first..last, one every step_s."""
     for step in range(first, last + 1):
         clock.advance(step_s)
-        ledger.steps(step=step, at=clock.t)
+        ledger.steps(step=step, at=clock.now)
         _check_sum(ledger)
 
 
 def test_a_run_with_one_failure_is_split_into_every_category():
-    clock = Clock()
+    clock = FakeClock()
     ledger = GoodputLedger(started_at=90.0, clock=clock)  # the process started 10 s before the observer
     clock.advance(5)
     ledger.workers_started()
@@ -48,7 +37,7 @@ def test_a_run_with_one_failure_is_split_into_every_category():
     lost = ledger.workers_started()  # restart: 2 s
     assert lost is not None and lost.steps == 8 and lost.committed_step == 5 and lost.last_step == 13
     clock.advance(3)
-    ledger.steps(step=6, at=clock.t)  # restore: 3 s; resumed from 5
+    ledger.steps(step=6, at=clock.now)  # restore: 3 s; resumed from 5
     _train(ledger, clock, 7, 20)
     clock.advance(1.5)
     assert ledger.finished(succeeded=True) is None
@@ -69,8 +58,8 @@ def test_a_run_with_one_failure_is_split_into_every_category():
 
 
 def test_without_any_commit_a_failure_loses_the_whole_generation():
-    clock = Clock()
-    ledger = GoodputLedger(started_at=clock.t, clock=clock)
+    clock = FakeClock()
+    ledger = GoodputLedger(started_at=clock.now, clock=clock)
     ledger.workers_started()
     _train(ledger, clock, 1, 7)
     ledger.restart()
@@ -81,8 +70,8 @@ def test_without_any_commit_a_failure_loses_the_whole_generation():
 
 
 def test_a_save_made_while_the_workers_stop_keeps_their_steps():
-    clock = Clock()
-    ledger = GoodputLedger(started_at=clock.t, clock=clock)
+    clock = FakeClock()
+    ledger = GoodputLedger(started_at=clock.now, clock=clock)
     ledger.workers_started()
     _train(ledger, clock, 1, 12)
     ledger.restart()  # scale-up: SIGTERM, the script saves step 13 on its way out
@@ -95,8 +84,8 @@ def test_a_save_made_while_the_workers_stop_keeps_their_steps():
 
 
 def test_blocked_time_of_each_commit_is_checkpoint_time():
-    clock = Clock()
-    ledger = GoodputLedger(started_at=clock.t, clock=clock)
+    clock = FakeClock()
+    ledger = GoodputLedger(started_at=clock.now, clock=clock)
     ledger.workers_started()
     for commit in (10, 20, 30):
         _train(ledger, clock, commit - 9, commit)
@@ -108,8 +97,8 @@ def test_blocked_time_of_each_commit_is_checkpoint_time():
 
 
 def test_heartbeats_that_count_differently_place_the_commit_by_time():
-    clock = Clock()
-    ledger = GoodputLedger(started_at=clock.t, clock=clock)
+    clock = FakeClock()
+    ledger = GoodputLedger(started_at=clock.now, clock=clock)
     ledger.workers_started()
     _train(ledger, clock, 1, 10)  # the heartbeat counts 1..10 in this process
     ledger.checkpoint(step=1000, save_duration_s=3, blocked_s=0)  # a global step the heartbeat never saw
@@ -121,29 +110,29 @@ def test_heartbeats_that_count_differently_place_the_commit_by_time():
 
 
 def test_a_failure_before_the_first_step_is_startup_then_restart():
-    clock = Clock()
-    ledger = GoodputLedger(started_at=clock.t, clock=clock)
+    clock = FakeClock()
+    ledger = GoodputLedger(started_at=clock.now, clock=clock)
     ledger.workers_started()
     clock.advance(4)
     ledger.restart()
     clock.advance(1)
     assert ledger.workers_started() is None
     clock.advance(2)
-    ledger.steps(step=1, at=clock.t)
+    ledger.steps(step=1, at=clock.now)
     totals = ledger.totals()
     assert totals["startup"] == pytest.approx(6) and totals["restart"] == pytest.approx(1)
     assert totals["restore"] == 0
 
 
 def test_the_first_step_is_dated_by_the_earliest_heartbeat():
-    clock = Clock()
-    ledger = GoodputLedger(started_at=clock.t, clock=clock)
+    clock = FakeClock()
+    ledger = GoodputLedger(started_at=clock.now, clock=clock)
     ledger.workers_started()
     clock.advance(10)
-    assert ledger.steps(step=4, at=clock.t, first_at=clock.t - 3)
-    assert ledger.phase == "training" and ledger.phase_since == pytest.approx(clock.t - 3)
+    assert ledger.steps(step=4, at=clock.now, first_at=clock.now - 3)
+    assert ledger.phase == "training" and ledger.phase_since == pytest.approx(clock.now - 3)
     assert ledger.totals()["startup"] == pytest.approx(7)
-    assert not ledger.steps(step=5, at=clock.t)
+    assert not ledger.steps(step=5, at=clock.now)
 
 
 _EVENTS = st.lists(st.tuples(st.sampled_from(["steps", "checkpoint", "restart", "workers_started", "finished"]),
@@ -153,15 +142,15 @@ _EVENTS = st.lists(st.tuples(st.sampled_from(["steps", "checkpoint", "restart", 
 @settings(max_examples=200, deadline=None)
 @given(_EVENTS)
 def test_categories_only_grow_and_always_sum_to_the_wall_time(events):
-    clock = Clock()
-    ledger = GoodputLedger(started_at=clock.t - 1, clock=clock)
+    clock = FakeClock()
+    ledger = GoodputLedger(started_at=clock.now - 1, clock=clock)
     step = 0
     before = ledger.totals()
     for kind, dt, n in events:
         clock.advance(dt)
         if kind == "steps":
             step += n
-            ledger.steps(step=step, at=clock.t - dt / 2)
+            ledger.steps(step=step, at=clock.now - dt / 2)
         elif kind == "checkpoint":
             ledger.checkpoint(step=max(0, step - n), save_duration_s=dt / 3, blocked_s=dt / 4)
         elif kind == "restart":

@@ -17,7 +17,7 @@ from elastic_rt.worker_reports.checkpoint import report_checkpoint
 from elastic_rt.worker_reports.heartbeat import HeartbeatWriter
 from elastic_rt.worker_reports.inbox import WorkerReports
 from elastic_rt.worker_env import ENV_HEARTBEAT_FILE
-from tests.unit.test_goodput_ledger import Clock
+from tests.support.clock import FakeClock as Clock
 
 
 def _journal(tmp_path) -> list[dict]:
@@ -32,7 +32,7 @@ def rig(tmp_path):
     registry = CollectorRegistry()
     settings = StragglerSettings(threshold=1.5, windows=2, window_s=1.0, action="leave")
     obs = GoodputObserver(run_id="job", node="n1", reports=reports, log_dir=str(tmp_path), settings=settings,
-                          registry=registry, started_at=990.0, clock=clock, wall_clock=lambda: 1.7e9 + clock.t)
+                          registry=registry, started_at=990.0, clock=clock, wall_clock=lambda: 1.7e9 + clock.now)
     yield clock, reports, registry, obs, settings
     obs.close()
 
@@ -40,7 +40,7 @@ def rig(tmp_path):
 def _start(reports, obs, clock, ranks=(0, 1)):
     reports.start(ranks)
     obs.on_workers_started({r: 100 + r for r in ranks})
-    return {r: HeartbeatWriter(reports.heartbeat_path(r), clock_ns=lambda: int(clock.t * 1e9)) for r in ranks}
+    return {r: HeartbeatWriter(reports.heartbeat_path(r), clock_ns=lambda: int(clock.now * 1e9)) for r in ranks}
 
 
 def _value(registry, name, **labels):
@@ -54,7 +54,7 @@ def test_a_slow_local_rank_is_flagged_and_the_policy_leaves(rig, tmp_path):
     policy = StragglerPolicy(obs)
     steps = {0: 0, 1: 0}
     for tick in range(1, 41):  # 4 s: rank 0 steps every 0.1 s, rank 1 every 0.3 s
-        clock.t += 0.1
+        clock.now += 0.1
         for rank, every in ((0, 1), (1, 3)):
             if tick % every == 0:
                 steps[rank] += 1
@@ -93,7 +93,7 @@ def test_a_verdict_from_rank_0_flags_this_node_and_the_policy_leaves(tmp_path):
         step = 0
         while not obs.flagged and time.monotonic() < deadline:  # windows of this node until it reads the verdict
             step += 1
-            clock.t += 0.1
+            clock.now += 0.1
             writers[0].report(step)
             obs.on_tick()
             time.sleep(0.01)
@@ -108,21 +108,21 @@ def test_a_verdict_from_rank_0_flags_this_node_and_the_policy_leaves(tmp_path):
 def test_goodput_journal_and_counters_through_a_failure(rig, tmp_path):
     clock, reports, registry, obs, _ = rig
     writers = _start(reports, obs, clock, ranks=(0,))
-    clock.t += 2.0  # startup: 990 .. 1002 (+0.1 to the first step)
+    clock.now += 2.0  # startup: 990 .. 1002 (+0.1 to the first step)
     for step in range(1, 31):
-        clock.t += 0.1
+        clock.now += 0.1
         writers[0].report(step)
         obs.on_tick()
         if step == 20:
             report_checkpoint(step=20, save_duration_s=0.0, blocked_s=0.0,
                               env={ENV_HEARTBEAT_FILE: reports.heartbeat_path(0)})
     obs.on_restart("worker_failure")
-    clock.t += 1.0
+    clock.now += 1.0
     writers = _start(reports, obs, clock, ranks=(0,))
-    clock.t += 0.5
+    clock.now += 0.5
     writers[0].report(21)
     obs.on_tick()
-    clock.t += 0.2
+    clock.now += 0.2
     obs.on_workers_finished("succeeded")
     obs.close()
 
@@ -135,7 +135,7 @@ def test_goodput_journal_and_counters_through_a_failure(rig, tmp_path):
     assert [e["step"] for e in events if e["event"] == "first_step"] == [1, 21]
     exit_line = events[-1]
     assert sum(exit_line["totals"].values()) == pytest.approx(exit_line["elapsed_s"])
-    assert exit_line["elapsed_s"] == pytest.approx(clock.t - 990.0)
+    assert exit_line["elapsed_s"] == pytest.approx(clock.now - 990.0)
     for category, seconds in exit_line["totals"].items():
         assert _value(registry, "elastic_rt_goodput_seconds_total", category=category) == pytest.approx(seconds)
     assert exit_line["totals"]["restart"] == pytest.approx(1.0)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from elastic_rt.goodput.steptime import StepTimer, weighted_median
 from elastic_rt.goodput.stragglers import Signal, SpeedExchange, StragglerBoard, StragglerSettings, Verdict
 from elastic_rt.worker_reports.heartbeat import Heartbeat
-from tests.unit.test_goodput_ledger import Clock
+from tests.support.clock import FakeClock as Clock
 
 
 def _beat(step: int, t: float, compute_ns: int = 0, timed: int = 0) -> Heartbeat:
@@ -38,8 +38,8 @@ def test_millisecond_steps_are_timed_from_ticks_that_see_many():
     timer.reset([0])
     obs = []
     for tick in range(1, 11):  # a tick every 100 ms, 100 steps of 1 ms in each
-        clock.t = tick * 0.1
-        obs += timer.observe({0: _beat(tick * 100, clock.t - 0.0005)})
+        clock.now = tick * 0.1
+        obs += timer.observe({0: _beat(tick * 100, clock.now - 0.0005)})
     assert [o.steps for o in obs] == [100] * 9
     assert all(o.duration_s == pytest.approx(0.001) for o in obs)
     assert timer.window_due()
@@ -55,7 +55,7 @@ def test_slow_steps_are_timed_each_and_a_pause_does_not_move_the_median():
     for k in range(12):
         step += 1
         t += 20.0 if k == 5 else 0.5  # one checkpoint pause of 20 s
-        clock.t = t
+        clock.now = t
         timer.observe({0: _beat(step, t), 1: None})
         timer.observe({0: _beat(step, t), 1: None})  # the same report seen twice: no observation
     medians = timer.close_window()
@@ -77,7 +77,7 @@ def test_a_resumed_worker_switching_to_its_own_step_numbers_is_not_timed_as_thou
               for k in range(1, 6)]
     obs = []
     for beat in beats:
-        clock.t = beat.timestamp_s
+        clock.now = beat.timestamp_s
         obs += timer.observe({0: beat})
     assert [o.steps for o in obs] == [1] * 5 and all(o.duration_s == pytest.approx(0.3) for o in obs)
     assert timer.close_window().step == {0: pytest.approx(0.3)}

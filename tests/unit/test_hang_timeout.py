@@ -8,14 +8,7 @@ from elastic_rt.diagnostics.hang import AUTO_FLOOR_S, HangDetector, HangTimeout,
 from elastic_rt.agent.policy import HealthPolicy
 from elastic_rt.errors import ConfigError
 from elastic_rt.worker_reports.heartbeat import Heartbeat
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
 
 
 def beat(seq: int, ts: float, *, pid: int = 100, step: int | None = None) -> Heartbeat:
@@ -68,7 +61,7 @@ def test_fixed_timeout_must_be_positive(bad):
 
 
 def test_detector_learns_from_the_workers_clock_not_from_the_first_step():
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     det = HangDetector(timeout=HangTimeout(), clock=clock)
     det.start([0])
     clock.now += 900  # compilation before the first step: never judged, never learned
@@ -90,7 +83,7 @@ def test_detector_learns_from_the_workers_clock_not_from_the_first_step():
 
 
 def test_auto_policy_fires_only_after_a_first_step_and_backs_off():
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     beats = {0: None}
     policy = HealthPolicy(heartbeats=lambda: beats, hang_timeout_s=None, clock=clock)
     policy.on_workers_started([0])
@@ -136,7 +129,7 @@ def test_a_finished_worker_is_not_judged_while_it_exits(tmp_path):
 
     path = str(tmp_path / "worker-0")
     writer = HeartbeatWriter(path)
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     det = HangDetector(hang_timeout_s=5, clock=clock)
     det.start([0, 1])
     writer.tick()
@@ -154,7 +147,7 @@ def test_the_rank_seen_stopping_a_tick_later_is_still_a_candidate_for_first_stop
     # a lock-step group: rank 1 is SIGSTOPped after step 5, rank 0 blocks in step 6's all-reduce; the agent
     # happened to see rank 0's step 5 one look before rank 1's. When rank 0 passes the timeout, rank 1 is
     # 0.3 s short of it: it is not stuck yet, but it must be among those who may have stopped first.
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     det = HangDetector(hang_timeout_s=5, clock=clock)
     det.start([0, 1, 2])
     det.observe_all({0: beat(5, ts=50.0, pid=10), 1: beat(4, ts=49.9, pid=11), 2: beat(1, ts=46.0, pid=12)})

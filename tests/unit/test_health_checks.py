@@ -25,16 +25,9 @@ from elastic_rt.metrics.health_endpoints import (
 from elastic_rt.metrics.metrics_observer import MetricsObserver
 from elastic_rt.metrics.readiness import EtcdReachability, clock_check, etcd_check, probe_check, rdma_check
 from elastic_rt.worker_reports.inbox import WorkerReports
+from tests.support.clock import FakeClock
 
 FIXTURE_SYSFS = Path(__file__).resolve().parents[1] / "fixtures" / "sysfs"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # ---- registry and answers -----------------------------------------------------------------
@@ -83,7 +76,7 @@ def test_liveness_threshold_rule():
 
 
 def test_monitor_liveness_fails_only_while_running_without_ticks():
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     m = MonitorLiveness(threshold_s=30.0, clock=clock)
     # joining a rendezvous that waits for nodes is not a wedged agent, however long it takes
     clock.now += 600
@@ -108,7 +101,7 @@ def test_monitor_liveness_fails_only_while_running_without_ticks():
 
 
 def test_monitor_liveness_during_restart_and_exit_barrier():
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     m = MonitorLiveness(threshold_s=30.0, clock=clock)
     m.on_workers_started()
     m.on_tick()
@@ -210,7 +203,7 @@ def test_clock_check_fails_on_skew_and_only_reports_the_kernel_state():
 
 
 def test_etcd_reachability_from_on_etcd_reports():
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     etcd = EtcdReachability(clock=clock)
     check = etcd_check(etcd.status)
     assert check() == CheckResult.of(True, "no report from the rendezvous yet")
@@ -226,7 +219,7 @@ def test_etcd_reachability_from_on_etcd_reports():
 
 # ---- the observer feeds them and exports them -------------------------------------------------
 def test_observer_events_drive_liveness_and_the_health_metrics(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     obs = MetricsObserver(run_id="r", node="n", reports=WorkerReports(str(tmp_path)), sysfs_root=None,
                           liveness_threshold_s=30.0, clock=clock)
     obs.readiness.add("probe", lambda: (False, "round 1: timed out"))

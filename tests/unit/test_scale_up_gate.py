@@ -4,6 +4,7 @@ warm workers import, for at most max_wait_s; pure logic, a fake clock and pool."
 from __future__ import annotations
 
 from elastic_rt.agent.scale_up import ScaleUpGate, join_when_warm
+from tests.support.clock import FakeClock
 
 
 class Pool:
@@ -14,16 +15,8 @@ class Pool:
         return self.busy
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_held_while_warming_and_released_once_ready():
-    pool, clock = Pool(), Clock()
+    pool, clock = Pool(), FakeClock()
     gate = ScaleUpGate(pool, max_wait_s=60, clock=clock)
     assert gate.hold()
     clock.now += 30
@@ -33,7 +26,7 @@ def test_held_while_warming_and_released_once_ready():
 
 
 def test_released_after_max_wait_even_while_warming():
-    pool, clock = Pool(), Clock()
+    pool, clock = Pool(), FakeClock()
     gate = ScaleUpGate(pool, max_wait_s=60, clock=clock)
     assert gate.hold()
     clock.now += 59.9
@@ -43,7 +36,7 @@ def test_released_after_max_wait_even_while_warming():
 
 
 def test_a_restart_starts_the_next_scale_up_afresh():
-    pool, clock = Pool(), Clock()
+    pool, clock = Pool(), FakeClock()
     gate = ScaleUpGate(pool, max_wait_s=60, clock=clock)
     assert gate.hold()
     clock.now += 61
@@ -54,7 +47,7 @@ def test_a_restart_starts_the_next_scale_up_afresh():
 
 
 def test_no_pool_or_zero_wait_never_holds():
-    clock = Clock()
+    clock = FakeClock()
     assert not ScaleUpGate(None, clock=clock).hold()
     assert not ScaleUpGate(Pool(), max_wait_s=0, clock=clock).hold()
 
@@ -62,7 +55,7 @@ def test_no_pool_or_zero_wait_never_holds():
 class ReadyAfter(Pool):
     """A pool that finishes warming once the clock reaches `at`."""
 
-    def __init__(self, clock: Clock, at: float) -> None:
+    def __init__(self, clock: FakeClock, at: float) -> None:
         super().__init__()
         self.clock, self.at = clock, at
 
@@ -70,7 +63,7 @@ class ReadyAfter(Pool):
         return self.clock.now < self.at
 
 
-def _join(pool, clock: Clock, *, running: bool, max_wait_s: float = 60) -> float:
+def _join(pool, clock: FakeClock, *, running: bool, max_wait_s: float = 60) -> float:
     def sleep(seconds: float) -> None:
         clock.now += seconds
 
@@ -78,12 +71,12 @@ def _join(pool, clock: Clock, *, running: bool, max_wait_s: float = 60) -> float
 
 
 def test_a_node_joining_a_running_job_waits_for_its_warm_workers():
-    clock = Clock()
+    clock = FakeClock()
     assert abs(_join(ReadyAfter(clock, clock.now + 7), clock, running=True) - 7) < 0.3
 
 
 def test_a_node_joins_at_once_when_no_round_runs_or_its_pool_is_ready_or_off():
-    clock = Clock()
+    clock = FakeClock()
     assert _join(ReadyAfter(clock, clock.now + 7), clock, running=False) == 0
     assert _join(ReadyAfter(clock, clock.now), clock, running=True) == 0
     assert _join(None, clock, running=True) == 0
@@ -91,5 +84,5 @@ def test_a_node_joins_at_once_when_no_round_runs_or_its_pool_is_ready_or_off():
 
 
 def test_a_joining_node_waits_at_most_max_wait():
-    clock = Clock()
+    clock = FakeClock()
     assert abs(_join(Pool(), clock, running=True, max_wait_s=30) - 30) < 0.3
