@@ -7,7 +7,9 @@ The rules, in the order they are tried (handler.py's docstring says why):
     B1  the join deadline passed                            -> TIMEOUT
     B2  the run is closed                                   -> CLOSED
     B3  no `round` key                                      -> CREATE_ROUND (0, create-only; this node's join of 0 in
-                                                               the same transaction)
+                                                               the same transaction; made ahead of time in the
+                                                               registration's request where the run had no round
+                                                               then: Rounds.opening, the round starts joined)
     B4  the current round's final is not elastic-rt's       -> RendezvousDataError (one line, no waiting)
     B5  the current round has no final (in the view), and this node was not a member of it -> JOIN it
     B6  it has one that elastic-rt did not write (not its form, or not signed by the job's secret: a forgery;
@@ -221,16 +223,16 @@ def _between_rounds(view: RoundView, node: NodeState, now: float) -> Action:
         return Action(Step.CLOSED, node)  # B2
     rnd = view.round
     if rnd is None:
-        return Action(Step.CREATE_ROUND, node, lease=view.lease, track=_closes(view, node, 0))  # B3
+        return Action(Step.CREATE_ROUND, node, lease=view.lease, track=closes(view, node, 0))  # B3
     final = view.finals.get(rnd)
     if final is None and node.previous_round != rnd:
         return Action(Step.JOIN, node.evolve(joined=rnd), round=rnd, lease=view.lease,
-                      track=_closes(view, node, rnd))  # B5
+                      track=closes(view, node, rnd))  # B5
     # B4 raises for a final that is not JSON; no final here: this node's own round, not delivered yet (B6)
     why = (malformed(final) or node.refuses(final)) if final is not None else None
     if why is not None or node.previous_round == rnd:
         return Action(Step.ADVANCE_ROUND, node, round=rnd, revision=view.round_revision, lease=view.lease,
-                      track=_closes(view, node, rnd + 1), why=f"{final.key} {why}" if why else "")  # B6
+                      track=closes(view, node, rnd + 1), why=f"{final.key} {why}" if why else "")  # B6
     m = membership(rnd, node.node_id, final)
     if m is not None and node.incarnation and m.incarnations[m.rank] == node.incarnation:
         return Action(Step.FORMED, node.between_rounds(), membership=m,
@@ -239,7 +241,7 @@ def _between_rounds(view: RoundView, node: NodeState, now: float) -> Action:
     if checked is None or checked[:2] != (rnd, view.version) or now - checked[2] >= node.abandon_check_s:
         return Action(Step.CHECK_ABANDONED, node.evolve(checked_alive=(rnd, view.version, now)), round=rnd,
                       revision=view.round_revision, final=final, lease=view.lease,
-                      track=_closes(view, node, rnd + 1))  # B7
+                      track=closes(view, node, rnd + 1))  # B7
     waiting = view.waiting.get(node.node_id)  # B8
     return Action(Step.AWAIT_NEXT_ROUND, node.evolve(said_waiting=rnd), round=rnd, lease=view.lease,
                   version=view.version,
@@ -247,7 +249,7 @@ def _between_rounds(view: RoundView, node: NodeState, now: float) -> Action:
                   put_waiting=waiting is None or waiting.lease != view.lease)
 
 
-def _closes(view: RoundView, node: NodeState, rnd: int) -> bool:
+def closes(view: RoundView, node: NodeState, rnd: int) -> bool:
     """J6 and J7 ahead of time, for a node that puts its join of round rnd and has learnt no smaller node: it
     expects to close rnd (no smaller live node in the view), and its view can follow the joins without a tracker
     of alive/ (rnd 0, or a view that follows alive/)."""

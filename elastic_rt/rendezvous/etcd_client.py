@@ -28,7 +28,8 @@ from elastic_rt.rendezvous.connection import Tick, delivering_here  # noqa: F401
 from elastic_rt.rendezvous.etcd_endpoint import Endpoint, Renewal, WatchCompacted, WatchStream, label
 from elastic_rt.rendezvous.wire import CallError
 
-__all__ = ["EtcdClient", "EtcdConfig", "IfHeld", "KeyValue", "Put", "RangeRead", "Renewal", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
+__all__ = ["EtcdClient", "EtcdConfig", "IfAbsent", "IfHeld", "KeyValue", "Put", "RangeRead", "Renewal",
+           "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
 
 log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -144,6 +145,31 @@ class IfHeld:
     def txn(self) -> bytes:
         compare = [pb.compare_value(self.key.encode(), self.value), *(_compare_mod(k, None) for k in self.absent)]
         return pb.txn_op(pb.txn(compare, [*map(_put_op, self.puts)], []))
+
+
+@dataclass(frozen=True)
+class IfAbsent:
+    """compare_and_put_when's `when`: where its compare succeeds, `puts` are made in the same request (a transaction
+    nested in the success branch: etcd 3.3 and later) while no key of `absent` exists (as the request found them:
+    etcd judges every compare of a request before any of its writes), then `made_read` is read; where a key of
+    `absent` exists, `held_read` is read instead."""
+
+    absent: tuple[str, ...]
+    puts: tuple[Put, ...]
+    made_read: RangeRead = RangeRead([])
+    held_read: RangeRead = RangeRead([])
+
+    def txn(self) -> bytes:
+        return pb.txn_op(pb.txn([_compare_mod(k, None) for k in self.absent],
+                                [*map(_put_op, self.puts), *_range_ops(self.made_read)], _range_ops(self.held_read)))
+
+    def outcome(self, resp) -> tuple[bool, list[list[KeyValue]]]:
+        """(puts made, the ranges read) from this transaction's answer (etcd's TxnResponse)."""
+        made = bool(resp.succeeded)
+        read = self.made_read if made else self.held_read
+        _expect_results(resp, (len(self.puts) if made else 0) + len(read.ranges))
+        start = len(self.puts) if made else 0
+        return made, [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses[start:]]
 
 
 def _compare_mod(key: str, expected_mod_revision: int | None) -> bytes:
@@ -418,23 +444,45 @@ class EtcdClient:
         """compare_and_put_then_read, and where the compare fails, `otherwise`'s puts in the same request when its
         condition holds (before the read); `deletes` and `tick` as compare_and_put's. Returns (succeeded, otherwise's puts made,
         the key as it is after the transaction, the ranges' keys, that revision)."""
+        ok, made, kv, ranges, revision, _ = self._cas(key, value, expected_mod_revision, lease, timeout_s, read, also,
+                                                      otherwise, deletes, tick, ())
+        return ok, made, kv, ranges, revision
+
+    def compare_and_put_when(
+        self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
+        timeout_s: float | None = None, read: RangeRead, when: tuple[IfAbsent, ...], tick: Tick | None = None,
+    ) -> tuple[bool, KeyValue | None, list[list[KeyValue]], int, tuple[tuple[bool, list[list[KeyValue]]], ...]]:
+        """compare_and_put_then_read, and where the compare succeeds, each of `when` in the same request, after the
+        put and before the read (which sees what they put). Returns (succeeded, the key as it is after the
+        transaction, the ranges' keys, that revision, and for each of `when`: IfAbsent.outcome(); () where the compare
+        failed)."""
+        ok, _, kv, ranges, revision, outcomes = self._cas(key, value, expected_mod_revision, lease, timeout_s, read,
+                                                          (), None, (), tick, when)
+        return ok, kv, ranges, revision, outcomes
+
+    def _cas(self, key: str, value: bytes, expected_mod_revision: int | None, lease: int, timeout_s: float | None,
+             read: RangeRead, also: tuple[Put, ...], otherwise: IfHeld | None, deletes: tuple[tuple[str, str], ...],
+             tick: Tick | None, when: tuple[IfAbsent, ...]):
         cmp = _compare_mod(key, expected_mod_revision)
         get = pb.range_op(key.encode())
         writes = [_put_op(Put(key, value, lease)), *map(_put_op, also), *_delete_ops(deletes)]
         reads = _range_ops(read)
         nested = [otherwise.txn()] if otherwise is not None else []
-        req = pb.txn([cmp], [*writes, get, *reads], [*nested, get, *reads])
+        req = pb.txn([cmp], [*writes, *(w.txn() for w in when), get, *reads], [*nested, get, *reads])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t, tick=tick), timeout_s)
-        _expect_results(resp, len(reads) + 1 + (len(writes) if resp.succeeded else len(nested)))
+        _expect_results(resp, len(reads) + 1 + (len(writes) + len(when) if resp.succeeded else len(nested)))
         made = False
         if nested and not resp.succeeded:
             inner = resp.responses[0].response_txn
             made = bool(inner.succeeded)
             _expect_results(inner, len(otherwise.puts) if made else 0)
+        outcomes = tuple(w.outcome(resp.responses[len(writes) + i].response_txn)
+                         for i, w in enumerate(when)) if resp.succeeded else ()
         responses = resp.responses[-len(reads) - 1:]
         rng = responses[0].response_range
         ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in responses[1:]]
-        return bool(resp.succeeded), made, (_kv(rng.kvs[0]) if rng.kvs else None), ranges, resp.header.revision
+        kv = _kv(rng.kvs[0]) if rng.kvs else None
+        return bool(resp.succeeded), made, kv, ranges, resp.header.revision, outcomes
 
     def create_with(self, key: str, value: bytes, guarded: GuardedPut, *, deletes: tuple[tuple[str, str], ...] = (),
                     ) -> tuple[bool, KeyValue | None, tuple[bool, KeyValue | None] | None]:

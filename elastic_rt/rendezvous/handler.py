@@ -46,7 +46,9 @@ others read the joins, every max(2 s, last_call_timeout) jittered, and close the
 themselves once it has been closable for as long. A node of round R that must re-rendezvous bumps `round` from R to
 R+1 by compare-and-set, with its join of R+1 in the same transaction. Per node and round: one join put (with the
 CAS on `round` for the node that opens the round), at most one CAS on `final`, a waiting put and delete for late
-nodes.
+nodes. A node's first registration (lease, then one transaction) puts its alive/ key, makes the view's first read,
+records the job's fingerprint where the run has none, and creates round 0 with its join where the run has no round
+(nor `closed`, nor a fingerprint): the first node of a run has opened round 0 before its round begins.
 
 decide.py holds these rules as one pure function of the view and the node's state (its docstring
 has them as a table); rounds.py performs what it decides.
@@ -105,8 +107,8 @@ from torch.distributed.elastic.rendezvous import (
 from elastic_rt.decisions import RestartReason
 from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError, RendezvousDataError, RunInUseError
 from elastic_rt.interfaces import MembershipHandler
-from elastic_rt.rendezvous.claim import claim_run, remove_run_keys
-from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue
+from elastic_rt.rendezvous.claim import claim_ahead, claim_run, remove_run_keys
+from elastic_rt.rendezvous.etcd_client import EtcdClient, IfAbsent, KeyValue
 from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.lease import NodeLease
@@ -155,6 +157,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         )
         self._started = False
         self._lease_started = False
+        self._claimed: tuple[bool, list[list[KeyValue]]] | None = None  # claim_ahead()'s outcome, until claim_run
         self._peer_watch: PeerWatch | None = None
         self._monitor = MembershipMonitor(
             node_id=settings.node_id, view=self._view, health=self.health, lease_ttl_s=settings.lease_ttl_s,
@@ -521,17 +524,34 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         (refused for another job's live run), then the view (each once; a failed step is retried by the caller)."""
         if self._lease.conflict is not None:
             raise self._lease.conflict
-        if not self._lease_started:  # the view's first read goes with the alive key: one request
-            self._lease.start(read=None if self._started else self._view.first_read())
+        fingerprint = self.settings.fingerprint
+        if not self._lease_started:  # the view's first read, the claim and round 0 go with the alive key: one request
+            first = not self._started
+            self._lease.start(read=self._view.first_read() if first else None,
+                              when=self._with_registration if first else None)
             self._lease_started = True
-        if self.settings.fingerprint and not self._started:
+            outcomes, revision = self._lease.take_outcomes()
+            if outcomes:
+                self._claimed = outcomes[0] if fingerprint else None
+                self._rounds.opened(outcomes[-1], self._lease.lease_id, revision)
+        if fingerprint and not self._started:
             try:
-                claim_run(self._client, self.keys, self.settings.fingerprint, self.settings.node_id)
+                claim_run(self._client, self.keys, fingerprint, self.settings.node_id, ahead=self._claimed)
             except RunInUseError:
                 self.leave()  # nothing of this node stays in the other job's run
                 raise
+            self._claimed = None
         self._view.start(self._lease.take_read())
         self._started = True
+
+    def _with_registration(self, lease_id: int) -> tuple[IfAbsent, ...]:
+        """What a first registration's request also does (NodeLease.start's `when`): the job's claim on the run, and
+        round 0 with this node's join where the run has none, nor a fingerprint (another job's run may be left
+        with no round: nothing of this node is put there before the claim is checked)."""
+        fingerprint = self.settings.fingerprint
+        if not fingerprint:
+            return (self._rounds.opening(lease_id),)
+        return claim_ahead(self.keys, fingerprint), self._rounds.opening(lease_id, absent=(self.keys.fingerprint,))
 
     def _formed(self, m: Membership) -> None:
         """A round formed with this node: the view counts its members alive and from now on follows the alive/

@@ -14,7 +14,7 @@ from typing import Callable
 
 from elastic_rt.errors import DuplicateNodeError, EtcdUnavailableError
 from elastic_rt.rendezvous.daemon import Daemon
-from elastic_rt.rendezvous.etcd_client import EtcdClient, KeyValue, RangeRead, Renewal, Tick
+from elastic_rt.rendezvous.etcd_client import EtcdClient, IfAbsent, KeyValue, RangeRead, Renewal, Tick
 from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import LivenessListener, parse_peer, probe
@@ -166,6 +166,8 @@ class NodeLease:
         # what backoff), until a send takes it
         self.conflict: DuplicateNodeError | None = None  # another agent holds this node id: beats stopped
         self._read: tuple[RangeRead, list[list[KeyValue]], int] | None = None  # start()'s `read`, until take_read()
+        self._outcomes: tuple[tuple[tuple[bool, list[list[KeyValue]]], ...], int] = ((), 0)  # start()'s `when`, until
+        # take_outcomes()
 
     @property
     def lease_id(self) -> int:
@@ -179,9 +181,13 @@ class NodeLease:
         """Seconds since etcd last confirmed this lease (longer than the TTL: peers may have re-formed)."""
         return self._clock() - self.last_renewed
 
-    def start(self, *, wait_s: float | None = None, read: RangeRead | None = None) -> int:
+    def start(self, *, wait_s: float | None = None, read: RangeRead | None = None,
+              when: Callable[[int], tuple[IfAbsent, ...]] | None = None) -> int:
         """Grant the lease and put the alive key (request deadlines: the client's), then keep it alive. `read`: ranges
         to read in the alive key's own request (the membership view's first read); take_read() has the result.
+        `when(lease_id)`: conditional puts that go in that request too, where the alive key is put (before the read:
+        EtcdClient.compare_and_put_when); take_outcomes() has what came of them (nothing where another agent's key
+        was in the way, or without `read`).
 
         The node id's alive/ key held by another agent: when that agent registered this agent's own address and
         its liveness port refuses connections, its process is gone (a restart) and the key is taken over at once
@@ -189,11 +195,11 @@ class NodeLease:
         and a second: a dead agent's lease runs out meanwhile), then DuplicateNodeError: a second live agent."""
         deadline = self._clock() + (2 * self._ttl_s + 1.0 if wait_s is None else wait_s)
         said = False
-        self._read = None  # a read of an earlier start() never outlives its lease
+        self._read, self._outcomes = None, ((), 0)  # a read of an earlier start() never outlives its lease
         with self._lock:
             while True:
                 try:
-                    self._grant(timeout_s=None, read=read)
+                    self._grant(timeout_s=None, read=read, when=when)
                     break
                 except DuplicateNodeError as exc:
                     held = exc.held
@@ -237,8 +243,16 @@ class NodeLease:
         read, self._read = self._read, None
         return read
 
-    def _grant(self, timeout_s: float | None, read: RangeRead | None = None) -> None:
-        """A new lease and the alive key on it (None: the client's request deadline); `read` in the put's request."""
+    def take_outcomes(self) -> tuple[tuple[tuple[bool, list[list[KeyValue]]], ...], int]:
+        """What came of start()'s `when` (IfAbsent.outcome() each) and the revision of that request, once; ((), 0)
+        when they were not sent or not made (the alive key was not put by that request)."""
+        outcomes, self._outcomes = self._outcomes, ((), 0)
+        return outcomes
+
+    def _grant(self, timeout_s: float | None, read: RangeRead | None = None,
+               when: Callable[[int], tuple[IfAbsent, ...]] | None = None) -> None:
+        """A new lease and the alive key on it (None: the client's request deadline); `read` and `when` in the put's
+        request."""
         sent = self._clock()
         self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=timeout_s)
         self._registered = False
@@ -249,10 +263,11 @@ class NodeLease:
             ok, held = self._client.compare_and_put(key, self._info, expected_mod_revision=None, lease=self._lease_id,
                                                     timeout_s=timeout_s, tick=tick)
         else:
-            ok, held, ranges, revision = self._client.compare_and_put_then_read(
+            ok, held, ranges, revision, outcomes = self._client.compare_and_put_when(
                 key, self._info, expected_mod_revision=None, lease=self._lease_id, timeout_s=timeout_s, read=read,
-                tick=tick)
+                when=when(self._lease_id) if when is not None else (), tick=tick)
             self._read = (read, ranges, revision) if ok else None
+            self._outcomes = (outcomes, revision)
         if not ok and held is not None:  # this process's own key, from a grant whose answer was lost, is replaced
             if incarnation(held) != self.incarnation:
                 raise DuplicateNodeError(

@@ -12,9 +12,11 @@ from typing import Callable
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 
 from elastic_rt.rendezvous.decide import (
-    Action, Membership, NodeState, RoundView, Step, abandoned, closable, decide, decode_final,
+    Action, Membership, NodeState, RoundView, Step, abandoned, closable, closes, decide, decode_final,
 )
-from elastic_rt.rendezvous.etcd_client import EtcdClient, GuardedPut, IfHeld, KeyValue, Put, RangeRead, delivering_here
+from elastic_rt.rendezvous.etcd_client import (
+    EtcdClient, GuardedPut, IfAbsent, IfHeld, KeyValue, Put, RangeRead, delivering_here,
+)
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import free_port
 from elastic_rt.rendezvous.signing import KeySigner
@@ -82,6 +84,8 @@ class Rounds:
         self.history_deleted = -1  # the last round whose final this node wrote with the deletion of the rounds before
         # the previous one (keys.history): rank 0 need not delete them again
         self._join_value = json.dumps({"addr": settings.local_addr, "incarnation": incarnation}).encode()
+        self._opened: tuple[int, list[KeyValue], int] | None = None  # round 0 as opening() opened it: (lease, its
+        # joins, the revision they were read at), until next_round() takes it
         self._steps: dict[Step, Callable[[Action], NodeState]] = {
             Step.CLOSED: self._closed, Step.TIMEOUT: self._timeout, Step.FORMED: self._formed,
             Step.CREATE_ROUND: self._create_round, Step.ADVANCE_ROUND: self._advance_round,
@@ -89,6 +93,21 @@ class Rounds:
             Step.TRACK_JOINS: self._track_joins, Step.STOP_TRACKING: self._stop, Step.STEP_DOWN: self._step_down,
             Step.READ_JOINS: self._read_joins, Step.WRITE_FINAL: self._write_final, Step.WAIT: self._wait,
         }
+
+    def opening(self, lease_id: int, *, absent: tuple[str, ...] = ()) -> IfAbsent:
+        """CREATE_ROUND (B3) made ahead of time, in another request (the registration's, before its view's first read:
+        that request's compare must hold, NodeLease.start): where the run has no `round`, no `closed` and no key of
+        `absent`, round 0 is created with this node's join on `lease_id`, and round 0's joins are read there. Tell
+        opened() what came of it."""
+        keys = self.keys
+        return IfAbsent((keys.round, keys.closed, *absent),
+                        (Put(keys.round, b"0"), Put(keys.join(0, self.settings.node_id), self._join_value, lease_id)),
+                        made_read=RangeRead([keys.join_range(0)]))
+
+    def opened(self, outcome: tuple[bool, list[list[KeyValue]]], lease_id: int, revision: int) -> None:
+        """What came of opening(lease_id) in a request answered at `revision`: the next first round starts from it."""
+        made, ranges = outcome
+        self._opened = (lease_id, ranges[0], revision) if made else None
 
     def next_round(self, previous: Membership | None, deadline: float) -> Membership:
         """Join the current round (or wait for the next one) until a round forms with this node.
@@ -99,6 +118,9 @@ class Rounds:
                          last_call_timeout_s=s.last_call_timeout_s, deadline=deadline,
                          previous_round=previous.round if previous is not None else None,
                          incarnation=self._incarnation, refuses=self._signer.refuses)
+        opened, self._opened = self._opened, None
+        if opened is not None and previous is None:
+            node = self._joined_ahead(node, *opened)
         try:
             while True:
                 with self._view.mutex:
@@ -109,6 +131,20 @@ class Rounds:
                     return action.membership
         finally:
             self._stop_tracking()
+
+    def _joined_ahead(self, node: NodeState, lease: int, joins: list[KeyValue], revision: int) -> NodeState:
+        """The node as CREATE_ROUND would have left it, round 0 being opened by opening() (its join on `lease`): joined,
+        and tracking the joins read there where it expects to close the round. A lease granted anew since then took
+        that join with it: the node is left as it was (decide() joins again)."""
+        with self._view.mutex:
+            view = self._snapshot(None)
+            if view.lease != lease:
+                return node
+            track = closes(view, node, 0)
+        node = node.evolve(joined=0, joined_with=lease, read_due=self._next_read(node))
+        if track:
+            self._track(node, 0, joins, revision)
+        return node
 
     def _snapshot(self, joined: int | None) -> RoundView:
         """The view (and the tracker) now, without copying; the caller holds the view's lock."""

@@ -1,12 +1,16 @@
 """A node's first round against a real etcd: its membership view's first read goes in the same transaction as its
 alive/ key (one request fewer per node: at 1,024 nodes, 1,024 fewer in the first round's burst), and the view it
-starts from is the one a read of its own would have given."""
+starts from is the one a read of its own would have given. The job's claim on the run goes there too (one request
+fewer per node of a launched job), and so does round 0 with the node's join where the run has none (the first node
+of a run): never in a closed run, nor in a run another job recorded."""
 
 from __future__ import annotations
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 
+from elastic_rt.errors import RunInUseError
+from elastic_rt.rendezvous.claim import JobFingerprint
 from elastic_rt.rendezvous.etcd_client import RangeRead
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
@@ -52,7 +56,7 @@ def test_the_views_first_read_goes_with_the_alive_key(handler, etcd_client, run_
     c.put(keys.round, b"0")
     c.put(keys.final(0), b"{}")
     calls: list[str] = []
-    for name in ("read_ranges", "compare_and_put", "compare_and_put_then_read"):
+    for name in ("read_ranges", "compare_and_put", "compare_and_put_then_read", "compare_and_put_when"):
         real = getattr(handler._client, name)
 
         def wrapped(*a, _real=real, _name=name, **k):
@@ -61,7 +65,8 @@ def test_the_views_first_read_goes_with_the_alive_key(handler, etcd_client, run_
 
         monkeypatch.setattr(handler._client, name, wrapped)
     handler._start()
-    assert calls == ["compare_and_put_then_read"], calls  # the alive key and the view's read: one transaction
+    assert calls == ["compare_and_put_when"], calls  # the alive key and the view's read: one transaction
+    assert c.get(keys.join(0, "m"))[0] is None  # the run had a round: the registration did not join it
     own = MembershipView(c, keys, node_id="m", alive_puts=False)  # a view that reads for itself
     own.start()
     try:
@@ -98,3 +103,103 @@ def test_a_read_of_other_ranges_than_the_views_is_not_taken_the_view_reads_itsel
             assert view.smallest_alive == "c" and "w" in view.waiting and view.reloads == 1
     finally:
         view.stop()
+
+
+JOB = JobFingerprint.of(script="train.py", script_args=("--lr", "0.1"), min_nodes=1, max_nodes=2).encode()
+OTHER = JobFingerprint.of(script="eval.py", script_args=(), min_nodes=1, max_nodes=2).encode()
+
+
+def _job_handler(endpoint, run_id, node, fingerprint=JOB, **conf):
+    return create_etcd_v3_handler(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, local_addr="127.0.0.1",
+                                                       node_id=node, fingerprint=fingerprint, **conf))
+
+
+def _requests(monkeypatch, client) -> list[str]:
+    calls: list[str] = []
+    for name in ("get", "put", "read_ranges", "read_many", "compare_and_put", "compare_and_put_else",
+                 "compare_and_put_when"):
+        real = getattr(client, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(client, name, wrapped)
+    return calls
+
+
+def test_a_new_runs_first_registration_records_the_claim_and_opens_round_0(etcd_endpoint, etcd_client, run_id,
+                                                                            monkeypatch):
+    keys = RunKeys(run_id)
+    h = _job_handler(etcd_endpoint, run_id, "m")
+    try:
+        calls = _requests(monkeypatch, h._client)
+        h._start()
+        assert calls == ["compare_and_put_when"], calls  # no request of the claim's own
+        alive, _ = etcd_client.get(keys.alive("m"))
+        claim, _ = etcd_client.get(keys.fingerprint)
+        rnd, _ = etcd_client.get(keys.round)
+        join, _ = etcd_client.get(keys.join(0, "m"))
+        assert claim.value == JOB.encode() and rnd.value == b"0" and join is not None
+        assert alive.mod_revision == claim.mod_revision == rnd.mod_revision == join.mod_revision
+        assert join.lease == alive.lease == h._lease.lease_id
+        with h._view.lock:
+            assert h._view.current_round() == 0  # the view's read, in that request, saw the round it opened
+        info = h.next_rendezvous()
+        assert info.rank == 0 and info.world_size == 1 and h.membership.round == 0
+        assert calls[1:].count("compare_and_put_else") == 0, calls  # round 0 was not opened again
+    finally:
+        h.leave()
+        h.close()
+
+
+def test_the_same_jobs_claim_found_costs_no_request_and_opens_no_round(etcd_endpoint, etcd_client, run_id,
+                                                                        monkeypatch):
+    """The run was claimed by this job before (an agent restarted, a requeued job): the claim is found in the
+    registration's request; a round is opened the ordinary way (the registration opens none in a claimed run)."""
+    keys = RunKeys(run_id)
+    etcd_client.put(keys.fingerprint, JOB.encode())
+    h = _job_handler(etcd_endpoint, run_id, "m")
+    try:
+        calls = _requests(monkeypatch, h._client)
+        h._start()
+        assert calls == ["compare_and_put_when"], calls
+        assert etcd_client.get(keys.round)[0] is None
+        assert h.next_rendezvous().rank == 0 and h.membership.round == 0
+    finally:
+        h.leave()
+        h.close()
+
+
+def test_another_live_jobs_run_gets_no_round_and_no_key_of_this_node(etcd_endpoint, etcd_client, run_id):
+    """Another job recorded the run and its agent is alive, and the run has no round yet: the node is refused and
+    leaves nothing there (the registration's round 0 needs a run with no fingerprint)."""
+    keys = RunKeys(run_id)
+    lease = etcd_client.grant_lease(30)
+    etcd_client.put(keys.fingerprint, OTHER.encode())
+    etcd_client.put(keys.alive("a"), b"{}", lease=lease)
+    h = _job_handler(etcd_endpoint, run_id, "s", join_timeout=20)
+    try:
+        with pytest.raises(RunInUseError):
+            h.next_rendezvous()
+        assert etcd_client.get(keys.fingerprint)[0].value == OTHER.encode()
+        assert etcd_client.get(keys.round)[0] is None
+        assert etcd_client.list_prefix(keys.joins_prefix)[0] == []
+        assert etcd_client.get(keys.alive("s"))[0] is None
+    finally:
+        h.leave()
+        h.close()
+        etcd_client.revoke_lease(lease)
+
+
+def test_a_closed_run_gets_no_round(etcd_endpoint, etcd_client, run_id):
+    keys = RunKeys(run_id)
+    etcd_client.put(keys.closed, b"{}")
+    h = _job_handler(etcd_endpoint, run_id, "m", fingerprint="")
+    try:
+        with pytest.raises(RendezvousClosedError):
+            h.next_rendezvous()
+        assert etcd_client.get(keys.round)[0] is None and etcd_client.get(keys.join(0, "m"))[0] is None
+    finally:
+        h.leave()
+        h.close()

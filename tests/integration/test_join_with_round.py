@@ -21,7 +21,8 @@ from elastic_rt.rendezvous.registration import create_etcd_v3_handler
 from tests.support.rendezvous import together
 
 _REQUESTS = ("get", "put", "delete", "read_many", "read_ranges", "put_then_read", "compare_and_put",
-             "compare_and_put_then_read", "compare_and_put_else", "create_with", "grant_lease", "delete_ranges")
+             "compare_and_put_then_read", "compare_and_put_else", "compare_and_put_when", "create_with", "grant_lease",
+             "delete_ranges")
 
 
 def _handler(endpoint: str, run_id: str, node: str, nnodes: tuple[int, int]):
@@ -190,10 +191,14 @@ def test_a_one_node_jobs_restart_is_two_requests_and_no_watch(etcd_endpoint, etc
         calls = _count(monkeypatch, h)
         first = h.next_rendezvous()
         assert first.rank == 0 and first.world_size == 1
-        # the lease, the alive key (with the view's read), round 0 created with the join (and its read), the run's
-        # lease granted, the final with the run lease's key
-        assert calls == ["grant_lease", "compare_and_put_then_read", "compare_and_put_else", "grant_lease",
-                         "create_with"], calls
+        # the lease; the alive key with round 0 created, its join put and read (the run had no round), and the
+        # view's read; the run's lease granted; the final with the run lease's key
+        assert calls == ["grant_lease", "compare_and_put_when", "grant_lease", "create_with"], calls
+        alive, _ = etcd_client.get(keys.alive("m"))
+        join, _ = etcd_client.get(keys.join(0, "m"))
+        rnd, _ = etcd_client.get(keys.round)
+        assert rnd.value == b"0" and rnd.mod_revision == join.mod_revision == alive.mod_revision  # one transaction
+        assert join.lease == alive.lease == h._lease.lease_id
         lease_key, _ = etcd_client.get(keys.run_lease)
         final, _ = etcd_client.get(keys.final(0))
         assert lease_key is not None and lease_key.mod_revision == final.mod_revision  # one transaction
@@ -365,10 +370,12 @@ def _register_in_order(monkeypatch, hs, gate: threading.Event) -> tuple[list[thr
     return threads, out
 
 
-def test_a_smallest_node_that_hangs_before_its_first_round_does_not_hold_the_others(etcd_endpoint, run_id,
-                                                                                  monkeypatch):
+def test_a_smallest_node_that_hangs_before_its_first_round_does_not_hold_the_others(etcd_endpoint, etcd_client,
+                                                                                  run_id, monkeypatch):
     """The smallest node registered and hangs (alive, its lease beating, its round never run): it would close the
-    round (J6), so the others close it without it once it has been closable for fallback_s (J11)."""
+    round (J6), so the others close it without it once it has been closable for fallback_s (J11). The round is
+    there before it registers (else its registration would open round 0 with its join in it)."""
+    etcd_client.put(RunKeys(run_id).round, b"0")
     hs = [create_etcd_v3_handler(RendezvousParameters("etcd-v3", etcd_endpoint, run_id, 2, 3, local_addr="127.0.0.1",
                                                       node_id=n, last_call_timeout=1)) for n in ("a", "b", "c")]
     gate, held_a = threading.Event(), threading.Event()
