@@ -48,7 +48,9 @@ R+1 by compare-and-set, with its join of R+1 in the same transaction. Per node a
 CAS on `round` for the node that opens the round), at most one CAS on `final`, a waiting put and delete for late
 nodes. A node's first registration (lease, then one transaction) puts its alive/ key, makes the view's first read,
 records the job's fingerprint where the run has none, and creates round 0 with its join where the run has no round
-(nor `closed`, nor a fingerprint): the first node of a run has opened round 0 before its round begins.
+(nor `closed`, nor, for a launched job, a fingerprint): the first node of a run has opened round 0 before its round
+begins, and is a member of it from then on even if it stalls before its round runs (as a node that stalls after its
+join: the others' fallback close, J11, counts its join).
 
 decide.py holds these rules as one pure function of the view and the node's state (its docstring
 has them as a table); rounds.py performs what it decides.
@@ -285,6 +287,8 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
             self._lease.stop(revoke=True)
             self._lease_started = False
         self._started = False
+        self._claimed = None
+        self._rounds.opened((False, []), 0, 0)  # a join of round 0 went with the lease
 
     def num_nodes_waiting(self) -> int:
         return 1 if self.membership_change() else 0
@@ -530,10 +534,10 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
             self._lease.start(read=self._view.first_read() if first else None,
                               when=self._with_registration if first else None)
             self._lease_started = True
-            outcomes, revision = self._lease.take_outcomes()
-            if outcomes:
+            outcomes, revision, lease_id = self._lease.take_outcomes()  # lease_id: the one round 0's join is on (not
+            if outcomes:  # lease_id(): the lease thread may have granted another one since)
                 self._claimed = outcomes[0] if fingerprint else None
-                self._rounds.opened(outcomes[-1], self._lease.lease_id, revision)
+                self._rounds.opened(outcomes[-1], lease_id, revision)
         if fingerprint and not self._started:
             try:
                 claim_run(self._client, self.keys, fingerprint, self.settings.node_id, ahead=self._claimed)

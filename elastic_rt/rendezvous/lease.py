@@ -166,8 +166,8 @@ class NodeLease:
         # what backoff), until a send takes it
         self.conflict: DuplicateNodeError | None = None  # another agent holds this node id: beats stopped
         self._read: tuple[RangeRead, list[list[KeyValue]], int] | None = None  # start()'s `read`, until take_read()
-        self._outcomes: tuple[tuple[tuple[bool, list[list[KeyValue]]], ...], int] = ((), 0)  # start()'s `when`, until
-        # take_outcomes()
+        self._outcomes: tuple[tuple[tuple[bool, list[list[KeyValue]]], ...], int, int] = ((), 0, 0)  # start()'s `when`,
+        # until take_outcomes()
 
     @property
     def lease_id(self) -> int:
@@ -195,7 +195,7 @@ class NodeLease:
         and a second: a dead agent's lease runs out meanwhile), then DuplicateNodeError: a second live agent."""
         deadline = self._clock() + (2 * self._ttl_s + 1.0 if wait_s is None else wait_s)
         said = False
-        self._read, self._outcomes = None, ((), 0)  # a read of an earlier start() never outlives its lease
+        self._read, self._outcomes = None, ((), 0, 0)  # a read of an earlier start() never outlives its lease
         with self._lock:
             while True:
                 try:
@@ -243,10 +243,11 @@ class NodeLease:
         read, self._read = self._read, None
         return read
 
-    def take_outcomes(self) -> tuple[tuple[tuple[bool, list[list[KeyValue]]], ...], int]:
-        """What came of start()'s `when` (IfAbsent.outcome() each) and the revision of that request, once; ((), 0)
-        when they were not sent or not made (the alive key was not put by that request)."""
-        outcomes, self._outcomes = self._outcomes, ((), 0)
+    def take_outcomes(self) -> tuple[tuple[tuple[bool, list[list[KeyValue]]], ...], int, int]:
+        """What came of start()'s `when` (IfAbsent.outcome() each), the revision of that request and the lease it put
+        the alive key on (which `when` was given: the lease thread may have granted another one since), once; ((), 0,
+        0) when they were not sent or not made (the alive key was not put by that request)."""
+        outcomes, self._outcomes = self._outcomes, ((), 0, 0)
         return outcomes
 
     def _grant(self, timeout_s: float | None, read: RangeRead | None = None,
@@ -267,7 +268,7 @@ class NodeLease:
                 key, self._info, expected_mod_revision=None, lease=self._lease_id, timeout_s=timeout_s, read=read,
                 when=when(self._lease_id) if when is not None else (), tick=tick)
             self._read = (read, ranges, revision) if ok else None
-            self._outcomes = (outcomes, revision)
+            self._outcomes = (outcomes, revision, self._lease_id) if ok else ((), 0, 0)
         if not ok and held is not None:  # this process's own key, from a grant whose answer was lost, is replaced
             if incarnation(held) != self.incarnation:
                 raise DuplicateNodeError(

@@ -119,9 +119,9 @@ class Rounds:
                          previous_round=previous.round if previous is not None else None,
                          incarnation=self._incarnation, refuses=self._signer.refuses)
         opened, self._opened = self._opened, None
-        if opened is not None and previous is None:
-            node = self._joined_ahead(node, *opened)
         try:
+            if opened is not None and previous is None:
+                node = self._joined_ahead(node, *opened)
             while True:
                 with self._view.mutex:
                     action = decide(self._snapshot(node.joined), node, self._clock())

@@ -6,6 +6,8 @@ of a run): never in a closed run, nor in a run another job recorded."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 
@@ -15,6 +17,7 @@ from elastic_rt.rendezvous.etcd_client import RangeRead
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
 from elastic_rt.rendezvous.view import MembershipView
+from tests.support.rendezvous import together
 
 
 def _state(view: MembershipView) -> tuple:
@@ -203,3 +206,37 @@ def test_a_closed_run_gets_no_round(etcd_endpoint, etcd_client, run_id):
     finally:
         h.leave()
         h.close()
+
+
+def test_a_lease_granted_anew_after_the_registration_takes_round_0s_join_with_it(etcd_endpoint, etcd_client, run_id,
+                                                                                 monkeypatch):
+    """Node m's registration opens round 0 with its join; then its lease is lost and the lease thread grants another
+    before m's round runs. The join went with the old lease: m joins again on the new one and the round forms with n
+    (taking the new lease for the join's, m would wait for a join of its own that is gone until join_timeout)."""
+    keys = RunKeys(run_id)
+    m, n = (create_etcd_v3_handler(RendezvousParameters("etcd-v3", etcd_endpoint, run_id, 2, 2, local_addr="127.0.0.1",
+                                                        node_id=node, join_timeout=15)) for node in "mn")
+    real, first = m._lease.start, []
+
+    def start_then_lost(**k):
+        lease = real(**k)
+        first.append(lease)
+        etcd_client.revoke_lease(lease)
+        deadline = time.monotonic() + 10
+        while m._lease.lease_id in (lease, 0):  # the lease thread's next beat finds it gone and grants another
+            assert time.monotonic() < deadline, "the lease was never granted anew"
+            time.sleep(0.01)
+        return lease
+
+    monkeypatch.setattr(m._lease, "start", start_then_lost)
+    try:
+        m._start()  # m registers first: its registration opens round 0
+        assert etcd_client.get(keys.round)[0].value == b"0" and etcd_client.get(keys.join(0, "m"))[0] is None
+        out = together([m, n], 30)
+        assert out["m"].rank == 0 and out["n"].rank == 1 and m.membership.round == 0
+        join, _ = etcd_client.get(keys.join(0, "m"))
+        assert join is not None and join.lease == m._lease.lease_id != first[0]
+    finally:
+        for h in (m, n):
+            h.leave()
+            h.close()
