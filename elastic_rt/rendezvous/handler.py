@@ -550,8 +550,8 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
 
     def _with_registration(self, lease_id: int) -> tuple[IfAbsent, ...]:
         """What a first registration's request also does (NodeLease.start's `when`): the job's claim on the run, and
-        round 0 with this node's join where the run has none, nor a fingerprint (another job's run may be left
-        with no round: nothing of this node is put there before the claim is checked)."""
+        round 0 with this node's join where the run has none (and, for a launched job, no fingerprint either: another
+        job's run may be left with no round, and nothing of this node is put there before the claim is checked)."""
         fingerprint = self.settings.fingerprint
         if not fingerprint:
             return (self._rounds.opening(lease_id),)
