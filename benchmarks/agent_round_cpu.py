@@ -10,6 +10,7 @@ on etcd costs no CPU and shows there); the handler is created before the clock s
 
     python benchmarks/agent_round_cpu.py                          # this checkout, 25 runs, 3-member etcd
     python benchmarks/agent_round_cpu.py --src /tmp/other-clone   # another checkout's elastic_rt (a baseline)
+    python benchmarks/agent_round_cpu.py --fingerprint            # as `elastic-rt launch` makes it: a job fingerprint
 
 Another checkout is imported from --src before any installed elastic_rt, so run it with an interpreter that
 has that checkout's dependencies (e.g. its own venv). Prints and writes the median, min and max per round.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import resource
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--src", default=REPO, help="the git checkout whose elastic_rt is measured (default: this one)")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
     p.add_argument("--allow-dirty", action="store_true", help="measure a tree with uncommitted changes")
+    p.add_argument("--fingerprint", action="store_true",
+                   help="give the handler a job fingerprint, as `elastic-rt launch` does (the run's claim is checked "
+                        "in the first round; code before fingerprints ignores it)")
     args = p.parse_args(argv)
     if args.runs < 1 or args.etcd_members < 1:
         p.error("--runs and --etcd-members must be >= 1")
@@ -64,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
     register()
     speed = machine_speed()  # before the runs, as the results file says
+    fingerprint = {"fingerprint": json.dumps({"script": "train.py", "args_sha256": "0" * 16, "nnodes": "1",
+                                              "launch_id": ""}, sort_keys=True)} if args.fingerprint else {}
     load_start = os.getloadavg()
     first: dict[str, list[float]] = {"cpu": [], "main": [], "switches": [], "wall": []}
     second: dict[str, list[float]] = {"cpu": [], "main": [], "switches": [], "wall": []}
@@ -73,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.runs):
             h = rendezvous_handler_registry.create_handler(RendezvousParameters(
                 "etcd-v3", cluster.endpoints, f"agent-cpu-{uuid.uuid4().hex[:6]}", 1, 1, local_addr="127.0.0.1",
-                node_id="n0"))
+                node_id="n0", **fingerprint))
             for series in (first, second, third):
                 time.sleep(0.3)
                 before, started = usage(), time.perf_counter()
@@ -98,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"first_round": summary(first), "second_round": summary(second), "third_round": summary(third)}
     head = (f"agent round CPU {datetime.date.today().isoformat()}: elastic_rt of {src} at code {git['commit']}"
             f"{' (dirty)' if git['dirty'] else ''} ({os.path.dirname(elastic_rt.__file__)}); one handler in this "
-            f"process, a 1-node job, {args.runs} runs; {os.cpu_count()} CPU(s), load average {load_start[0]:.1f} at "
+            f"process, a 1-node job{' with a job fingerprint' if args.fingerprint else ''}, {args.runs} runs; "
+            f"{os.cpu_count()} CPU(s), load average {load_start[0]:.1f} at "
             f"the start and {load_end[0]:.1f} at the end; etcd {version[0] if version else '?'} "
             f"({args.etcd_members} members on loopback, {cluster.binary})")
     lines = [head, "", "| round | median CPU ms | min | max | of which the calling thread (median) | context switches "
@@ -112,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.date.today().isoformat()
     write_results(args.out, "agent-round-cpu", stamp, {
         "benchmark": "agent_round_cpu", "date": stamp, "provenance": git, "src": src, "runs": args.runs,
+        "fingerprint": args.fingerprint,
         "etcd": {"binary": cluster.binary, "version": version[:1], "members": args.etcd_members},
         "cpus": os.cpu_count(), **speed, "loadavg_start": list(load_start), "loadavg_end": list(load_end), **result}, text)
     return 0
