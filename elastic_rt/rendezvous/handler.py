@@ -288,7 +288,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
             self._lease_started = False
         self._started = False
         self._claimed = None
-        self._rounds.opened((False, []), 0, 0)  # a join of round 0 went with the lease
+        self._rounds.forget_opening()
 
     def num_nodes_waiting(self) -> int:
         return 1 if self.membership_change() else 0

@@ -109,6 +109,10 @@ class Rounds:
         made, ranges = outcome
         self._opened = (lease_id, ranges[0], revision) if made else None
 
+    def forget_opening(self) -> None:
+        """An opening not taken yet is void (this node left: its join went with its lease)."""
+        self._opened = None
+
     def next_round(self, previous: Membership | None, deadline: float) -> Membership:
         """Join the current round (or wait for the next one) until a round forms with this node.
         Raises EtcdUnavailableError (the caller retries), RendezvousClosedError, RendezvousTimeoutError,

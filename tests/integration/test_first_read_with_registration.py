@@ -240,3 +240,39 @@ def test_a_lease_granted_anew_after_the_registration_takes_round_0s_join_with_it
         for h in (m, n):
             h.leave()
             h.close()
+
+
+def test_a_registration_committed_whose_answer_was_lost_joins_and_claims_again(etcd_endpoint, etcd_client, run_id,
+                                                                               monkeypatch):
+    """etcd commits the first registration (alive key, claim, round 0 with the join) and its answer is lost (no
+    answer within the deadline): the next try finds its own alive key, so nothing of that request is taken as made;
+    the claim is checked by a request of its own and round 0 is joined on the lease the next try granted."""
+    import grpc
+
+    from elastic_rt.rendezvous.etcd_endpoint import Endpoint
+    from elastic_rt.rendezvous.wire import CallError
+
+    keys = RunKeys(run_id)
+    h = _job_handler(etcd_endpoint, run_id, "m", last_call_timeout=1)  # 1 of --nnodes 1:2: the last call, 1 s
+    real, lost = Endpoint.call, []
+
+    def call(self, method, request, *a, **k):
+        answer = real(self, method, request, *a, **k)
+        if method == "KV/Txn" and not lost and keys.alive("m").encode() in bytes(request):
+            lost.append(1)  # made by etcd, its answer lost
+            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the deadline")
+        return answer
+
+    monkeypatch.setattr(Endpoint, "call", call)
+    try:
+        calls = _requests(monkeypatch, h._client)
+        info = h.next_rendezvous()
+        assert lost and info.rank == 0 and info.world_size == 1 and h.membership.round == 0
+        assert "compare_and_put" in calls, calls  # the claim's own request: the lost answer said nothing
+        assert etcd_client.get(keys.fingerprint)[0].value == JOB.encode()
+        join, _ = etcd_client.get(keys.join(0, "m"))
+        alive, _ = etcd_client.get(keys.alive("m"))
+        assert join is not None and join.lease == alive.lease == h._lease.lease_id
+    finally:
+        h.leave()
+        h.close()
