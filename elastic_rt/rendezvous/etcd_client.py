@@ -149,10 +149,10 @@ class IfHeld:
 
 @dataclass(frozen=True)
 class IfAbsent:
-    """compare_and_put_when's `when`: where its compare succeeds, `puts` are made in the same request (a transaction
-    nested in the success branch: etcd 3.3 and later) while no key of `absent` exists (as the request found them:
-    etcd judges every compare of a request before any of its writes), then `made_read` is read; where a key of
-    `absent` exists, `held_read` is read instead."""
+    """compare_and_put_then_read's `when`: where its compare succeeds, `puts` are made in the same request (a
+    transaction nested in the success branch: etcd 3.3 and later) while no key of `absent` exists (as the request
+    found them: etcd judges every compare of a request before any of its writes), then `made_read` is read; where a
+    key of `absent` exists, `held_read` is read instead."""
 
     absent: tuple[str, ...]
     puts: tuple[Put, ...]
@@ -166,10 +166,9 @@ class IfAbsent:
     def outcome(self, resp) -> tuple[bool, list[list[KeyValue]]]:
         """(puts made, the ranges read) from this transaction's answer (etcd's TxnResponse)."""
         made = bool(resp.succeeded)
-        read = self.made_read if made else self.held_read
-        _expect_results(resp, (len(self.puts) if made else 0) + len(read.ranges))
-        start = len(self.puts) if made else 0
-        return made, [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses[start:]]
+        read, puts = (self.made_read, len(self.puts)) if made else (self.held_read, 0)
+        _expect_results(resp, puts + len(read.ranges))
+        return made, [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses[puts:]]
 
 
 def _compare_mod(key: str, expected_mod_revision: int | None) -> bytes:
@@ -426,15 +425,17 @@ class EtcdClient:
 
     def compare_and_put_then_read(
         self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
-        timeout_s: float | None = None, read: RangeRead, also: tuple[Put, ...] = (), tick: Tick | None = None,
-    ) -> tuple[bool, KeyValue | None, list[list[KeyValue]], int]:
+        timeout_s: float | None = None, read: RangeRead, also: tuple[Put, ...] = (), when: tuple[IfAbsent, ...] = (),
+        tick: Tick | None = None,
+    ) -> tuple[bool, KeyValue | None, list[list[KeyValue]], int, tuple[tuple[bool, list[list[KeyValue]]], ...]]:
         """compare_and_put, and in the same transaction (one request, one revision: after the put, when it was made)
-        read_ranges(read); `also`: keys put with `key`, only when it is (before the read). Returns (succeeded, the
-        key as it is after it, the ranges' keys, that revision)."""
-        ok, _, kv, ranges, revision = self.compare_and_put_else(key, value, expected_mod_revision=expected_mod_revision,
-                                                                lease=lease, timeout_s=timeout_s, read=read, also=also,
-                                                                tick=tick)
-        return ok, kv, ranges, revision
+        read_ranges(read); `also`: keys put with `key`, only when it is (before the read); `when`: transactions made
+        there too, after those puts and before the read (which sees what they put). Returns (succeeded, the key as it
+        is after it, the ranges' keys, that revision, and for each of `when`: IfAbsent.outcome(); () where the compare
+        failed)."""
+        ok, _, kv, ranges, revision, outcomes = self._cas(key, value, expected_mod_revision, lease, timeout_s, read,
+                                                          also, None, (), tick, when)
+        return ok, kv, ranges, revision, outcomes
 
     def compare_and_put_else(
         self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
@@ -447,18 +448,6 @@ class EtcdClient:
         ok, made, kv, ranges, revision, _ = self._cas(key, value, expected_mod_revision, lease, timeout_s, read, also,
                                                       otherwise, deletes, tick, ())
         return ok, made, kv, ranges, revision
-
-    def compare_and_put_when(
-        self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
-        timeout_s: float | None = None, read: RangeRead, when: tuple[IfAbsent, ...], tick: Tick | None = None,
-    ) -> tuple[bool, KeyValue | None, list[list[KeyValue]], int, tuple[tuple[bool, list[list[KeyValue]]], ...]]:
-        """compare_and_put_then_read, and where the compare succeeds, each of `when` in the same request, after the
-        put and before the read (which sees what they put). Returns (succeeded, the key as it is after the
-        transaction, the ranges' keys, that revision, and for each of `when`: IfAbsent.outcome(); () where the compare
-        failed)."""
-        ok, _, kv, ranges, revision, outcomes = self._cas(key, value, expected_mod_revision, lease, timeout_s, read,
-                                                          (), None, (), tick, when)
-        return ok, kv, ranges, revision, outcomes
 
     def _cas(self, key: str, value: bytes, expected_mod_revision: int | None, lease: int, timeout_s: float | None,
              read: RangeRead, also: tuple[Put, ...], otherwise: IfHeld | None, deletes: tuple[tuple[str, str], ...],

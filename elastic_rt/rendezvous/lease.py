@@ -186,7 +186,7 @@ class NodeLease:
         """Grant the lease and put the alive key (request deadlines: the client's), then keep it alive. `read`: ranges
         to read in the alive key's own request (the membership view's first read); take_read() has the result.
         `when(lease_id)`: conditional puts that go in that request too, where the alive key is put (before the read:
-        EtcdClient.compare_and_put_when); take_outcomes() has what came of them (nothing where another agent's key
+        EtcdClient.compare_and_put_then_read); take_outcomes() has what came of them (nothing where another agent's key
         was in the way, or without `read`).
 
         The node id's alive/ key held by another agent: when that agent registered this agent's own address and
@@ -264,7 +264,7 @@ class NodeLease:
             ok, held = self._client.compare_and_put(key, self._info, expected_mod_revision=None, lease=self._lease_id,
                                                     timeout_s=timeout_s, tick=tick)
         else:
-            ok, held, ranges, revision, outcomes = self._client.compare_and_put_when(
+            ok, held, ranges, revision, outcomes = self._client.compare_and_put_then_read(
                 key, self._info, expected_mod_revision=None, lease=self._lease_id, timeout_s=timeout_s, read=read,
                 when=when(self._lease_id) if when is not None else (), tick=tick)
             self._read = (read, ranges, revision) if ok else None

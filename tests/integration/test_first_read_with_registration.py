@@ -31,12 +31,12 @@ def test_compare_and_put_then_read_reads_at_the_puts_revision_on_both_branches(e
     c.put(keys.alive("a"), b"a")
     read = RangeRead([(keys.alive_prefix, keys.alive("m").encode()), (keys.round, keys.round.encode() + b"\0")],
                      keys_only=frozenset({0}), first_only=frozenset({0}))
-    ok, kv, ranges, revision = c.compare_and_put_then_read(keys.alive("m"), b"m", expected_mod_revision=None,
+    ok, kv, ranges, revision, _ = c.compare_and_put_then_read(keys.alive("m"), b"m", expected_mod_revision=None,
                                                            read=read)
     assert ok and kv.value == b"m" and kv.mod_revision == revision
     assert [[(x.key, x.value) for x in r] for r in ranges] == [[(keys.alive("a"), b"")], []]
     put_at = c.put(keys.round, b"0")
-    ok, kv, ranges, revision2 = c.compare_and_put_then_read(keys.alive("m"), b"other", expected_mod_revision=None,
+    ok, kv, ranges, revision2, _ = c.compare_and_put_then_read(keys.alive("m"), b"other", expected_mod_revision=None,
                                                             read=read)
     assert not ok and kv.value == b"m" and kv.mod_revision == revision  # refused: nothing written, the key as it is
     assert revision2 >= put_at  # read after the round's put (other tests' leases may move the revision too)
@@ -59,7 +59,7 @@ def test_the_views_first_read_goes_with_the_alive_key(handler, etcd_client, run_
     c.put(keys.round, b"0")
     c.put(keys.final(0), b"{}")
     calls: list[str] = []
-    for name in ("read_ranges", "compare_and_put", "compare_and_put_then_read", "compare_and_put_when"):
+    for name in ("read_ranges", "compare_and_put", "compare_and_put_then_read"):
         real = getattr(handler._client, name)
 
         def wrapped(*a, _real=real, _name=name, **k):
@@ -68,7 +68,7 @@ def test_the_views_first_read_goes_with_the_alive_key(handler, etcd_client, run_
 
         monkeypatch.setattr(handler._client, name, wrapped)
     handler._start()
-    assert calls == ["compare_and_put_when"], calls  # the alive key and the view's read: one transaction
+    assert calls == ["compare_and_put_then_read"], calls  # the alive key and the view's read: one transaction
     assert c.get(keys.join(0, "m"))[0] is None  # the run had a round: the registration did not join it
     own = MembershipView(c, keys, node_id="m", alive_puts=False)  # a view that reads for itself
     own.start()
@@ -120,7 +120,7 @@ def _job_handler(endpoint, run_id, node, fingerprint=JOB, **conf):
 def _requests(monkeypatch, client) -> list[str]:
     calls: list[str] = []
     for name in ("get", "put", "read_ranges", "read_many", "compare_and_put", "compare_and_put_else",
-                 "compare_and_put_when"):
+                 "compare_and_put_then_read"):
         real = getattr(client, name)
 
         def wrapped(*a, _real=real, _name=name, **k):
@@ -138,7 +138,7 @@ def test_a_new_runs_first_registration_records_the_claim_and_opens_round_0(etcd_
     try:
         calls = _requests(monkeypatch, h._client)
         h._start()
-        assert calls == ["compare_and_put_when"], calls  # no request of the claim's own
+        assert calls == ["compare_and_put_then_read"], calls  # no request of the claim's own
         alive, _ = etcd_client.get(keys.alive("m"))
         claim, _ = etcd_client.get(keys.fingerprint)
         rnd, _ = etcd_client.get(keys.round)
@@ -166,7 +166,7 @@ def test_the_same_jobs_claim_found_costs_no_request_and_opens_no_round(etcd_endp
     try:
         calls = _requests(monkeypatch, h._client)
         h._start()
-        assert calls == ["compare_and_put_when"], calls
+        assert calls == ["compare_and_put_then_read"], calls
         assert etcd_client.get(keys.round)[0] is None
         assert h.next_rendezvous().rank == 0 and h.membership.round == 0
     finally:

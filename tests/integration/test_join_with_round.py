@@ -21,8 +21,7 @@ from elastic_rt.rendezvous.registration import create_etcd_v3_handler
 from tests.support.rendezvous import together
 
 _REQUESTS = ("get", "put", "delete", "read_many", "read_ranges", "put_then_read", "compare_and_put",
-             "compare_and_put_then_read", "compare_and_put_else", "compare_and_put_when", "create_with", "grant_lease",
-             "delete_ranges")
+             "compare_and_put_then_read", "compare_and_put_else", "create_with", "grant_lease", "delete_ranges")
 
 
 def _handler(endpoint: str, run_id: str, node: str, nnodes: tuple[int, int]):
@@ -54,11 +53,11 @@ def test_a_failed_compare_puts_none_of_the_keys_that_go_with_it(etcd_client, run
     c, keys = etcd_client, RunKeys(run_id)
     c.put(keys.round, b"0")
     join = Put(keys.join(1, "m"), b"{}")
-    ok, kv, ranges, _ = c.compare_and_put_then_read(keys.round, b"1", expected_mod_revision=None, also=(join,),
+    ok, kv, ranges, _, _ = c.compare_and_put_then_read(keys.round, b"1", expected_mod_revision=None, also=(join,),
                                                     read=RangeRead([keys.join_range(1)]))
     assert not ok and kv.value == b"0" and ranges == [[]]
     assert c.get(keys.join(1, "m"))[0] is None
-    ok, kv, ranges, revision = c.compare_and_put_then_read(keys.round, b"1", expected_mod_revision=kv.mod_revision,
+    ok, kv, ranges, revision, _ = c.compare_and_put_then_read(keys.round, b"1", expected_mod_revision=kv.mod_revision,
                                                            also=(join,), read=RangeRead([keys.join_range(1)]))
     assert ok and kv.value == b"1" and kv.mod_revision == revision
     assert [(x.key, x.mod_revision) for x in ranges[0]] == [(keys.join(1, "m"), revision)]  # read after the puts
@@ -193,7 +192,7 @@ def test_a_one_node_jobs_restart_is_two_requests_and_no_watch(etcd_endpoint, etc
         assert first.rank == 0 and first.world_size == 1
         # the lease; the alive key with round 0 created, its join put and read (the run had no round), and the
         # view's read; the run's lease granted; the final with the run lease's key
-        assert calls == ["grant_lease", "compare_and_put_when", "grant_lease", "create_with"], calls
+        assert calls == ["grant_lease", "compare_and_put_then_read", "grant_lease", "create_with"], calls
         alive, _ = etcd_client.get(keys.alive("m"))
         join, _ = etcd_client.get(keys.join(0, "m"))
         rnd, _ = etcd_client.get(keys.round)
