@@ -18,7 +18,7 @@ from elastic_rt.rendezvous.etcd_endpoint import WatchStream
 from elastic_rt.rendezvous import rounds
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
-from tests.support.rendezvous import together
+from tests.support.rendezvous import count_requests, together
 
 _REQUESTS = ("get", "put", "delete", "read_many", "read_ranges", "put_then_read", "compare_and_put",
              "compare_and_put_then_read", "compare_and_put_else", "create_with", "grant_lease", "delete_ranges")
@@ -31,22 +31,7 @@ def _handler(endpoint: str, run_id: str, node: str, nnodes: tuple[int, int]):
 
 def _count(monkeypatch, handler) -> list[str]:
     """The etcd requests the handler's client makes (outermost only)."""
-    calls: list[str] = []
-    depth = [0]
-    for name in _REQUESTS:
-        real = getattr(handler._client, name)
-
-        def wrapped(*a, _real=real, _name=name, **k):
-            if not depth[0]:
-                calls.append(_name)
-            depth[0] += 1
-            try:
-                return _real(*a, **k)
-            finally:
-                depth[0] -= 1
-
-        monkeypatch.setattr(handler._client, name, wrapped)
-    return calls
+    return count_requests(monkeypatch, handler._client, _REQUESTS)
 
 
 def test_a_failed_compare_puts_none_of_the_keys_that_go_with_it(etcd_client, run_id):

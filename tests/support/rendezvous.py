@@ -1,4 +1,4 @@
-"""Rendezvous handlers meeting from threads, as the agents of several nodes would."""
+"""Rendezvous handlers meeting from threads, as the agents of several nodes would; the etcd requests a client makes."""
 
 from __future__ import annotations
 
@@ -47,3 +47,24 @@ def _where(handler, thread: threading.Thread) -> str:
 def ranks(handlers, timeout_s: float = 60.0) -> dict[str, tuple[int, int]]:
     """together(), as node id -> (rank, world size)."""
     return {n: (i.rank, i.world_size) for n, i in together(handlers, timeout_s).items()}
+
+
+def count_requests(monkeypatch, client, names) -> list[str]:
+    """The calls of `client`'s methods `names` from now on, by name, in order; a call made inside another of them (the
+    method one of them is built on) is not counted again."""
+    calls: list[str] = []
+    depth = [0]
+    for name in names:
+        real = getattr(client, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            if not depth[0]:
+                calls.append(_name)
+            depth[0] += 1
+            try:
+                return _real(*a, **k)
+            finally:
+                depth[0] -= 1
+
+        monkeypatch.setattr(client, name, wrapped)
+    return calls
