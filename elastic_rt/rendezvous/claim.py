@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from elastic_rt.errors import RunInUseError
-from elastic_rt.rendezvous.etcd_client import EtcdClient, IfAbsent, KeyValue, Put, RangeRead, prefix_end
+from elastic_rt.rendezvous.etcd_client import EtcdClient, IfAbsent, Outcome, Put, RangeRead, prefix_end
 from elastic_rt.rendezvous.keys import RunKeys
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,14 @@ def claim_ahead(keys: RunKeys, fingerprint: str) -> IfAbsent:
 
 
 def claim_run(client: EtcdClient, keys: RunKeys, fingerprint: str, node_id: str, *,
-              ahead: tuple[bool, list[list[KeyValue]]] | None = None) -> None:
+              ahead: Outcome | None = None) -> None:
     """Record this job's fingerprint with the run, or check it against the one recorded. A different one is
     refused (RunInUseError, one line) while any other agent of the run is alive; with none alive the run was
     left by an earlier job, and this one takes it over (one log line). `ahead`: what claim_ahead() made of it in
     another request (recorded, or found recorded: no request here). Raises EtcdUnavailableError (retried)."""
     mine = fingerprint.encode()
     if ahead is not None:
-        made, ranges = ahead
+        made, ranges, _ = ahead
         if made or any(kv.value == mine for kv in ranges[0]):
             return
     expected: int | None = None  # create-only, then over the revision read

@@ -11,7 +11,8 @@ The rules, in the order they are tried (handler.py's docstring says why):
                                                                registration's request where the run had no round
                                                                then: Rounds.opening, the round starts joined)
     B4  the current round's final is not elastic-rt's       -> RendezvousDataError (one line, no waiting)
-    B5  the current round has no final (in the view), and this node was not a member of it -> JOIN it
+    B5  the current round has no final (in the view), and this node was not a member of it -> JOIN it (round 0:
+        made ahead of time in the registration's request where round 0 was open then, Rounds.opening)
     B6  it has one that elastic-rt did not write (not its form, or not signed by the job's secret: a forgery;
         nobody can join R any more, its final is taken), or this node was a member of it (also while the view has
         not delivered R's final yet: a node that calls again at once must not join its own round again)

@@ -133,18 +133,24 @@ class GuardedPut:
 
 @dataclass(frozen=True)
 class IfHeld:
-    """compare_and_put_then_read's `otherwise`: where its compare fails, `puts` are made in the same request (a
-    transaction nested in the failure branch: etcd 3.3 and later) while `key` holds `value` and no key of `absent`
-    exists."""
+    """compare_and_put_else's and IfAbsent's `otherwise`: where their compare fails, `puts` are made in the same
+    request (a transaction nested in the failure branch: etcd 3.3 and later) while `key` holds `value` (and each key
+    of `also` its value) and no key of `absent` exists."""
 
     key: str
     value: bytes
     absent: tuple[str, ...] = ()
     puts: tuple[Put, ...] = ()
+    also: tuple[tuple[str, bytes], ...] = ()
 
     def txn(self) -> bytes:
-        compare = [pb.compare_value(self.key.encode(), self.value), *(_compare_mod(k, None) for k in self.absent)]
+        held = [(self.key, self.value), *self.also]
+        compare = [*(pb.compare_value(k.encode(), v) for k, v in held), *(_compare_mod(k, None) for k in self.absent)]
         return pb.txn_op(pb.txn(compare, [*map(_put_op, self.puts)], []))
+
+
+# IfAbsent.outcome(): its puts made, the ranges it read, its `otherwise`'s puts made
+Outcome = tuple[bool, list[list[KeyValue]], bool]
 
 
 @dataclass(frozen=True)
@@ -152,23 +158,35 @@ class IfAbsent:
     """compare_and_put_then_read's `when`: where its compare succeeds, `puts` are made in the same request (a
     transaction nested in the success branch: etcd 3.3 and later) while no key of `absent` exists (as the request
     found them: etcd judges every compare of a request before any of its writes), then `made_read` is read; where a
-    key of `absent` exists, `held_read` is read instead."""
+    key of `absent` exists, `held_read` is read instead, and `otherwise`'s puts are made where its condition holds (a
+    transaction nested in this one's failure branch: it may put a key that `puts` has, as only one branch is taken)."""
 
     absent: tuple[str, ...]
     puts: tuple[Put, ...]
     made_read: RangeRead = RangeRead([])
     held_read: RangeRead = RangeRead([])
+    otherwise: IfHeld | None = None
 
     def txn(self) -> bytes:
+        failure = _range_ops(self.held_read)
+        if self.otherwise is not None:
+            failure.append(self.otherwise.txn())
         return pb.txn_op(pb.txn([_compare_mod(k, None) for k in self.absent],
-                                [*map(_put_op, self.puts), *_range_ops(self.made_read)], _range_ops(self.held_read)))
+                                [*map(_put_op, self.puts), *_range_ops(self.made_read)], failure))
 
-    def outcome(self, resp) -> tuple[bool, list[list[KeyValue]]]:
-        """(puts made, the ranges read) from this transaction's answer (etcd's TxnResponse)."""
+    def outcome(self, resp) -> Outcome:
+        """(puts made, the ranges read, otherwise's puts made) from this transaction's answer (etcd's TxnResponse)."""
         made = bool(resp.succeeded)
         read, puts = (self.made_read, len(self.puts)) if made else (self.held_read, 0)
-        _expect_results(resp, puts + len(read.ranges))
-        return made, [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses[puts:]]
+        nested = 0 if made or self.otherwise is None else 1
+        _expect_results(resp, puts + len(read.ranges) + nested)
+        ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses[puts:puts + len(read.ranges)]]
+        if not nested:
+            return made, ranges, False
+        inner = resp.responses[-1].response_txn
+        held = bool(inner.succeeded)
+        _expect_results(inner, len(self.otherwise.puts) if held else 0)
+        return made, ranges, held
 
 
 def _compare_mod(key: str, expected_mod_revision: int | None) -> bytes:
@@ -427,7 +445,7 @@ class EtcdClient:
         self, key: str, value: bytes, *, expected_mod_revision: int | None, lease: int = 0,
         timeout_s: float | None = None, read: RangeRead, also: tuple[Put, ...] = (), when: tuple[IfAbsent, ...] = (),
         tick: Tick | None = None,
-    ) -> tuple[bool, KeyValue | None, list[list[KeyValue]], int, tuple[tuple[bool, list[list[KeyValue]]], ...]]:
+    ) -> tuple[bool, KeyValue | None, list[list[KeyValue]], int, tuple[Outcome, ...]]:
         """compare_and_put, and in the same transaction (one request, one revision: after the put, when it was made)
         read_ranges(read); `also`: keys put with `key`, only when it is (before the read); `when`: transactions made
         there too, after those puts and before the read (which sees what they put). Returns (succeeded, the key as it

@@ -48,9 +48,11 @@ R+1 by compare-and-set, with its join of R+1 in the same transaction. Per node a
 CAS on `round` for the node that opens the round), at most one CAS on `final`, a waiting put and delete for late
 nodes. A node's first registration (lease, then one transaction) puts its alive/ key, makes the view's first read,
 records the job's fingerprint where the run has none, and creates round 0 with its join where the run has no round
-(nor `closed`, nor, for a launched job, a fingerprint): the first node of a run has opened round 0 before its round
-begins, and is a member of it from then on even if it stalls before its round runs (as a node that stalls after its
-join: the others' fallback close, J11, counts its join).
+(nor `closed`, nor, for a launched job, a fingerprint), or puts its join of round 0 where round 0 is open (no final,
+the run not closed, and for a launched job the run held this job's fingerprint): the nodes of a first meeting have
+joined round 0 before their round begins (no join request of their own), and are members of it from then on even if
+they stall before their round runs (as a node that stalls after its join: the others' fallback close, J11, counts its
+join).
 
 decide.py holds these rules as one pure function of the view and the node's state (its docstring
 has them as a table); rounds.py performs what it decides.
@@ -110,7 +112,7 @@ from elastic_rt.decisions import RestartReason
 from elastic_rt.errors import EtcdUnavailableError, LeaseGoneError, RendezvousDataError, RunInUseError
 from elastic_rt.interfaces import MembershipHandler
 from elastic_rt.rendezvous.claim import claim_ahead, claim_run, remove_run_keys
-from elastic_rt.rendezvous.etcd_client import EtcdClient, IfAbsent, KeyValue
+from elastic_rt.rendezvous.etcd_client import EtcdClient, IfAbsent, KeyValue, Outcome
 from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.lease import NodeLease
@@ -159,7 +161,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
         )
         self._started = False
         self._lease_started = False
-        self._claimed: tuple[bool, list[list[KeyValue]]] | None = None  # claim_ahead()'s outcome, until claim_run
+        self._claimed: Outcome | None = None  # claim_ahead()'s outcome, until claim_run
         self._peer_watch: PeerWatch | None = None
         self._monitor = MembershipMonitor(
             node_id=settings.node_id, view=self._view, health=self.health, lease_ttl_s=settings.lease_ttl_s,
@@ -551,11 +553,15 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
     def _with_registration(self, lease_id: int) -> tuple[IfAbsent, ...]:
         """What a first registration's request also does (NodeLease.start's `when`): the job's claim on the run, and
         round 0 with this node's join where the run has none (and, for a launched job, no fingerprint either: another
-        job's run may be left with no round, and nothing of this node is put there before the claim is checked)."""
+        job's run may be left with no round, and nothing of this node is put there before the claim is checked), or this
+        node's join of round 0 where that round is open (for a launched job, in a run that held this job's fingerprint
+        before the request)."""
         fingerprint = self.settings.fingerprint
         if not fingerprint:
             return (self._rounds.opening(lease_id),)
-        return claim_ahead(self.keys, fingerprint), self._rounds.opening(lease_id, absent=(self.keys.fingerprint,))
+        keys = self.keys
+        return claim_ahead(keys, fingerprint), self._rounds.opening(lease_id, absent=(keys.fingerprint,),
+                                                                    held=((keys.fingerprint, fingerprint.encode()),))
 
     def _formed(self, m: Membership) -> None:
         """A round formed with this node: the view counts its members alive and from now on follows the alive/

@@ -14,7 +14,7 @@ from typing import Callable
 
 from elastic_rt.errors import DuplicateNodeError, EtcdUnavailableError
 from elastic_rt.rendezvous.daemon import Daemon
-from elastic_rt.rendezvous.etcd_client import EtcdClient, IfAbsent, KeyValue, RangeRead, Renewal, Tick
+from elastic_rt.rendezvous.etcd_client import EtcdClient, IfAbsent, KeyValue, Outcome, RangeRead, Renewal, Tick
 from elastic_rt.rendezvous.etcd_reachability import Backoff, EtcdHealth
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import LivenessListener, parse_peer, probe
@@ -166,8 +166,7 @@ class NodeLease:
         # what backoff), until a send takes it
         self.conflict: DuplicateNodeError | None = None  # another agent holds this node id: beats stopped
         self._read: tuple[RangeRead, list[list[KeyValue]], int] | None = None  # start()'s `read`, until take_read()
-        self._outcomes: tuple[tuple[tuple[bool, list[list[KeyValue]]], ...], int, int] = ((), 0, 0)  # start()'s `when`,
-        # until take_outcomes()
+        self._outcomes: tuple[tuple[Outcome, ...], int, int] = ((), 0, 0)  # start()'s `when`, until take_outcomes()
 
     @property
     def lease_id(self) -> int:
@@ -243,7 +242,7 @@ class NodeLease:
         read, self._read = self._read, None
         return read
 
-    def take_outcomes(self) -> tuple[tuple[tuple[bool, list[list[KeyValue]]], ...], int, int]:
+    def take_outcomes(self) -> tuple[tuple[Outcome, ...], int, int]:
         """What came of start()'s `when` (IfAbsent.outcome() each), the revision of that request and the lease it put
         the alive key on (which `when` was given: the lease thread may have granted another one since), once; ((), 0,
         0) when they were not sent or not made (the alive key was not put by that request)."""

@@ -15,7 +15,7 @@ from elastic_rt.rendezvous.decide import (
     Action, Membership, NodeState, RoundView, Step, abandoned, closable, closes, decide, decode_final,
 )
 from elastic_rt.rendezvous.etcd_client import (
-    EtcdClient, GuardedPut, IfAbsent, IfHeld, KeyValue, Put, RangeRead, delivering_here,
+    EtcdClient, GuardedPut, IfAbsent, IfHeld, KeyValue, Outcome, Put, RangeRead, delivering_here,
 )
 from elastic_rt.rendezvous.keys import RunKeys
 from elastic_rt.rendezvous.liveness import free_port
@@ -84,8 +84,8 @@ class Rounds:
         self.history_deleted = -1  # the last round whose final this node wrote with the deletion of the rounds before
         # the previous one (keys.history): rank 0 need not delete them again
         self._join_value = json.dumps({"addr": settings.local_addr, "incarnation": incarnation}).encode()
-        self._opened: tuple[int, list[KeyValue], int] | None = None  # round 0 as opening() opened it: (lease, its
-        # joins, the revision they were read at), until next_round() takes it
+        self._opened: tuple[int, list[KeyValue] | None, int] | None = None  # round 0 as opening() joined it: (lease,
+        # its joins where it opened round 0, the revision they were read at), until next_round() takes it
         self._steps: dict[Step, Callable[[Action], NodeState]] = {
             Step.CLOSED: self._closed, Step.TIMEOUT: self._timeout, Step.FORMED: self._formed,
             Step.CREATE_ROUND: self._create_round, Step.ADVANCE_ROUND: self._advance_round,
@@ -94,20 +94,25 @@ class Rounds:
             Step.READ_JOINS: self._read_joins, Step.WRITE_FINAL: self._write_final, Step.WAIT: self._wait,
         }
 
-    def opening(self, lease_id: int, *, absent: tuple[str, ...] = ()) -> IfAbsent:
-        """CREATE_ROUND (B3) made ahead of time, in another request (the registration's, before its view's first read:
-        that request's compare must hold, NodeLease.start): where the run has no `round`, no `closed` and no key of
-        `absent`, round 0 is created with this node's join on `lease_id`, and round 0's joins are read there. Tell
-        opened() what came of it."""
-        keys = self.keys
-        return IfAbsent((keys.round, keys.closed, *absent),
-                        (Put(keys.round, b"0"), Put(keys.join(0, self.settings.node_id), self._join_value, lease_id)),
-                        made_read=RangeRead([keys.join_range(0)]))
+    def opening(self, lease_id: int, *, absent: tuple[str, ...] = (), held: tuple[tuple[str, bytes], ...] = ()
+                ) -> IfAbsent:
+        """CREATE_ROUND (B3) and B5's join of round 0 made ahead of time, in another request (the registration's, before
+        its view's first read: that request's compare must hold, NodeLease.start): where the run has no `round`, no
+        `closed` and no key of `absent`, round 0 is created with this node's join on `lease_id`, and round 0's joins are
+        read there; else, where `round` holds 0, round 0 has no final, the run is not closed and each key of `held`
+        holds its value, this node's join of round 0 is put on `lease_id` (not read: the closer's J7 reads them).
+        Tell opened() what came of it."""
+        keys, node = self.keys, self.settings.node_id
+        join = Put(keys.join(0, node), self._join_value, lease_id)
+        return IfAbsent((keys.round, keys.closed, *absent), (Put(keys.round, b"0"), join),
+                        made_read=RangeRead([keys.join_range(0)]),
+                        otherwise=IfHeld(keys.round, b"0", (keys.final(0), keys.closed), (join,), also=held))
 
-    def opened(self, outcome: tuple[bool, list[list[KeyValue]]], lease_id: int, revision: int) -> None:
-        """What came of opening(lease_id) in a request answered at `revision`: the next first round starts from it."""
-        made, ranges = outcome
-        self._opened = (lease_id, ranges[0], revision) if made else None
+    def opened(self, outcome: Outcome, lease_id: int, revision: int) -> None:
+        """What came of opening(lease_id) in a request answered at `revision`: the next first round starts from it
+        (joined, where either branch put the join)."""
+        made, ranges, joined = outcome
+        self._opened = (lease_id, ranges[0] if made else None, revision) if made or joined else None
 
     def forget_opening(self) -> None:
         """An opening not taken yet is void (this node left: its join went with its lease)."""
@@ -136,15 +141,16 @@ class Rounds:
         finally:
             self._stop_tracking()
 
-    def _joined_ahead(self, node: NodeState, lease: int, joins: list[KeyValue], revision: int) -> NodeState:
-        """The node as CREATE_ROUND would have left it, round 0 being opened by opening() (its join on `lease`): joined,
-        and tracking the joins read there where it expects to close the round. A lease granted anew since then took
-        that join with it: the node is left as it was (decide() joins again)."""
+    def _joined_ahead(self, node: NodeState, lease: int, joins: list[KeyValue] | None, revision: int) -> NodeState:
+        """The node as CREATE_ROUND or B5's JOIN would have left it, round 0 being joined by opening() (its join on
+        `lease`): joined, and tracking the joins read there (`joins`: it opened round 0) where it expects to close the
+        round (else J7 reads them). A lease granted anew since then took that join with it: the node is left as it was
+        (decide() joins again)."""
         with self._view.mutex:
             view = self._snapshot(None)
             if view.lease != lease:
                 return node
-            track = closes(view, node, 0)
+            track = joins is not None and closes(view, node, 0)
         node = node.evolve(joined=0, joined_with=lease, read_due=self._next_read(node))
         if track:
             self._track(node, 0, joins, revision)

@@ -2,7 +2,8 @@
 alive/ key (one request fewer per node: at 1,024 nodes, 1,024 fewer in the first round's burst), and the view it
 starts from is the one a read of its own would have given. The job's claim on the run goes there too (one request
 fewer per node of a launched job), and so does round 0 with the node's join where the run has none (the first node
-of a run): never in a closed run, nor in a run another job recorded."""
+of a run), or the node's join of round 0 where that round is open (every other node of a first meeting): never in a
+closed run, nor in a round that has its final, nor in a run another job recorded."""
 
 from __future__ import annotations
 
@@ -159,20 +160,69 @@ def test_the_same_jobs_claim_found_costs_no_request_and_opens_no_round(etcd_endp
         h.close()
 
 
-def test_another_live_jobs_run_gets_no_round_and_no_key_of_this_node(etcd_endpoint, etcd_client, run_id):
-    """Another job recorded the run and its agent is alive, and the run has no round yet: the node is refused and
-    leaves nothing there (the registration's round 0 needs a run with no fingerprint)."""
+@pytest.mark.parametrize("fingerprint", ["", JOB], ids=["torch-registry", "launched"])
+def test_a_registration_joins_an_open_round_0_in_its_request(etcd_endpoint, etcd_client, run_id, monkeypatch,
+                                                            fingerprint):
+    """Node n's registration opened round 0; node m's registration finds it open and puts m's join of it in the same
+    request, on the alive key's lease: m puts no join of its own in its round (m, the smaller, is the closer: J7
+    reads the joins), and the round forms with both."""
+    keys = RunKeys(run_id)
+    n, m = (_job_handler(etcd_endpoint, run_id, node, fingerprint=fingerprint) for node in "nm")
+    try:
+        n._start()
+        calls = _requests(monkeypatch, m._client)
+        m._start()
+        assert calls == ["compare_and_put_then_read"], calls  # the claim found, the join: no request of their own
+        alive, _ = etcd_client.get(keys.alive("m"))
+        join, _ = etcd_client.get(keys.join(0, "m"))
+        assert join is not None and join.mod_revision == alive.mod_revision and join.lease == alive.lease
+        assert etcd_client.get(keys.round)[0].mod_revision < alive.mod_revision  # n's round 0, not opened again
+        assert {k: (i.rank, i.world_size) for k, i in together([n, m], 30).items()} == {"m": (0, 2), "n": (1, 2)}
+        assert m.membership.round == 0 and n.membership.round == 0
+        made = [c for c in calls[1:] if c in ("put", "compare_and_put_else")]  # a join's request, round 0's opening
+        assert made == [], calls
+        assert etcd_client.get(keys.join(0, "m"))[0].lease == alive.lease  # the join of the registration formed it
+    finally:
+        for h in (m, n):
+            h.leave()
+            h.close()
+
+
+def test_a_round_0_with_its_final_is_not_joined(etcd_endpoint, etcd_client, run_id):
+    """Round 0 formed (its final written) before this node came: the registration does not join it (B6-B8 next)."""
+    keys = RunKeys(run_id)
+    etcd_client.put(keys.round, b"0")
+    etcd_client.put(keys.final(0), b"{}")
+    h = _job_handler(etcd_endpoint, run_id, "m", fingerprint="")
+    try:
+        h._start()
+        assert etcd_client.get(keys.join(0, "m"))[0] is None and etcd_client.get(keys.alive("m"))[0] is not None
+    finally:
+        h.leave()
+        h.close()
+
+
+@pytest.mark.parametrize("round_0", [False, True], ids=["no-round", "round-0-open"])
+def test_another_live_jobs_run_gets_no_round_and_no_key_of_this_node(etcd_endpoint, etcd_client, run_id, round_0):
+    """Another job recorded the run and its agent is alive, and the run has no round yet, or an open round 0: the node
+    is refused and leaves nothing there (the registration's round 0 needs a run with no fingerprint, its join of an
+    open round 0 a run with this job's)."""
     keys = RunKeys(run_id)
     lease = etcd_client.grant_lease(30)
     etcd_client.put(keys.fingerprint, OTHER.encode())
     etcd_client.put(keys.alive("a"), b"{}", lease=lease)
+    if round_0:
+        etcd_client.put(keys.round, b"0")
+        etcd_client.put(keys.join(0, "a"), b"{}", lease=lease)
     h = _job_handler(etcd_endpoint, run_id, "s", join_timeout=20)
     try:
         with pytest.raises(RunInUseError):
             h.next_rendezvous()
         assert etcd_client.get(keys.fingerprint)[0].value == OTHER.encode()
-        assert etcd_client.get(keys.round)[0] is None
-        assert etcd_client.list_prefix(keys.joins_prefix)[0] == []
+        rnd, _ = etcd_client.get(keys.round)
+        assert (rnd.value if rnd is not None else None) == (b"0" if round_0 else None)
+        assert [kv.key for kv in etcd_client.list_prefix(keys.joins_prefix)[0]] == ([keys.join(0, "a")] if round_0
+                                                                                     else [])
         assert etcd_client.get(keys.alive("s"))[0] is None
     finally:
         h.leave()
@@ -180,14 +230,18 @@ def test_another_live_jobs_run_gets_no_round_and_no_key_of_this_node(etcd_endpoi
         etcd_client.revoke_lease(lease)
 
 
-def test_a_closed_run_gets_no_round(etcd_endpoint, etcd_client, run_id):
+@pytest.mark.parametrize("round_0", [False, True], ids=["no-round", "round-0-open"])
+def test_a_closed_run_gets_no_round_and_no_join(etcd_endpoint, etcd_client, run_id, round_0):
     keys = RunKeys(run_id)
+    if round_0:
+        etcd_client.put(keys.round, b"0")
     etcd_client.put(keys.closed, b"{}")
     h = _job_handler(etcd_endpoint, run_id, "m", fingerprint="")
     try:
         with pytest.raises(RendezvousClosedError):
             h.next_rendezvous()
-        assert etcd_client.get(keys.round)[0] is None and etcd_client.get(keys.join(0, "m"))[0] is None
+        rnd, _ = etcd_client.get(keys.round)
+        assert (rnd is not None) is round_0 and etcd_client.get(keys.join(0, "m"))[0] is None
     finally:
         h.leave()
         h.close()

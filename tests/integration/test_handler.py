@@ -52,8 +52,8 @@ def test_round_forms_then_scale_up_then_leave(etcd_endpoint, run_id):
 
 def test_round_closes_when_its_closer_never_joins(etcd_endpoint, etcd_client, run_id):
     """The smallest live id closes rounds; if that node never joins, the others read the joins and close. The round
-    is there before it registers (else its registration would open round 0 with its join in it)."""
-    etcd_client.put(RunKeys(run_id).round, b"0")
+    is 1 before it registers (a registration opens round 0, or joins it where it is open, in its own request)."""
+    etcd_client.put(RunKeys(run_id).round, b"1")
     a, b, c = (_handler(etcd_endpoint, run_id, n, 2, 3, last_call_timeout=1) for n in "abc")
     try:
         a._start()  # registered (alive/a), never joins

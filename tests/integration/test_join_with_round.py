@@ -357,9 +357,9 @@ def _register_in_order(monkeypatch, hs, gate: threading.Event) -> tuple[list[thr
 def test_a_smallest_node_that_hangs_before_its_first_round_does_not_hold_the_others(etcd_endpoint, etcd_client,
                                                                                   run_id, monkeypatch):
     """The smallest node registered and hangs (alive, its lease beating, its round never run): it would close the
-    round (J6), so the others close it without it once it has been closable for fallback_s (J11). The round is
-    there before it registers (else its registration would open round 0 with its join in it)."""
-    etcd_client.put(RunKeys(run_id).round, b"0")
+    round (J6), so the others close it without it once it has been closable for fallback_s (J11). The run is in round
+    1 before it registers (a registration opens round 0, or joins it where it is open, in its own request)."""
+    etcd_client.put(RunKeys(run_id).round, b"1")
     hs = [create_etcd_v3_handler(RendezvousParameters("etcd-v3", etcd_endpoint, run_id, 2, 3, local_addr="127.0.0.1",
                                                       node_id=n, last_call_timeout=1)) for n in ("a", "b", "c")]
     gate, held_a = threading.Event(), threading.Event()
