@@ -61,7 +61,9 @@ CREATE_ROUND: a loser there joins after its view delivered round 0, as before.
 A node that puts a join (JOIN from B5, CREATE_ROUND, ADVANCE_ROUND, CHECK_ABANDONED's advance) expecting to close the round (J6 ahead of time: no
 smaller live node known) reads the round's joins in the same transaction and tracks them from there (`track`): J7
 costs no request of its own. Not for a round R > 0 that a view which does not follow alive/ yet joins (J7's tracker of
-alive/ is needed then).
+alive/ is needed then), nor for a join of round 0 made in the registration's request where another node had opened it
+(that request cannot know whether this node will close: J7 reads the joins, one request, as B5's JOIN with `track`
+would have been).
 """
 
 from __future__ import annotations

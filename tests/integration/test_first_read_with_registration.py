@@ -160,6 +160,12 @@ def test_the_same_jobs_claim_found_costs_no_request_and_opens_no_round(etcd_endp
         h.close()
 
 
+def _joins_changed(client, keys: RunKeys, after: int) -> bool:
+    """Whether any key under joins/ was put or deleted after revision `after` (etcd's history: a watch from there
+    delivers past changes at once; the wait is for none to come)."""
+    return client.wait_for_any([], [keys.joins_prefix], after_revision=after, timeout_s=0.5)
+
+
 @pytest.mark.parametrize("fingerprint", ["", JOB], ids=["torch-registry", "launched"])
 def test_a_registration_joins_an_open_round_0_in_its_request(etcd_endpoint, etcd_client, run_id, monkeypatch,
                                                             fingerprint):
@@ -184,6 +190,24 @@ def test_a_registration_joins_an_open_round_0_in_its_request(etcd_endpoint, etcd
         assert etcd_client.get(keys.join(0, "m"))[0].lease == alive.lease  # the join of the registration formed it
     finally:
         for h in (m, n):
+            h.leave()
+            h.close()
+
+
+def test_a_node_that_stalls_after_its_registration_joined_round_0_is_a_member_of_it(etcd_endpoint, run_id):
+    """z's registration joined the open round 0, then z stalls before its round runs (alive, its lease beating): it is
+    a member of round 0, as a node that stalls just after its join always was (MAX joined: b closes at once)."""
+    b, c, z = (create_etcd_v3_handler(RendezvousParameters("etcd-v3", etcd_endpoint, run_id, 2, 3,
+                                                           local_addr="127.0.0.1", node_id=n, last_call_timeout=1))
+               for n in "bcz")
+    try:
+        b._start()  # opens round 0
+        z._start()  # joins it, and never runs its round
+        out = together([b, c], 30)
+        assert {n: (i.rank, i.world_size) for n, i in out.items()} == {"b": (0, 3), "c": (1, 3)}
+        assert b.membership.nodes == ("b", "c", "z") and b.membership.round == 0
+    finally:
+        for h in (b, c, z):
             h.leave()
             h.close()
 
@@ -214,6 +238,7 @@ def test_another_live_jobs_run_gets_no_round_and_no_key_of_this_node(etcd_endpoi
     if round_0:
         etcd_client.put(keys.round, b"0")
         etcd_client.put(keys.join(0, "a"), b"{}", lease=lease)
+    before = etcd_client.get(keys.round)[1]
     h = _job_handler(etcd_endpoint, run_id, "s", join_timeout=20)
     try:
         with pytest.raises(RunInUseError):
@@ -223,6 +248,7 @@ def test_another_live_jobs_run_gets_no_round_and_no_key_of_this_node(etcd_endpoi
         assert (rnd.value if rnd is not None else None) == (b"0" if round_0 else None)
         assert [kv.key for kv in etcd_client.list_prefix(keys.joins_prefix)[0]] == ([keys.join(0, "a")] if round_0
                                                                                      else [])
+        assert not _joins_changed(etcd_client, keys, before)  # never put, not put and deleted by leave()
         assert etcd_client.get(keys.alive("s"))[0] is None
     finally:
         h.leave()
@@ -235,23 +261,26 @@ def test_a_closed_run_gets_no_round_and_no_join(etcd_endpoint, etcd_client, run_
     keys = RunKeys(run_id)
     if round_0:
         etcd_client.put(keys.round, b"0")
-    etcd_client.put(keys.closed, b"{}")
+    before = etcd_client.put(keys.closed, b"{}")
     h = _job_handler(etcd_endpoint, run_id, "m", fingerprint="")
     try:
         with pytest.raises(RendezvousClosedError):
             h.next_rendezvous()
         rnd, _ = etcd_client.get(keys.round)
         assert (rnd is not None) is round_0 and etcd_client.get(keys.join(0, "m"))[0] is None
+        assert not _joins_changed(etcd_client, keys, before)  # never put, not put and deleted on CLOSED (J1)
     finally:
         h.leave()
         h.close()
 
 
+@pytest.mark.parametrize("opens", [True, False], ids=["opened-round-0", "joined-round-0"])
 def test_a_lease_granted_anew_after_the_registration_takes_round_0s_join_with_it(etcd_endpoint, etcd_client, run_id,
-                                                                                 monkeypatch):
-    """Node m's registration opens round 0 with its join; then its lease is lost and the lease thread grants another
-    before m's round runs. The join went with the old lease: m joins again on the new one and the round forms with n
-    (taking the new lease for the join's, m would wait for a join of its own that is gone until join_timeout)."""
+                                                                                 monkeypatch, opens):
+    """Node m's registration opens round 0 with its join (or, n having opened it, joins it); then its lease is lost
+    and the lease thread grants another before m's round runs. The join went with the old lease: m joins again on the
+    new one and the round forms with n (taking the new lease for the join's, m would wait for a join of its own that
+    is gone until join_timeout)."""
     keys = RunKeys(run_id)
     m, n = (create_etcd_v3_handler(RendezvousParameters("etcd-v3", etcd_endpoint, run_id, 2, 2, local_addr="127.0.0.1",
                                                         node_id=node, join_timeout=15)) for node in "mn")
@@ -269,8 +298,13 @@ def test_a_lease_granted_anew_after_the_registration_takes_round_0s_join_with_it
 
     monkeypatch.setattr(m._lease, "start", start_then_lost)
     try:
-        m._start()  # m registers first: its registration opens round 0
+        if not opens:
+            n._start()  # n's registration opens round 0: m's joins it
+        before = etcd_client.get(keys.round)[1]
+        m._start()
         assert etcd_client.get(keys.round)[0].value == b"0" and etcd_client.get(keys.join(0, "m"))[0] is None
+        assert etcd_client.wait_for_any([keys.join(0, "m")], [], after_revision=before, timeout_s=0.5)  # put with
+        # the registration, deleted with its lease
         out = together([m, n], 30)
         assert out["m"].rank == 0 and out["n"].rank == 1 and m.membership.round == 0
         join, _ = etcd_client.get(keys.join(0, "m"))
