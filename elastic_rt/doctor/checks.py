@@ -28,10 +28,21 @@ def probe_etcd(client: EtcdProbe, *, samples: int = 3) -> tuple[str, float]:
     return version, best
 
 
+def known_etcd_bug(version: str) -> str | None:
+    """What is known to go wrong with this etcd version under elastic-rt (None: nothing)."""
+    parts = version.split(".")
+    if len(parts) >= 3 and parts[0] == "3" and parts[1] == "5" and parts[2].isdigit() and int(parts[2]) <= 4:
+        return ("etcd 3.5.0-3.5.4 members crash when a client's read-only transaction ends while they read it "
+                "(etcd-io/etcd#14110): elastic-rt never ends one early, but an agent killed mid-read can; "
+                "upgrade etcd to 3.5.5 or later")
+    return None
+
+
 def check_etcd(
     clients: Mapping[str, EtcdProbe] | None, *, samples: int = 3, warn_latency_s: float = 0.1
 ) -> CheckResult:
-    """Every endpoint probed in parallel. fail: none answers; warn: some do not, or latency above warn_latency_s."""
+    """Every endpoint probed in parallel. fail: none answers; warn: some do not, latency above warn_latency_s, or a
+    version with a known bug (known_etcd_bug)."""
     if not clients:
         return CheckResult(name="etcd", status=Status.SKIP, detail="no --rdzv-endpoint given")
     labels = list(clients)
@@ -71,7 +82,10 @@ def check_etcd(
         detail += f" ({len(errors)} of {len(labels)} endpoints down; the agent fails over to the others)"
     if slow:
         detail += f"; latency above {warn_latency_s * 1e3:g} ms slows rendezvous and leases"
-    status = Status.WARN if errors or slow else Status.OK
+    bugs = sorted({bug for version, _ in answers.values() if (bug := known_etcd_bug(version)) is not None})
+    for bug in bugs:
+        detail += f"; {bug}"
+    status = Status.WARN if errors or slow or bugs else Status.OK
     return CheckResult(name="etcd", status=status, detail=detail, data=data)
 
 

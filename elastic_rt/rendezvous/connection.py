@@ -46,6 +46,7 @@ from elastic_rt.rendezvous.wire import (
 
 log = logging.getLogger(__name__)
 SEND_TIMEOUT_S = 2.0  # a member that takes none of our bytes for this long: the connection is broken
+DRAIN_S = 5.0  # how long close() waits for the ends of calls it abandoned (Connection.abandon)
 _READ_MAX = 262144  # bytes one read takes from the kernel (into the connection's buffer: _pump)
 _INT = struct.Struct("i")
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -228,7 +229,12 @@ class Connection(StreamTable):
     def usable(self) -> bool:
         return self.error is None and not self.goaway and self._next_id < MAX_WINDOW - 2
 
-    def close(self) -> None:
+    def close(self, drain_s: float = DRAIN_S) -> None:
+        """Close it; calls abandoned (abandon()) that etcd has not answered yet are waited for up to drain_s first
+        (the reader thread reads their ends): closing ends their contexts at etcd too."""
+        deadline = time.monotonic() + drain_s
+        while self.abandoned and self.error is None and not self.goaway and time.monotonic() < deadline:
+            time.sleep(0.01)
         with self._lock:
             self._fail(CallError(_UNAVAILABLE, "connection closed by the client"))
         self._deliver()
@@ -267,12 +273,15 @@ class Connection(StreamTable):
             stream.sent_at = time.monotonic()
         return stream
 
-    def unary(self, path: str, body: bytes, timeout_s: float, metadata: tuple = (), tick: Tick | None = None) -> bytes:
+    def unary(self, path: str, body: bytes, timeout_s: float, metadata: tuple = (), tick: Tick | None = None, *,
+              detach: bool = False) -> bytes:
         """One request, one reply (bytes); raises CallError. The deadline runs from the send (Stream.next). With
-        `tick`, tick.fn() is called every tick.every_s of the wait for the reply, by this thread."""
+        `tick`, tick.fn() is called every tick.every_s of the wait for the reply, by this thread. With `detach`, etcd
+        is not told the deadline and the call is not reset when this side gives up: it is abandoned (its answer,
+        when it comes, is dropped), and etcd's context for it never ends before its answer (see abandon())."""
         try:
             self.claim()
-            stream = self.open(path, metadata, timeout_s=timeout_s, body=body)
+            stream = self.open(path, metadata, timeout_s=None if detach else timeout_s, body=body)
             try:
                 reply = stream.next(timeout_s) if tick is None else _ticking(
                     stream, timeout_s, tick, ended=lambda: stream.id not in self._streams)
@@ -281,7 +290,7 @@ class Connection(StreamTable):
                 stream.next(max(0.0, stream.sent_at + timeout_s - time.monotonic()))  # its trailers: the status
                 return reply
             except BaseException:  # a deadline passed, the tick failed, or the call ended: given up (nothing to
-                self.cancel(stream)  # cancel when it ended)
+                (self.abandon if detach else self.cancel)(stream)  # cancel when it ended)
                 raise
         finally:
             self.unclaim()
@@ -296,11 +305,23 @@ class Connection(StreamTable):
 
     def cancel(self, stream: Stream) -> None:
         """End a call from this side (RST_STREAM CANCEL); its reader sees CANCELLED."""
+        self._end(stream, reset=True)
+
+    def abandon(self, stream: Stream) -> None:
+        """Give a call up without ending it at etcd (no RST_STREAM); its reader sees CANCELLED, and what etcd sends
+        for it later is read and dropped (the connection's window still counts it). For a read-only Txn: etcd
+        3.5.0-3.5.4 crash (a panic, "unexpected error during txn") when such a call's context ends while its ranges
+        are read, as a reset or a passed grpc-timeout ends it (etcd-io/etcd#14110, fixed in 3.5.5)."""
+        self._end(stream, reset=False)
+
+    def _end(self, stream: Stream, *, reset: bool) -> None:
         with self._lock:
             if self._streams.pop(stream.id, None) is None:
                 return
             self._put(stream, CallError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
-            if self.error is None:
+            if not reset:
+                self.abandoned.add(stream.id)
+            elif self.error is None:
                 try:
                     self._write(rst_stream(stream.id))
                 except CallError:

@@ -64,12 +64,14 @@ class Endpoint:
                                                timeout_s=timeout_s, name=self.label)
         return conn
 
-    def call(self, method: str, request, timeout_s: float, metadata: tuple | None = None, tick: Tick | None = None):
+    def call(self, method: str, request, timeout_s: float, metadata: tuple | None = None, tick: Tick | None = None,
+             *, detach: bool = False):
         """One unary call; raises CallError (a grpc.RpcError). `request`: a protobuf message, or its bytes (pb.py).
-        `tick`: see Connection.unary."""
+        `tick`, `detach`: see Connection.unary."""
         body = self.connection(timeout_s).unary(_PATHS[method], request if type(request) is bytes
                                                 else request.SerializeToString(), timeout_s,
-                                                self.metadata or () if metadata is None else metadata, tick)
+                                                self.metadata or () if metadata is None else metadata, tick,
+                                                detach=detach)
         return _REPLIES[method].FromString(body)
 
     def stream(self, method: str, timeout_s: float, metadata: tuple = (), first: tuple[bytes, ...] = (),

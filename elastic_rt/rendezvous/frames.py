@@ -74,6 +74,7 @@ class StreamTable:
 
     def __init__(self) -> None:
         self._streams: dict[int, Stream] = {}
+        self.abandoned: set[int] = set()  # calls given up without a reset whose end etcd has not sent yet
         self._blocked: list[Stream] = []  # streams with request bytes waiting for a send window
         self._next_id = 1
         self._window, self._initial, self._max_frame = DEFAULT_WINDOW, DEFAULT_WINDOW, DEFAULT_MAX_FRAME
@@ -208,6 +209,7 @@ class StreamTable:
         elif ftype == SETTINGS and not flags & ACK:
             self._on_settings(payload)
         elif ftype == RST_STREAM:
+            self.abandoned.discard(sid)
             stream = self._streams.pop(sid, None)
             if stream is not None:
                 self._put(stream, reset_error(payload))
@@ -216,6 +218,7 @@ class StreamTable:
             last = u32(payload) if len(payload) >= 4 else 0
             for stream_id in [s for s in self._streams if s > last]:
                 self._put(self._streams.pop(stream_id), CallError(_UNAVAILABLE, "etcd went away (GOAWAY)"))
+            self.abandoned -= {s for s in self.abandoned if s > last}  # never to be answered
 
     def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
         self._unacked += len(payload)
@@ -224,6 +227,8 @@ class StreamTable:
             self._unacked = 0
         stream = self._streams.get(sid)
         if stream is None:
+            if flags & END_STREAM:
+                self.abandoned.discard(sid)
             return
         stream.unacked += len(payload)
         if stream.unacked >= _REPLENISH:
@@ -244,6 +249,8 @@ class StreamTable:
             return
         stream = self._streams.get(sid)
         if stream is None:
+            if flags & END_STREAM:
+                self.abandoned.discard(sid)
             return
         if not stream.headers_seen:
             stream.headers_seen = True

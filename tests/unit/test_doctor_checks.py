@@ -123,8 +123,10 @@ def test_nccl_list_parse():
 class FakeEtcd:
     """Answers Status with scripted latencies, or raises; stands in for EtcdClient in pure-logic tests."""
 
-    def __init__(self, latencies=(0.001,), error: Exception | None = None, label: str = "10.0.0.1:2379"):
+    def __init__(self, latencies=(0.001,), error: Exception | None = None, label: str = "10.0.0.1:2379",
+                 version: str = "3.5.17"):
         self.latencies = list(latencies)
+        self.version = version
         self.error = error
         self.calls = 0
         self.config = SimpleNamespace(describe=lambda: label)
@@ -133,7 +135,7 @@ class FakeEtcd:
         self.calls += 1
         if self.error is not None:
             raise self.error
-        return "3.5.17", self.latencies[min(self.calls - 1, len(self.latencies) - 1)]
+        return self.version, self.latencies[min(self.calls - 1, len(self.latencies) - 1)]
 
 
 def test_hard_checks_refuse_with_one_line_naming_the_port():
@@ -175,6 +177,14 @@ def test_etcd_slow_or_partly_down_warns_all_down_fails():
     both = check_etcd({"a:1": FakeEtcd(error=down), "b:2": FakeEtcd(error=RuntimeError("x"))})
     assert both.status is Status.FAIL and "no endpoint answered" in both.detail and "RuntimeError: x" in both.detail
     assert check_etcd(None).status is Status.SKIP
+
+
+@pytest.mark.parametrize(("version", "warned"), [("3.5.1", True), ("3.5.4", True), ("3.5.5", False),
+                                                 ("3.4.23", False), ("3.6.0", False), ("3.5.10", False)])
+def test_an_etcd_version_with_a_known_crash_warns(version, warned):
+    row = check_etcd({"a:1": FakeEtcd(version=version)})
+    assert (row.status is Status.WARN) is warned
+    assert ("etcd-io/etcd#14110" in row.detail and "3.5.5 or later" in row.detail) is warned
 
 
 # ---- clock ------------------------------------------------------------------
