@@ -33,7 +33,7 @@ def known_etcd_bug(version: str) -> str | None:
     parts = version.split(".")
     if len(parts) >= 3 and parts[0] == "3" and parts[1] == "5" and parts[2].isdigit() and int(parts[2]) <= 4:
         return ("etcd 3.5.0-3.5.4 members crash when a client's read-only transaction ends while they read it "
-                "(etcd-io/etcd#14110): elastic-rt never ends one early, but an agent killed mid-read can; "
+                "(etcd-io/etcd#14110): elastic-rt does not end one at its deadline, but an agent killed mid-read can; "
                 "upgrade etcd to 3.5.5 or later")
     return None
 

@@ -230,14 +230,19 @@ class Connection(StreamTable):
         return self.error is None and not self.goaway and self._next_id < MAX_WINDOW - 2
 
     def close(self, drain_s: float = DRAIN_S) -> None:
-        """Close it; calls abandoned (abandon()) that etcd has not answered yet are waited for up to drain_s first
-        (the reader thread reads their ends): closing ends their contexts at etcd too."""
+        """Close it; detached calls (unary's `detach`) still waited for, or abandoned (abandon()) and not ended by etcd
+        yet, are waited for up to drain_s first (their ends are read meanwhile): closing ends their contexts at etcd
+        too."""
         deadline = time.monotonic() + drain_s
-        while self.abandoned and self.error is None and not self.goaway and time.monotonic() < deadline:
+        while self.error is None and time.monotonic() < deadline and self._detached_open():
             time.sleep(0.01)
         with self._lock:
             self._fail(CallError(_UNAVAILABLE, "connection closed by the client"))
         self._deliver()
+
+    def _detached_open(self) -> bool:
+        with self._lock:
+            return bool(self.abandoned) or any(s.detached for s in self._streams.values())
 
     # ---- calls ----------------------------------------------------------------------------------------
     def open(self, path: str, metadata: tuple = (), *, timeout_s: float | None = None,
@@ -282,6 +287,7 @@ class Connection(StreamTable):
         try:
             self.claim()
             stream = self.open(path, metadata, timeout_s=None if detach else timeout_s, body=body)
+            stream.detached = detach
             try:
                 reply = stream.next(timeout_s) if tick is None else _ticking(
                     stream, timeout_s, tick, ended=lambda: stream.id not in self._streams)
@@ -318,6 +324,8 @@ class Connection(StreamTable):
         with self._lock:
             if self._streams.pop(stream.id, None) is None:
                 return
+            reset = reset or bool(stream.pending)  # a request not all sent: etcd has not begun it, and waits for
+            # the rest (nothing else ends that stream at etcd)
             self._put(stream, CallError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
             if not reset:
                 self.abandoned.add(stream.id)

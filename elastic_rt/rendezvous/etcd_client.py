@@ -24,7 +24,9 @@ from pyetcd import etcdrpc
 from elastic_rt.errors import ConfigError, ElasticRTError, EtcdUnavailableError, LeaseGoneError
 from elastic_rt.rendezvous import pb
 from elastic_rt.rendezvous.etcd_access import access_error, check_tls, needs_tls_check, tls_context
-from elastic_rt.rendezvous.connection import Tick, delivering_here  # noqa: F401 - the client's API too (rounds.py)
+from elastic_rt.rendezvous.connection import (  # noqa: F401 - Tick, delivering_here: the client's API too (rounds.py)
+    DRAIN_S, Tick, delivering_here,
+)
 from elastic_rt.rendezvous.etcd_endpoint import Endpoint, Renewal, WatchCompacted, WatchStream, label
 from elastic_rt.rendezvous.wire import CallError
 
@@ -271,8 +273,11 @@ class EtcdClient:
             return self._endpoints[self._current].label
 
     def close(self) -> None:
+        """Close every member's connection; their detached reads are waited for up to DRAIN_S in all (one deadline
+        for the members, not one each: a member that hangs costs it once)."""
+        deadline = time.monotonic() + DRAIN_S
         for ep in self._endpoints:
-            ep.close()
+            ep.close(max(0.0, deadline - time.monotonic()))
 
     def _call(self, fn: Callable[[Endpoint, float], object], timeout_s: float | None = None,
               attempts: int | None = None):

@@ -16,7 +16,7 @@ from pyetcd import etcdrpc
 
 from elastic_rt.errors import EtcdUnavailableError
 from elastic_rt.rendezvous import pb
-from elastic_rt.rendezvous.connection import Connection, Stream, Tick
+from elastic_rt.rendezvous.connection import DRAIN_S, Connection, Stream, Tick
 from elastic_rt.rendezvous.wire import CallError
 
 _REPLIES = {
@@ -113,12 +113,13 @@ class Endpoint:
                 self.keepalive.close()
                 self.keepalive = None
 
-    def close(self) -> None:
+    def close(self, drain_s: float = DRAIN_S) -> None:
+        """Close the connection, waiting up to drain_s for its detached calls (Connection.close)."""
         self.drop_keepalive()
         with self._conn_lock:
             self._closed = True
             if self._conn is not None:
-                self._conn.close()
+                self._conn.close(drain_s)
                 self._conn = None
 
 

@@ -39,7 +39,7 @@ class Stream:
     last request message was handed to the kernel (monotonic)."""
 
     __slots__ = ("conn", "id", "send_window", "pending", "end_pending", "inbuf", "unacked", "headers_seen",
-                 "replies", "on_item", "sent_at")
+                 "replies", "on_item", "sent_at", "detached")
 
     def __init__(self, conn, stream_id: int, window: int, on_item: Callable[[object], None] | None = None) -> None:
         self.conn, self.id, self.send_window = conn, stream_id, window
@@ -48,6 +48,7 @@ class Stream:
         self.replies: queue.SimpleQueue | None = queue.SimpleQueue() if on_item is None else None
         self.on_item = on_item
         self.sent_at = 0.0
+        self.detached = False  # a call etcd must not see end before its answer (Connection.unary's `detach`)
 
     def send(self, body: bytes) -> None:
         """One more request message (a streaming call)."""

@@ -27,13 +27,13 @@ def filled():
         yield cluster
 
 
-@pytest.mark.parametrize("read", ["read_ranges", "read_many", "count_many"])
+@pytest.mark.parametrize("read", ["read_ranges", "read_many"])  # count_many's count-only ranges return before etcd
+# looks at their context: they cannot crash it
 def test_reads_given_up_at_their_deadline_leave_the_member_running(filled, read):
     m = filled.members[0]
     hasty = EtcdClient(EtcdConfig(endpoints=((m.host, m.client_port),), request_timeout_s=0.002))
     calls = {"read_ranges": lambda: hasty.read_ranges([("k/", b"k0")]),
-             "read_many": lambda: hasty.read_many([], ["k/"]),
-             "count_many": lambda: hasty.count_many([], ["k/"])}
+             "read_many": lambda: hasty.read_many([], ["k/"])}
     given_up = 0
     try:
         for _ in range(20):
@@ -41,6 +41,8 @@ def test_reads_given_up_at_their_deadline_leave_the_member_running(filled, read)
                 calls[read]()
             except EtcdUnavailableError:
                 given_up += 1
+                if given_up == 5:  # enough: the close waits for each read given up (5 s in all, at most)
+                    break
             assert m.proc.poll() is None, f"the etcd member exited (rc {m.proc.returncode}) after a read given up"
     finally:
         hasty.close()
