@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import socket
+from contextlib import contextmanager
+from typing import Iterator
 
 from hpack import Encoder
 
@@ -66,3 +68,19 @@ def answer(stream_id: int, *bodies: bytes, end: bool = True) -> bytes:
 
 def settings() -> bytes:
     return frame(SETTINGS, 0, 0)
+
+
+@contextmanager
+def connected(*, drain_s: float = 0.0) -> Iterator[tuple[Member, object]]:
+    """A Member and a client Connection to it, accepted; closed after (the connection waits drain_s for its detached
+    calls)."""
+    from elastic_rt.rendezvous.connection import Connection
+
+    member = Member()
+    conn = Connection("127.0.0.1", member.port, authority="m", ssl_context=None, timeout_s=5, name="test")
+    member.accept()
+    try:
+        yield member, conn
+    finally:
+        conn.close(drain_s=drain_s)
+        member.close()

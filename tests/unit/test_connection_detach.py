@@ -17,21 +17,15 @@ from elastic_rt.rendezvous.connection import Connection
 from elastic_rt.rendezvous.wire import (
     ACK, HEADERS, PING, RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, CallError, frame,
 )
-from tests.support.h2_member import Member, answer, settings
+from tests.support.h2_member import Member, answer, connected, settings
 
 KV_TXN = "/etcdserverpb.KV/Txn"
 
 
 @pytest.fixture
 def member_and_connection():
-    member = Member()
-    conn = Connection("127.0.0.1", member.port, authority="m", ssl_context=None, timeout_s=5, name="test")
-    member.accept()
-    try:
-        yield member, conn
-    finally:
-        conn.close(drain_s=0)
-        member.close()
+    with connected() as pair:
+        yield pair
 
 
 def _settled(member: Member, conn: Connection, payload: bytes = b"") -> None:

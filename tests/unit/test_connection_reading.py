@@ -17,7 +17,7 @@ import pytest
 from elastic_rt.rendezvous.connection import Connection, delivering_here
 from elastic_rt.rendezvous.daemon import thread_name
 from elastic_rt.rendezvous.wire import CallError
-from tests.support.h2_member import Member, answer, settings
+from tests.support.h2_member import Member, answer, connected, settings
 
 KV_RANGE = "/etcdserverpb.KV/Range"
 WATCH = "/etcdserverpb.Watch/Watch"
@@ -25,14 +25,8 @@ WATCH = "/etcdserverpb.Watch/Watch"
 
 @pytest.fixture
 def member_and_connection():
-    member = Member()
-    conn = Connection("127.0.0.1", member.port, authority="m", ssl_context=None, timeout_s=5, name="test")
-    member.accept()
-    try:
-        yield member, conn
-    finally:
-        conn.close()
-        member.close()
+    with connected() as pair:
+        yield pair
 
 
 class _Readers:
