@@ -150,6 +150,12 @@ class IfHeld:
         compare = [*(pb.compare_value(k.encode(), v) for k, v in held), *(_compare_mod(k, None) for k in self.absent)]
         return pb.txn_op(pb.txn(compare, [*map(_put_op, self.puts)], []))
 
+    def outcome(self, resp) -> bool:
+        """Whether its puts were made, from this transaction's answer (etcd's TxnResponse)."""
+        made = bool(resp.succeeded)
+        _expect_results(resp, len(self.puts) if made else 0)
+        return made
+
 
 # IfAbsent.outcome(): its puts made, the ranges it read, its `otherwise`'s puts made
 Outcome = tuple[bool, list[list[KeyValue]], bool]
@@ -183,12 +189,7 @@ class IfAbsent:
         nested = 0 if made or self.otherwise is None else 1
         _expect_results(resp, puts + len(read.ranges) + nested)
         ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses[puts:puts + len(read.ranges)]]
-        if not nested:
-            return made, ranges, False
-        inner = resp.responses[-1].response_txn
-        held = bool(inner.succeeded)
-        _expect_results(inner, len(self.otherwise.puts) if held else 0)
-        return made, ranges, held
+        return made, ranges, bool(nested) and self.otherwise.outcome(resp.responses[-1].response_txn)
 
 
 def _compare_mod(key: str, expected_mod_revision: int | None) -> bytes:
@@ -483,11 +484,7 @@ class EtcdClient:
         req = pb.txn([cmp], [*writes, *(w.txn() for w in when), get, *reads], [*nested, get, *reads])
         resp = self._call(lambda ep, t: ep.call("KV/Txn", req, t, tick=tick), timeout_s)
         _expect_results(resp, len(reads) + 1 + (len(writes) + len(when) if resp.succeeded else len(nested)))
-        made = False
-        if nested and not resp.succeeded:
-            inner = resp.responses[0].response_txn
-            made = bool(inner.succeeded)
-            _expect_results(inner, len(otherwise.puts) if made else 0)
+        made = bool(nested) and not resp.succeeded and otherwise.outcome(resp.responses[0].response_txn)
         outcomes = tuple(w.outcome(resp.responses[len(writes) + i].response_txn)
                          for i, w in enumerate(when)) if resp.succeeded else ()
         responses = resp.responses[-len(reads) - 1:]

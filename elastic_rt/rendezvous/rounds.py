@@ -102,11 +102,19 @@ class Rounds:
         read there; else, where `round` holds 0, round 0 has no final, the run is not closed and each key of `held`
         holds its value, this node's join of round 0 is put on `lease_id` (not read: the closer's J7 reads them).
         Tell opened() what came of it."""
-        keys, node = self.keys, self.settings.node_id
-        join = Put(keys.join(0, node), self._join_value, lease_id)
+        keys, join = self.keys, self._join_put(0, lease_id)
         return IfAbsent((keys.round, keys.closed, *absent), (Put(keys.round, b"0"), join),
-                        made_read=RangeRead([keys.join_range(0)]),
-                        otherwise=IfHeld(keys.round, b"0", (keys.final(0), keys.closed), (join,), also=held))
+                        made_read=RangeRead([keys.join_range(0)]), otherwise=self._if_open(0, join, also=held))
+
+    def _join_put(self, rnd: int, lease: int) -> Put:
+        """This node's join of round rnd, on `lease`."""
+        return Put(self.keys.join(rnd, self.settings.node_id), self._join_value, lease)
+
+    def _if_open(self, rnd: int, join: Put, *, also: tuple[tuple[str, bytes], ...] = ()) -> IfHeld:
+        """`join` made in another request where B5 would make it: `round` holds rnd, rnd has no final, the run is not
+        closed (and each key of `also` holds its value)."""
+        keys = self.keys
+        return IfHeld(keys.round, str(rnd).encode(), (keys.final(rnd), keys.closed), (join,), also=also)
 
     def opened(self, outcome: Outcome, lease_id: int, revision: int) -> None:
         """What came of opening(lease_id) in a request answered at `revision`: the next first round starts from it
@@ -225,7 +233,7 @@ class Rounds:
         next: `round` holds rnd, which has no final, and the run is not closed (a re-form's survivors race to open the
         next round: one request each, not a lost compare and then a join)."""
         keys, value = self.keys, str(rnd).encode()
-        join = Put(keys.join(rnd, self.settings.node_id), self._join_value, action.lease)
+        join = self._join_put(rnd, action.lease)
         # Not for round 0's creation: the nodes that race to create it are those that take themselves for its closer
         # (their views have not seen a smaller node yet), and one that joined at once would follow the joins from
         # there, an event per join, until it learns of a smaller one (at 64 nodes: up to 5 events per node where
@@ -233,7 +241,7 @@ class Rounds:
         if expected is None or action.state.previous_round == rnd:
             otherwise = None
         else:
-            otherwise = IfHeld(keys.round, value, (keys.final(rnd), keys.closed), (join,))
+            otherwise = self._if_open(rnd, join)
         opened, joined, held, ranges, revision = self._client.compare_and_put_else(
             keys.round, value, expected_mod_revision=expected, also=(join,), otherwise=otherwise,
             read=RangeRead([keys.join_range(rnd)] if action.track else []))
@@ -282,13 +290,12 @@ class Rounds:
 
     def _join(self, action: Action) -> NodeState:
         node = action.state
-        key = self.keys.join(action.round, self.settings.node_id)
+        join = self._join_put(action.round, action.lease)
         if action.track:  # this node expects to close the round: its joins, read with this one, then followed
-            (joins,), revision = self._client.put_then_read(Put(key, self._join_value, action.lease),
-                                                            RangeRead([self.keys.join_range(action.round)]))
+            (joins,), revision = self._client.put_then_read(join, RangeRead([self.keys.join_range(action.round)]))
             self._track(node.evolve(joined=action.round), action.round, joins, revision)
         else:
-            self._client.put(key, self._join_value, lease=action.lease)
+            self._client.put(join.key, join.value, lease=join.lease)
         due = node.read_due if node.joined_with else self._next_read(node)  # the first join schedules the first read
         return node.evolve(joined_with=action.lease, read_due=due)
 
