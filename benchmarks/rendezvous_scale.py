@@ -173,15 +173,16 @@ def _detail(node: Node) -> dict:
     return out
 
 
-def _all_lapses(run: "Run") -> list[tuple[float, str, float, float]]:
+def _all_lapses(run: "Run") -> list[tuple[float, str, float, float, int]]:
     return [x for block in run.ask_all("lapses") for x in block]
 
 
-def _lease_lapses(nodes: list[Node]) -> list[tuple[float, str, float, float]]:
+def _lease_lapses(nodes: list[Node]) -> list[tuple[float, str, float, float, int]]:
     """Each time a node's lease was found gone (the newest few per node): when (monotonic, the keep-alive's send),
-    whose silence (LeaseLapse.cause), the longest stretch with no keep-alive sent, and how long the lease had gone
-    unrenewed."""
-    return [(x.at, x.cause, x.longest_silence_s, x.unrenewed_s) for node in nodes for x in list(node.h._lease.lapses)]
+    whose silence (LeaseLapse.cause), the longest stretch with no keep-alive sent, how long the lease had gone
+    unrenewed, and the etcd member (index) the node talks to first (its keep-alives go there while it answers)."""
+    return [(x.at, x.cause, x.longest_silence_s, x.unrenewed_s, node.h._client.config.first)
+            for node in nodes for x in list(node.h._lease.lapses)]
 
 
 def _causes() -> tuple[str, ...]:
@@ -190,10 +191,13 @@ def _causes() -> tuple[str, ...]:
     return LAPSE_CAUSES
 
 
-def lapse_summary(lapses: list[tuple[float, str, float, float]], since: float, until: float) -> dict:
+def lapse_summary(lapses: list[tuple[float, str, float, float, int]], since: float, until: float) -> dict:
     """The lease lapses found in [since, until): how many of each cause (LAPSE_CAUSES: the process did not run, the
     lease thread was held or backed off, unexplained, or etcd did not renew keep-alives sent on time), the
-    quantiles (min, median, max) of the longest silence and of the time unrenewed, and when the first came."""
+    quantiles (min, median, max) of the longest silence and of the time unrenewed, when the first came, and how
+    many were of nodes whose first member is each member (`by_member`, index: count; compare leader_at_start: a
+    member that does not lead forwards each keep-alive to the leader, which renews it once it has applied every
+    entry committed before it)."""
     inside = [x for x in lapses if since <= x[0] < until]
 
     def q(xs: list[float]) -> list[float]:
@@ -201,7 +205,8 @@ def lapse_summary(lapses: list[tuple[float, str, float, float]], since: float, u
 
     return {**{cause: sum(1 for x in inside if x[1] == cause) for cause in _causes()},
             "silence_s": q([x[2] for x in inside]), "unrenewed_s": q([x[3] for x in inside]),
-            "first_s": round(min(x[0] for x in inside) - since, 2) if inside else None}
+            "first_s": round(min(x[0] for x in inside) - since, 2) if inside else None,
+            "by_member": {str(m): sum(1 for x in inside if x[4] == m) for m in sorted({x[4] for x in inside})}}
 
 
 def _report_settled(nodes: list[Node], kind: str) -> list[dict]:
