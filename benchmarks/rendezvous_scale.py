@@ -66,6 +66,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections import Counter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("etcd-v3", "etcd-v3-torch", "c10d")
@@ -206,7 +207,7 @@ def lapse_summary(lapses: list[tuple[float, str, float, float, int]], since: flo
     return {**{cause: sum(1 for x in inside if x[1] == cause) for cause in _causes()},
             "silence_s": q([x[2] for x in inside]), "unrenewed_s": q([x[3] for x in inside]),
             "first_s": round(min(x[0] for x in inside) - since, 2) if inside else None,
-            "by_member": {str(m): sum(1 for x in inside if x[4] == m) for m in sorted({x[4] for x in inside})}}
+            "by_member": {str(m): n for m, n in sorted(Counter(x[4] for x in inside).items())}}
 
 
 def _report_settled(nodes: list[Node], kind: str) -> list[dict]:
