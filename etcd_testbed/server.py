@@ -175,9 +175,10 @@ class EtcdCluster:
             **tls, **overrides,
         })
 
-    def etcdctl(self, *args: str, user: str | None = None) -> str:
-        """Run etcdctl (next to the etcd binary) against the members; its output, or ElasticRTError."""
-        cmd = [find_etcdctl(self.binary), "--endpoints", ",".join(m.url for m in self.members), "--dial-timeout", "10s"]
+    def etcdctl(self, *args: str, user: str | None = None, members: list[EtcdMember] | None = None) -> str:
+        """Run etcdctl (next to the etcd binary) against the members (or `members`); its output, or ElasticRTError."""
+        cmd = [find_etcdctl(self.binary), "--endpoints", ",".join(m.url for m in members or self.members),
+               "--dial-timeout", "10s"]
         if self.tls is not None:
             cmd += ["--cacert", self.tls.ca_cert]
             if self.tls.client_cert:
@@ -198,9 +199,13 @@ class EtcdCluster:
         return [(int(entries[m.url]["header"]["member_id"]), int(entries[m.url]["leader"])) for m in self.members]
 
     def leader_index(self) -> int | None:
-        """The index of the member that leads (as the first member sees it), or None with no leader."""
-        status = self.member_status()
-        return next((i for i, (member, _) in enumerate(status) if member == status[0][1]), None)
+        """The index of the member that leads (as the first running member sees it), or None with no leader."""
+        running = [m for m in self.members if self.is_running(m)]
+        out = json.loads(self.etcdctl("endpoint", "status", "-w", "json", members=running))
+        entries = {e["Endpoint"]: e["Status"] for e in out}
+        leader = int(entries[running[0].url].get("leader", 0))  # 0 (left out): no leader now
+        return next((i for i, m in enumerate(self.members)
+                     if m.url in entries and int(entries[m.url]["header"]["member_id"]) == leader), None)
 
     def move_leader(self, index: int, timeout_s: float = 30.0) -> None:
         """Make member `index` the leader (etcd's MoveLeader, asked of the leader) and wait until all see it."""

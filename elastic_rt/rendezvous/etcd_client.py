@@ -34,7 +34,8 @@ __all__ = ["EtcdClient", "EtcdConfig", "IfAbsent", "IfHeld", "KeyValue", "Put", 
            "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
 
 log = logging.getLogger(__name__)
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+LEADER_RETRY_S = 10.0  # follow_leader: after a look that found no leader among the endpoints, or keep-alives to the
+# leader that failed, look again this long after (give or take a quarter), unless a keep-alive says the term changed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,7 @@ class EtcdConfig:
     password: str | None = None
     first: int = 0
     home_retry_s: float = 30.0  # after a failover away from `first`: how often to see whether it answers again
+    keepalive_to_leader: bool = True  # lease keep-alives go to the member that leads (follow_leader), where known
 
     def __post_init__(self) -> None:
         if self.endpoints and not 0 <= self.first < len(self.endpoints):
@@ -265,6 +267,10 @@ class EtcdClient:
         self._rng = rng or random.Random()
         self._home_due = 0.0  # go_home() tries the first endpoint again from then on
         self._lock = threading.Lock()
+        self._leader: int | None = None  # the endpoint that leads, where keep-alives go (follow_leader)
+        self._leader_term = 0  # the raft term it was found to lead in
+        self._leader_due = 0.0  # follow_leader looks for the leader from then on (a new term: at once)
+        self._member_ids: dict[int, int] = {}  # endpoint index: its member id, as its Status said
 
     # ---- plumbing -------------------------------------------------------
     @property
@@ -272,6 +278,16 @@ class EtcdClient:
         """The endpoint calls go to first (it changes on failover)."""
         with self._lock:
             return self._endpoints[self._current].label
+
+    @property
+    def keepalive_endpoint(self) -> str:
+        """The endpoint keep-alives go to: the leader where follow_leader found it, else the current one."""
+        with self._lock:
+            return self._endpoints[self._keepalive_target()].label
+
+    def _keepalive_target(self) -> int:
+        """(the caller holds _lock)"""
+        return self._current if self._leader is None else self._leader
 
     def close(self) -> None:
         """Close every member's connection; their detached reads are waited for up to DRAIN_S in all (one deadline
@@ -304,23 +320,10 @@ class EtcdClient:
             try:
                 result = self._authenticated(ep, fn, timeout)
             except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
-                access = self._refusal(ep, code, (exc.details() if hasattr(exc, "details") else "") or "", timeout)
-                if access is not None:
-                    raise access from None
-                if code in _RETRYABLE:
-                    why = "no answer within %g s" % timeout if code == grpc.StatusCode.DEADLINE_EXCEEDED \
-                        else "unavailable"
-                    errors.append(f"{ep.label}: {why}")
-                    if code == grpc.StatusCode.DEADLINE_EXCEEDED or self._clock() - began >= timeout / 4:
-                        spent += 1
-                    continue
-                details = exc.details() if hasattr(exc, "details") else exc
-                error = LeaseGoneError if code == grpc.StatusCode.NOT_FOUND and "lease not found" in str(details) \
-                    else EtcdUnavailableError
-                raise error(
-                    f"etcd at {ep.label} refused the request: {code.name if code else 'error'} {details}"
-                ) from exc
+                errors.append(f"{ep.label}: {self._failure(ep, exc, timeout)}")
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or self._clock() - began >= timeout / 4:
+                    spent += 1
+                continue
             if idx != start:
                 with self._lock:
                     self._current = idx
@@ -336,6 +339,33 @@ class EtcdClient:
             f"etcd at {self.config.describe()} is not reachable "
             f"({'; '.join(errors)}); is it running? see --rdzv-endpoint"
         )
+
+    def _call_at(self, idx: int, fn: Callable[[Endpoint, float], object], timeout_s: float):
+        """fn on endpoint `idx` only, where calls go unchanged (the keep-alives sent to the leader); raises
+        EtcdUnavailableError where it does not answer."""
+        ep = self._endpoints[idx]
+        try:
+            return self._authenticated(ep, fn, timeout_s)
+        except grpc.RpcError as exc:
+            raise EtcdUnavailableError(f"etcd at {ep.label} is not reachable ({self._failure(ep, exc, timeout_s)})"
+                                       ) from None
+
+    def _failure(self, ep: Endpoint, exc: grpc.RpcError, timeout: float) -> str:
+        """Why a call to `ep` failed where another endpoint may answer it ("unavailable", "no answer within ..."); any
+        other failure raised, translated (EtcdAccessError, LeaseGoneError, EtcdUnavailableError)."""
+        code = exc.code() if hasattr(exc, "code") else None
+        details = (exc.details() if hasattr(exc, "details") else "") or ""
+        access = self._refusal(ep, code, details, timeout)
+        if access is not None:
+            raise access from None
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return "no answer within %g s" % timeout
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return "unavailable"
+        error = LeaseGoneError if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details \
+            else EtcdUnavailableError
+        raise error(f"etcd at {ep.label} refused the request: {code.name if code else 'error'} {details or exc}"
+                    ) from exc
 
     def _away(self) -> None:
         """Calls just left an endpoint (the caller holds _lock): go_home() tries the first one again in home_retry_s,
@@ -365,7 +395,9 @@ class EtcdClient:
             if self._current != away:  # a call failed over meanwhile: leave that be
                 return False
             self._current = home
-        self._endpoints[away].drop_keepalive()
+            keeps_alive = away == self._leader  # keep-alives go on to the leader there
+        if not keeps_alive:
+            self._endpoints[away].drop_keepalive()
         log.info("etcd: %s answers again; back to it from %s", ep.label, self._endpoints[away].label)
         return True
 
@@ -585,7 +617,94 @@ class EtcdClient:
         (`every_s` after this one was sent): the newest renewal (its TTL and its request's send time), or None
         when none came from a member that is there (etcd busy). Only a member silent for `silent_s` with a
         keep-alive unanswered fails (EtcdUnavailableError; the next beat goes to the next endpoint)."""
-        return self._call(lambda ep, t: ep.keep_alive(lease_id, t, silent_s), timeout_s=every_s, attempts=1)
+        with self._lock:
+            leader = self._leader if self._leader != self._current else None
+        beat = lambda ep, t: ep.keep_alive(lease_id, t, silent_s)  # noqa: E731
+        renewal = None
+        if leader is not None:
+            began = self._clock()
+            try:
+                renewal = self._call_at(leader, beat, every_s)
+            except EtcdUnavailableError:
+                self._leave_leader(leader)
+                if self._clock() - began >= every_s / 4:  # it took time (a hung leader): this beat is spent
+                    raise
+                leader = None  # refused (a dead leader): this beat goes to the current endpoint
+        if leader is None:
+            renewal = self._call(beat, timeout_s=every_s, attempts=1)
+        if renewal is not None and renewal.term > self._leader_term:  # a new term: the leader may have changed
+            with self._lock:
+                if renewal.term > self._leader_term:
+                    self._leader_term, self._leader_due = renewal.term, 0.0
+        return renewal
+
+    def _leave_leader(self, leader: int) -> None:
+        """Keep-alives to the leader at `leader` failed: the next go to the current endpoint, and follow_leader looks
+        for the leader again after a new term (an election) or LEADER_RETRY_S (a leader this agent cannot reach, that
+        its member can, is not tried again every other beat)."""
+        with self._lock:
+            if self._leader != leader:
+                return
+            self._leader = None
+            self._leader_due = self._clock() + LEADER_RETRY_S * self._rng.uniform(0.75, 1.25)
+        log.info("etcd: the leader at %s does not answer keep-alives; sending them to %s",
+                 self._endpoints[leader].label, self.current_endpoint)
+
+    def follow_leader(self, timeout_s: float = 0.25) -> bool:
+        """Send keep-alives straight to the member that leads (config.keepalive_to_leader), not to one that forwards
+        each to it: one Status of the current endpoint names the leader, and of the others (until one is it) says
+        which endpoint that is. Looks when due: at first, after a keep-alive answered from a newer raft term (an
+        election: the leader may have changed) or the leader stopped answering them; else LEADER_RETRY_S after a look
+        that found none among the endpoints. Called by the lease thread between beats (`timeout_s` bounds each
+        Status). True when keep-alives moved."""
+        if not self.config.keepalive_to_leader or len(self._endpoints) < 2:
+            return False
+        with self._lock:
+            now = self._clock()
+            if now < self._leader_due:
+                return False
+            self._leader_due = now + LEADER_RETRY_S * self._rng.uniform(0.75, 1.25)
+            start, before = self._current, self._keepalive_target()
+        try:
+            found, term = self._find_leader(start, timeout_s)
+        except (grpc.RpcError, ElasticRTError, ValueError) as exc:  # ValueError: the client closed meanwhile
+            log.debug("etcd: could not find the leader (%s); keep-alives go to %s", exc, self.keepalive_endpoint)
+            return False
+        with self._lock:
+            if found is not None:
+                self._leader_due = float("inf")  # until a new term or a failed keep-alive
+            self._leader, self._leader_term = found, max(term, self._leader_term)
+            after = self._keepalive_target()
+        if after == before:
+            return False
+        self._endpoints[before].drop_keepalive()
+        log.info("etcd: keep-alives go to %s (%s)", self._endpoints[after].label,
+                 "the leader" if found is not None else "no endpoint leads")
+        return True
+
+    def _find_leader(self, start: int, timeout_s: float) -> tuple[int | None, int]:
+        """(the endpoint that leads or None, the raft term): Status of `start`, then of each endpoint whose member id
+        is not known yet, until the leader's is."""
+        def status(idx: int):
+            resp = self._authenticated(self._endpoints[idx],
+                                       lambda ep, t: ep.call("Maintenance/Status", etcdrpc.StatusRequest(), t),
+                                       timeout_s)
+            self._member_ids[idx] = int(resp.header.member_id)
+            return resp
+
+        first = status(start)
+        leader, term = int(first.leader), int(first.header.raft_term)
+        if not leader:
+            return None, term
+        for idx in (start, *(i for i in range(len(self._endpoints)) if i != start)):
+            if idx not in self._member_ids:
+                try:
+                    status(idx)
+                except grpc.RpcError:
+                    continue
+            if self._member_ids[idx] == leader:
+                return idx, term
+        return None, term
 
     def revoke_lease(self, lease_id: int) -> None:
         req = etcdrpc.LeaseRevokeRequest(ID=lease_id)

@@ -132,12 +132,14 @@ def _busy(exc: CallError) -> bool:
 
 @dataclass(frozen=True)
 class Renewal:
-    """An answered keep-alive: the TTL etcd gave (0 or less: the lease is gone), when its request was sent, and
-    whether it answers the keep-alive just sent (else an earlier one's late answer)."""
+    """An answered keep-alive: the TTL etcd gave (0 or less: the lease is gone), when its request was sent,
+    whether it answers the keep-alive just sent (else an earlier one's late answer), and the raft term of the member
+    that answered (a new term: the leader may have changed)."""
 
     ttl: float
     sent_at: float  # monotonic
     own: bool
+    term: int = 0
 
 
 class _KeepAliveStream:
@@ -195,8 +197,8 @@ class _KeepAliveStream:
             if resp.ID != lease_id:
                 continue  # the answer to a keep-alive of a lease given up since
             if resp.TTL <= 0:
-                return Renewal(0.0, asked_at, not self._unanswered)
-            newest = Renewal(float(resp.TTL), asked_at, not self._unanswered)
+                return Renewal(0.0, asked_at, not self._unanswered, resp.header.raft_term)
+            newest = Renewal(float(resp.TTL), asked_at, not self._unanswered, resp.header.raft_term)
             if newest.own:
                 return newest
 

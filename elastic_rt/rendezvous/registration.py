@@ -95,9 +95,9 @@ def _password(conf: Mapping[str, str], env: Mapping[str, str]) -> str | None:
 
 def etcd_config_from_conf(endpoint: str, conf: Mapping[str, str], *, timeout_s: float,
                           env: Mapping[str, str] | None = None, spread_key: str | None = None) -> EtcdConfig:
-    """EtcdConfig from --rdzv-endpoint and --rdzv-conf keys (TLS files, user, password sources, endpoint_order). A
-    user over a plaintext connection is refused unless allow_plaintext_auth=1: the password would cross the network
-    in clear. `spread_key`: the agent's node id, which picks the endpoint it talks to first unless
+    """EtcdConfig from --rdzv-endpoint and --rdzv-conf keys (TLS files, user, password sources, endpoint_order,
+    keepalive_to). A user over a plaintext connection is refused unless allow_plaintext_auth=1: the password would
+    cross the network in clear. `spread_key`: the agent's node id, which picks the endpoint it talks to first unless
     endpoint_order=listed (None: a one-off command, which talks to the first listed)."""
     scheme = endpoint_scheme(endpoint)
     conf = rdzv_conf.canonical(conf)
@@ -105,6 +105,9 @@ def etcd_config_from_conf(endpoint: str, conf: Mapping[str, str], *, timeout_s: 
     order = str(conf.get("endpoint_order") or "spread").strip().lower()
     if order not in ("spread", "listed"):
         raise ConfigError(f"--rdzv-conf endpoint_order={conf.get('endpoint_order')!r}: expected spread or listed")
+    keepalive_to = str(conf.get("keepalive_to") or "leader").strip().lower()
+    if keepalive_to not in ("leader", "member"):
+        raise ConfigError(f"--rdzv-conf keepalive_to={conf.get('keepalive_to')!r}: expected leader or member")
     ca_cert, cert, key = conf.get("ca_cert"), conf.get("cert"), conf.get("key")
     if scheme == "http" and (ca_cert or cert or key):
         raise ConfigError("--rdzv-endpoint uses http:// but --rdzv-conf gives ca_cert/cert/key: "
@@ -119,6 +122,7 @@ def etcd_config_from_conf(endpoint: str, conf: Mapping[str, str], *, timeout_s: 
         key=key,
         user=conf.get("user"),
         password=_password(conf, os.environ if env is None else env),
+        keepalive_to_leader=keepalive_to == "leader",
     )
     if config.user and not config.secure and not rdzv_conf.flag(conf, "allow_plaintext_auth"):
         raise ConfigError(f"--rdzv-conf user={config.user} over plaintext etcd ({config.describe()}): the password "

@@ -73,7 +73,7 @@ def test_a_jobs_agents_each_talk_to_the_member_their_node_id_picks(cluster, run_
 def test_endpoint_order_listed_puts_every_agent_on_the_first_member(cluster, run_id):
     names = _one_per_member(3)
     before = _streams(cluster)
-    handlers = _meet(cluster, run_id, names, endpoint_order="listed")
+    handlers = _meet(cluster, run_id, names, endpoint_order="listed", keepalive_to="member")  # (else: the leader's)
     try:
         opened = _opened(before, _streams(cluster))
         assert opened[0][0] >= 3 and opened[0][1] >= 3, opened
@@ -101,7 +101,7 @@ def _die_and_come_back(cluster, run_id: str, **conf) -> None:
     cluster.move_leader(0)  # the victim is not the leader: no election for the survivors to wait out
     name = _one_per_member(3)[2]  # on the last member: the next one is the first (wrapping round)
     params = RendezvousParameters("etcd-v3", cluster.endpoints, run_id, 1, 1, local_addr="127.0.0.1", node_id=name,
-                                  last_call_timeout=2, **conf)
+                                  last_call_timeout=2, keepalive_to="member", **conf)  # keep-alives follow calls
     config = dataclasses.replace(etcd_config_from_params(params, name), home_retry_s=1.0)
     h = EtcdRendezvousHandler(EtcdClient(config), settings_from_params(params))
     ranks([h])

@@ -104,8 +104,7 @@ def _faults(live: Live) -> None:
     live.killed = time.time()
     live.job.nodes["c"].kill_node()
     a.wait_for(r"node a round \d+: rank \d of 2 nodes", 120, after=since)
-    live.after_loss = wait_until("status shows a and b training again", lambda: (st := status_json(live)) and all(
-        n["state"] == "training" for n in st["nodes"] if n["node"] in "ab") and st, 120)
+    live.after_loss = _both_training(live, "again")
     restarts = lambda: read_agent(f"127.0.0.1:{live.job.ports['a']}", timeout_s=5).value(  # noqa: E731
         "elastic_rt_restarts_total", reason="worker_failure")
     for crash in range(1, WORKER_CRASHES + 1):
@@ -114,7 +113,13 @@ def _faults(live: Live) -> None:
         wait_until(f"node a restarted its workers after crash {crash}",
                    lambda: restarts() == crash and a.worker_pid(0, timeout_s=120) != pid, 120,
                    detail=lambda: a.output[-2000:])
-    live.after_crashes = status_json(live)
+    live.after_crashes = _both_training(live, "after the crashes")  # b restarts its workers too: not at once
+
+
+def _both_training(live: Live, when: str) -> dict:
+    """`elastic-rt status --json` once it shows nodes a and b training."""
+    return wait_until(f"status shows a and b training {when}", lambda: (st := status_json(live)) and all(
+        n["state"] == "training" for n in st["nodes"] if n["node"] in "ab") and st, 120)
 
 
 @pytest.fixture(scope="module")

@@ -175,6 +175,16 @@ def test_a_bad_endpoint_order_is_refused_in_one_line():
         EtcdConfig(endpoints=(("a", 1), ("b", 1), ("c", 1)), first=3)
 
 
+def test_keep_alives_go_to_the_leader_unless_keepalive_to_member_and_a_bad_value_is_one_line():
+    endpoints = "10.0.0.1:2379,10.0.0.2:2379"
+    assert etcd_config_from_conf(endpoints, {}, timeout_s=5, spread_key="a").keepalive_to_leader
+    assert not etcd_config_from_conf(endpoints, {"keepalive_to": "Member"}, timeout_s=5,
+                                     spread_key="a").keepalive_to_leader
+    with pytest.raises(ConfigError) as info:
+        etcd_config_from_conf(endpoints, {"keepalive_to": "first"}, timeout_s=5, spread_key="a")
+    assert "\n" not in str(info.value) and "keepalive_to='first': expected leader or member" in str(info.value)
+
+
 def test_the_torch_backend_spreads_by_its_node_id_and_checks_no_name():
     params = RendezvousParameters(backend="etcd-v3-torch", endpoint="127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", run_id="job",
                                   min_nodes=1, max_nodes=1, insecure_state="1", node_id="g")

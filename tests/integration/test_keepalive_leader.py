@@ -1,0 +1,129 @@
+"""Lease keep-alives go straight to the member that leads (--rdzv-conf keepalive_to=leader, the default), not through
+the member an agent talks to, which would forward each one to the leader: etcd's own counters show where they
+arrive. They follow the leader when it moves or dies, without the lease lapsing; keepalive_to=member keeps them on
+the agent's member."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from etcd_testbed.server import EtcdCluster
+from elastic_rt.rendezvous.etcd_client import EtcdClient
+from elastic_rt.rendezvous.registration import create_etcd_v3_handler
+from tests.support.etcd_metrics import grpc_counts
+from tests.support.prometheus import wait_until
+from tests.support.rendezvous import ranks
+
+BEAT_S = 0.2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with EtcdCluster(3) as c:
+        yield c
+
+
+def _keep_alives(cluster) -> list[float]:
+    """LeaseKeepAlive messages each member has received (its own counter)."""
+    return [counts.received.get("LeaseKeepAlive", 0.0) for counts in map(grpc_counts, cluster.members)]
+
+
+def _beats(client: EtcdClient, lease: int, count: int) -> None:
+    """What the lease thread does: a keep-alive, then follow_leader, `count` times; each renews the lease."""
+    for _ in range(count):
+        renewal = client.keep_alive(lease, every_s=BEAT_S, silent_s=1.5 * BEAT_S)
+        assert renewal is not None and renewal.ttl > 0, renewal
+        client.follow_leader()
+
+
+def _follower(cluster) -> int:
+    leader = cluster.leader_index()
+    assert leader is not None
+    return (leader + 1) % len(cluster.members)
+
+
+def test_keep_alives_go_to_the_leader_not_through_the_member_the_client_talks_to(cluster):
+    first = _follower(cluster)
+    leader = cluster.leader_index()
+    client = EtcdClient(cluster.client_config(first=first))
+    try:
+        lease = client.grant_lease(10)
+        _beats(client, lease, 2)  # the first beat goes to the member, the look after it finds the leader
+        assert client.keepalive_endpoint == cluster.members[leader].endpoint
+        assert client.current_endpoint == cluster.members[first].endpoint  # other calls stay on the member
+        before = _keep_alives(cluster)
+        _beats(client, lease, 10)
+        got = [a - b for a, b in zip(_keep_alives(cluster), before)]
+        assert got[leader] >= 10 and got[first] == 0, got
+    finally:
+        client.close()
+
+
+def test_keepalive_to_member_keeps_them_on_the_member(cluster):
+    first = _follower(cluster)
+    client = EtcdClient(cluster.client_config(first=first, keepalive_to_leader=False))
+    try:
+        lease = client.grant_lease(10)
+        before = _keep_alives(cluster)
+        _beats(client, lease, 10)
+        got = [a - b for a, b in zip(_keep_alives(cluster), before)]
+        assert got[first] >= 10 and sum(got) == got[first], got
+        assert client.keepalive_endpoint == cluster.members[first].endpoint
+    finally:
+        client.close()
+
+
+def test_keep_alives_follow_the_leader_when_it_moves(cluster):
+    first = _follower(cluster)
+    client = EtcdClient(cluster.client_config(first=first))
+    try:
+        lease = client.grant_lease(10)
+        _beats(client, lease, 2)
+        old = cluster.leader_index()
+        new = next(i for i in range(3) if i not in (old, first))  # neither the old leader nor the client's member
+        cluster.move_leader(new)
+        moved = wait_until("keep-alives on the new leader", lambda: (
+            _beats(client, lease, 1), client.keepalive_endpoint == cluster.members[new].endpoint)[1], 10, poll_s=0)
+        assert moved
+        before = _keep_alives(cluster)
+        _beats(client, lease, 5)
+        got = [a - b for a, b in zip(_keep_alives(cluster), before)]
+        assert got[new] >= 5 and got[new] == sum(got), got
+    finally:
+        client.close()
+
+
+def test_a_jobs_agents_all_keep_alive_on_the_leader_and_a_dead_leader_costs_no_lease(run_id):
+    """Three agents, one on each member (endpoint_order=spread): once they met, every keep-alive arrives at the leader.
+    The leader dies: the agents' keep-alives go to the member each talks to in the same beat (one that is gone fails
+    over), then to the new leader; no lease lapses and no agent reports etcd unreachable."""
+    with EtcdCluster(3) as c:
+        handlers = [create_etcd_v3_handler(RendezvousParameters(
+            "etcd-v3", c.endpoints, run_id, 3, 3, local_addr="127.0.0.1", node_id=f"node-{i}", last_call_timeout=2,
+            lease_ttl=3)) for i in range(3)]
+        try:
+            ranks(handlers)
+            leader = c.leader_index()
+            on_leader = lambda at: all(h._client.keepalive_endpoint == c.members[at].endpoint  # noqa: E731
+                                       for h in handlers)
+            wait_until("every agent's keep-alives on the leader", lambda: on_leader(leader), 10, poll_s=0.05)
+            before = _keep_alives(c)
+            time.sleep(2.0)  # a window of beats (each agent sends one a second) to count
+            got = [a - b for a, b in zip(_keep_alives(c), before)]
+            assert got[leader] >= 3 and got[leader] == sum(got), got
+
+            c.kill_member(c.members[leader])
+            killed = time.monotonic()
+            wait_until("a new leader", lambda: c.leader_index() not in (None, leader), 30, poll_s=0.1)
+            new = c.leader_index()
+            wait_until("every agent's keep-alives on the new leader", lambda: on_leader(new), 30, poll_s=0.05)
+            wait_until("a renewal since the kill by each agent",
+                       lambda: all(h._lease.last_renewed > killed for h in handlers), 10, poll_s=0.05)
+            assert [h._lease.renewals_lost for h in handlers] == [0, 0, 0]
+            assert not any(h.health.unreachable_since(killed) for h in handlers)  # no agent reported etcd down
+        finally:
+            for h in handlers:
+                h.shutdown()
