@@ -178,11 +178,18 @@ def _all_lapses(run: "Run") -> list[tuple[float, str, float, float, int]]:
     return [x for block in run.ask_all("lapses") for x in block]
 
 
-def _lease_lapses(nodes: list[Node]) -> list[tuple[float, str, float, float, int]]:
+def _lease_lapses(nodes: list[Node]) -> list[tuple[float, str, float, float, int, int | None]]:
     """Each time a node's lease was found gone (the newest few per node): when (monotonic, the keep-alive's send),
     whose silence (LeaseLapse.cause), the longest stretch with no keep-alive sent, how long the lease had gone
-    unrenewed, and the etcd member (index) the node talks to first (its keep-alives go there while it answers)."""
-    return [(x.at, x.cause, x.longest_silence_s, x.unrenewed_s, node.h._client.config.first)
+    unrenewed, the etcd member (index) the node talks to first, and the one its keep-alives went to then
+    (LeaseLapse.sent_to: the leader where the node had found it, with keepalive_to=leader; else its member)."""
+    def member(node: Node, endpoint: str) -> int | None:
+        from elastic_rt.rendezvous.etcd_endpoint import label
+
+        labels = [label(h, p) for h, p in node.h._client.config.endpoints]
+        return labels.index(endpoint) if endpoint in labels else None
+
+    return [(x.at, x.cause, x.longest_silence_s, x.unrenewed_s, node.h._client.config.first, member(node, x.sent_to))
             for node in nodes for x in list(node.h._lease.lapses)]
 
 
@@ -192,13 +199,13 @@ def _causes() -> tuple[str, ...]:
     return LAPSE_CAUSES
 
 
-def lapse_summary(lapses: list[tuple[float, str, float, float, int]], since: float, until: float) -> dict:
+def lapse_summary(lapses: list[tuple[float, str, float, float, int, int | None]], since: float, until: float) -> dict:
     """The lease lapses found in [since, until): how many of each cause (LAPSE_CAUSES: the process did not run, the
     lease thread was held or backed off, unexplained, or etcd did not renew keep-alives sent on time), the
     quantiles (min, median, max) of the longest silence and of the time unrenewed, when the first came, and how
     many were of nodes whose first member is each member (`by_member`, index: count; compare leader_at_start: a
     member that does not lead forwards each keep-alive to the leader, which renews it once it has applied every
-    entry committed before it)."""
+    entry committed before it) and how many of keep-alives sent to each member (`by_keepalive_member`)."""
     inside = [x for x in lapses if since <= x[0] < until]
 
     def q(xs: list[float]) -> list[float]:
@@ -207,7 +214,9 @@ def lapse_summary(lapses: list[tuple[float, str, float, float, int]], since: flo
     return {**{cause: sum(1 for x in inside if x[1] == cause) for cause in _causes()},
             "silence_s": q([x[2] for x in inside]), "unrenewed_s": q([x[3] for x in inside]),
             "first_s": round(min(x[0] for x in inside) - since, 2) if inside else None,
-            "by_member": {str(m): n for m, n in sorted(Counter(x[4] for x in inside).items())}}
+            "by_member": {str(m): n for m, n in sorted(Counter(x[4] for x in inside).items())},
+            "by_keepalive_member": {str(m): n for m, n in sorted(Counter(x[5] for x in inside).items(),
+                                                                 key=lambda mn: str(mn[0]))}}
 
 
 def _report_settled(nodes: list[Node], kind: str) -> list[dict]:

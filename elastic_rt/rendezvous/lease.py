@@ -3,6 +3,7 @@ beats the same thread serves the node's liveness listener (liveness.py), which h
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -63,6 +64,7 @@ class LeaseLapse:
     held_s: float = 0.0  # in the longest silence: how long the lease thread was busy beyond a beat's answer wait
     backoff_s: float = 0.0  # in the longest silence: how long it waited, backing off after a failed beat
     stuck_s: float = 0.0  # found by another thread: how long the lease thread had then been in one beat
+    sent_to: str = ""  # the etcd endpoint the keep-alives went to when it was found (the leader's, where known)
 
     @property
     def cause(self) -> str:
@@ -342,11 +344,13 @@ class NodeLease:
             self.lost_at = sent
             started = self._in_beat_since  # the lease thread's current beat, when another thread found the lapse
             stuck = self._clock() - started if started is not None and not self._on_lease_thread() else 0.0
-            lapse = lapse_of(self.last_renewed, list(self._sends), max(renewal_sent, self.last_renewed), self._ttl_s,
-                             stuck_s=stuck)
+            lapse = dataclasses.replace(lapse_of(self.last_renewed, list(self._sends),
+                                                 max(renewal_sent, self.last_renewed), self._ttl_s, stuck_s=stuck),
+                                        sent_to=self._client.keepalive_endpoint)
             self.lapses.append(lapse)
-            log.warning("node %s: liveness lease %x is gone, %.1f s after etcd last renewed it: %s; registering again",
-                        self._node_id, self._lease_id, lapse.unrenewed_s, lapse.describe())
+            log.warning("node %s: liveness lease %x is gone, %.1f s after etcd last renewed it: %s (keep-alives sent "
+                        "to %s); registering again", self._node_id, self._lease_id, lapse.unrenewed_s, lapse.describe(),
+                        lapse.sent_to)
             self._grant(None)  # the client's request deadline: a busy etcd answers grants late too
             return True
 

@@ -231,15 +231,17 @@ def test_wal_fsyncs_of_a_window_are_counted_and_a_slow_disk_is_named():
 
 def test_lease_lapses_are_counted_by_whose_silence_in_their_window():
     bench = _bench()
-    lapses = [(10.5, "process", 3.4, 3.6, 2), (11.0, "etcd", 1.0, 3.2, 0), (12.0, "held", 5.0, 5.1, 2),
-              (30.0, "etcd", 1, 4, 1)]
+    lapses = [(10.5, "process", 3.4, 3.6, 2, 1), (11.0, "etcd", 1.0, 3.2, 0, None), (12.0, "held", 5.0, 5.1, 2, 1),
+              (30.0, "etcd", 1, 4, 1, 1)]
     assert bench.lapse_summary(lapses, 10.0, 20.0) == {"process": 1, "held": 1, "backoff": 0, "unexplained": 0, "etcd": 1,
                                                        "silence_s": [1.0, 3.4, 5.0],
                                                        "unrenewed_s": [3.2, 3.6, 5.1], "first_s": 0.5,
-                                                       "by_member": {"0": 1, "2": 2}}
+                                                       "by_member": {"0": 1, "2": 2},
+                                                       "by_keepalive_member": {"1": 2, "None": 1}}
     assert bench.lapse_summary(lapses, 40.0, 50.0) == {"process": 0, "held": 0, "backoff": 0, "unexplained": 0, "etcd": 0,
                                                        "silence_s": [],
-                                                       "unrenewed_s": [], "first_s": None, "by_member": {}}
+                                                       "unrenewed_s": [], "first_s": None, "by_member": {},
+                                                       "by_keepalive_member": {}}
 
 
 def test_the_nodes_that_did_not_settle_are_the_ones_outside_the_largest_group():
