@@ -705,11 +705,14 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
             row["settle_req_per_node_s"] = sum(metrics_delta(after, before)["requests"].values()) / n / (now - t_open)
             before, t_open = after, now
         ticks0 = sum(run.ask_all("ticks"))
-        idle_cpu0 = cpu_s(clients)
+        idle_cpu0, idle_etcd0 = cpu_s(clients), [cpu_s([m]) for m in members]
         time.sleep(args.idle_s)
         idle = metrics_delta(etcd_metrics(cluster), before)
         idle_s = row["idle_wall_s"] = time.monotonic() - t_open
         row["idle_client_cpu_ms_per_node_s"] = 1000 * (cpu_s(clients) - idle_cpu0) / n / idle_s
+        by_member = [cpu_s([m]) - c for m, c in zip(members, idle_etcd0)]  # keep-alives: forwarded or not
+        row["idle_etcd_cpu_ms_per_node_s"] = 1000 * sum(by_member) / n / idle_s
+        row["idle_etcd_cpu_s_by_member"] = [round(x, 3) for x in by_member]
         ticks1 = sum(run.ask_all("ticks"))
         row["idle"] = idle
         row["idle_req_per_node_s"] = sum(idle["requests"].values()) / n / idle_s
