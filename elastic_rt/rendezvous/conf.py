@@ -63,9 +63,10 @@ KEYS: tuple[ConfKey, ...] = (
                     "members; `listed`: every agent talks to the first one first. Failover goes on to the next "
                     "endpoints in the list either way"),
     ConfKey(key="keepalive_to", backends=(ETCD_V3,),
-            meaning="`leader` (default): an agent sends its lease keep-alives straight to the member of "
-                    "`--rdzv-endpoint` that leads (found by its Status, followed after an election), not through a "
-                    "member that forwards each one; `member`: to the member the agent talks to"),
+            meaning="`leader` (default): once in a round, an agent sends its lease keep-alives straight to the "
+                    "member of `--rdzv-endpoint` that leads (found by its Status, followed after an election), not "
+                    "through a member that forwards each one (less CPU for etcd: docs/scale.md); `member`: to the "
+                    "member the agent talks to"),
     ConfKey(key="secret_file",
             meaning="the job secret: `etcd-v3` signs each round's membership and `closed` with it, `etcd-v3-torch` "
                     "its pickled state (docs/rendezvous.md)"),

@@ -432,12 +432,15 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
     def _follow_failover(self) -> None:
         """After a beat: if the keepalive failed over to another endpoint, move the watch there too
         (a hung member keeps a watch stream open and silent), or back to this node's own member once it answers
-        again (EtcdClient.go_home); send keep-alives to the member that leads (EtcdClient.follow_leader); reopen a
-        watch that no thread could be started to reopen; as rank 0, keep the run's lease alive."""
+        again (EtcdClient.go_home); once this node was in a round, send keep-alives to the member that leads
+        (EtcdClient.follow_leader: not in its first meeting, where the look's requests and the leader's connection
+        slowed the meeting down); reopen a watch that no thread could be started to reopen; as rank 0, keep the run's
+        lease alive."""
         self._run_lease.beat()
         self._view.revive()
         self._client.go_home(self.keys.round)
-        self._client.follow_leader()
+        if self.membership is not None:
+            self._client.follow_leader()
         endpoint = self._view.stream_endpoint
         if endpoint is not None and endpoint != self._client.current_endpoint:
             log.info("node %s: moving the membership watch to %s", self.settings.node_id,

@@ -1,17 +1,18 @@
-"""Lease keep-alives go straight to the member that leads (--rdzv-conf keepalive_to=leader, the default), not through
-the member an agent talks to, which would forward each one to the leader: etcd's own counters show where they
-arrive. They follow the leader when it moves or dies, without the lease lapsing; keepalive_to=member keeps them on
-the agent's member."""
+"""Lease keep-alives go straight to the member that leads (--rdzv-conf keepalive_to=leader, the default), once the
+agent was in a round, not through the member it talks to, which would forward each one to the leader: etcd's own
+counters show where they arrive. They follow the leader when it moves or dies, without the lease lapsing;
+keepalive_to=member keeps them on the agent's member."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from etcd_testbed.server import EtcdCluster
-from elastic_rt.rendezvous.etcd_client import EtcdClient
+from elastic_rt.rendezvous.etcd_client import EtcdClient, spread_first
 from elastic_rt.rendezvous.registration import create_etcd_v3_handler
 from tests.support.etcd_metrics import grpc_counts
 from tests.support.prometheus import wait_until
@@ -94,6 +95,35 @@ def test_keep_alives_follow_the_leader_when_it_moves(cluster):
         assert got[new] >= 5 and got[new] == sum(got), got
     finally:
         client.close()
+
+
+def test_an_agent_waiting_for_its_first_round_keeps_alive_on_its_member_then_on_the_leader(cluster, run_id):
+    """Not in a round yet (its job needs two nodes), an agent leaves its keep-alives on its member for beat after beat
+    (a meeting's load stays off the leader's connection); once it is in one, they go to the leader."""
+    leader = cluster.leader_index()
+    name = next(f"node-{i}" for i in range(100)
+                if spread_first(f"node-{i}", 3) != leader)  # an agent whose member does not lead
+    params = lambda node: RendezvousParameters(  # noqa: E731
+        "etcd-v3", cluster.endpoints, run_id, 2, 2, local_addr="127.0.0.1", node_id=node, last_call_timeout=2,
+        lease_ttl=3)
+    first = create_etcd_v3_handler(params(name))
+    waiting = ThreadPoolExecutor(1).submit(first.next_rendezvous)
+    handlers = [first]
+    try:
+        wait_until("the waiting agent's registration", lambda: first._lease.lease_id, 10, poll_s=0.05)
+        renewed = first._lease.last_renewed
+        wait_until("three renewals while it waits", lambda: first._lease.last_renewed >= renewed + 2 * 1.0, 10,
+                   poll_s=0.05)
+        assert not waiting.done()
+        assert first._client.keepalive_endpoint == first._client.current_endpoint != cluster.members[leader].endpoint
+        handlers.append(create_etcd_v3_handler(params("other")))
+        ranks(handlers[1:])
+        waiting.result(timeout=60)
+        wait_until("keep-alives on the leader once in a round",
+                   lambda: first._client.keepalive_endpoint == cluster.members[leader].endpoint, 10, poll_s=0.05)
+    finally:
+        for h in handlers:
+            h.shutdown()
 
 
 def test_a_jobs_agents_all_keep_alive_on_the_leader_and_a_dead_leader_costs_no_lease(run_id):
