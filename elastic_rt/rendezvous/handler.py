@@ -126,6 +126,7 @@ from elastic_rt.rendezvous.store import EtcdStore
 from elastic_rt.rendezvous.view import MembershipView
 
 log = logging.getLogger(__name__)
+LEADER_LOOK_TTLS = (1.0, 3.0)  # keep-alives move to the leader this many lease TTLs after the node's first round
 MASTER_KEY = "elastic-rt/master"  # rank 0's store address in the round's store, when it did not close the round
 
 
@@ -175,6 +176,7 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
                               settle_lease=self._run_lease.settle,
                               clock=clock, rng=rng)
         self.membership: Membership | None = None
+        self._leader_look_at: float | None = None  # when keep-alives may move to the leader (_follow_failover)
         self._announced = -1  # the last round whose lost member this node announced (membership_change)
 
     # ---- RendezvousHandler API -------------------------------------------
@@ -432,15 +434,20 @@ class EtcdRendezvousHandler(RendezvousHandler, MembershipHandler):
     def _follow_failover(self) -> None:
         """After a beat: if the keepalive failed over to another endpoint, move the watch there too
         (a hung member keeps a watch stream open and silent), or back to this node's own member once it answers
-        again (EtcdClient.go_home); once this node was in a round, send keep-alives to the member that leads
-        (EtcdClient.follow_leader: not in its first meeting, where the look's requests and the leader's connection
-        slowed the meeting down); reopen a watch that no thread could be started to reopen; as rank 0, keep the run's
+        again (EtcdClient.go_home); send keep-alives to the member that leads (EtcdClient.follow_leader), from
+        LEADER_LOOK_TTLS lease TTLs (at random in that range) after this node was first in a round: off the meeting's
+        path, where the looks' requests and the leaders' connections slowed 1,024 nodes down, and spread over the
+        agents that met together; reopen a watch that no thread could be started to reopen; as rank 0, keep the run's
         lease alive."""
         self._run_lease.beat()
         self._view.revive()
         self._client.go_home(self.keys.round)
         if self.membership is not None:
-            self._client.follow_leader()
+            if self._leader_look_at is None:
+                low, high = LEADER_LOOK_TTLS
+                self._leader_look_at = self._clock() + (low + (high - low) * self._rng()) * self.settings.lease_ttl_s
+            if self._clock() >= self._leader_look_at:
+                self._client.follow_leader()
         endpoint = self._view.stream_endpoint
         if endpoint is not None and endpoint != self._client.current_endpoint:
             log.info("node %s: moving the membership watch to %s", self.settings.node_id,
