@@ -36,6 +36,7 @@ __all__ = ["EtcdClient", "EtcdConfig", "IfAbsent", "IfHeld", "KeyValue", "Put", 
 log = logging.getLogger(__name__)
 LEADER_RETRY_S = 10.0  # follow_leader: after a look that found no leader among the endpoints, or keep-alives to the
 # leader that failed, look again this long after (give or take a quarter), unless a keep-alive says the term changed
+LEADER_MISSES = 3  # beats in a row the leader answered none of its own keep-alives: keep-alives leave it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,6 +272,9 @@ class EtcdClient:
         self._leader_term = 0  # the raft term it was found to lead in
         self._leader_due = 0.0  # follow_leader looks for the leader from then on (a new term: at once)
         self._member_ids: dict[int, int] = {}  # endpoint index: its member id, as its Status said
+        self._leader_misses = 0  # beats in a row the leader did not answer its own keep-alive
+        self._leader_gen = 0  # times keep-alives left a leader: a look begun before does not put it back
+        self._status_refused = False  # etcd refused this agent's user the Status request: keep-alives stay put
 
     # ---- plumbing -------------------------------------------------------
     @property
@@ -342,7 +346,7 @@ class EtcdClient:
 
     def _call_at(self, idx: int, fn: Callable[[Endpoint, float], object], timeout_s: float):
         """fn on endpoint `idx` only, where calls go unchanged (the keep-alives sent to the leader); raises
-        EtcdUnavailableError where it does not answer."""
+        EtcdUnavailableError where it does not answer, and what _failure raises for other failures."""
         ep = self._endpoints[idx]
         try:
             return self._authenticated(ep, fn, timeout_s)
@@ -375,10 +379,10 @@ class EtcdClient:
     def go_home(self, probe_key: str, timeout_s: float = 0.25) -> bool:
         """After a failover away from the endpoint `config.first` picked: once it is due (_away), one linearizable
         read of `probe_key` there (a key the caller may read: the run's; a member cut off from the quorum does not
-        answer it); when it answers, calls go back there, the keep-alive stream on the member left is closed, and
-        True. Called by the lease thread between beats (`timeout_s` bounds what it adds to a beat), so that a job's
-        agents stay spread over the members: without it a rolling restart of etcd's members in list order would
-        end with every agent on one member."""
+        answer it); when it answers, calls go back there, the keep-alive stream on the member left is closed (unless
+        keep-alives go to it as the leader), and True. Called by the lease thread between beats (`timeout_s` bounds
+        what it adds to a beat), so that a job's agents stay spread over the members: without it a rolling restart
+        of etcd's members in list order would end with every agent on one member."""
         with self._lock:
             home, away = self.config.first, self._current
             if away == home or self._clock() < self._home_due:
@@ -612,11 +616,14 @@ class EtcdClient:
         return self._call(once, timeout_s=timeout_s, attempts=attempts)
 
     def keep_alive(self, lease_id: int, *, every_s: float, silent_s: float) -> Renewal | None:
-        """The lease thread's beat: one keep-alive on the current endpoint's long-lived keep-alive stream,
-        sent whether or not earlier ones were answered, and the answers that came until the next is due
-        (`every_s` after this one was sent): the newest renewal (its TTL and its request's send time), or None
-        when none came from a member that is there (etcd busy). Only a member silent for `silent_s` with a
-        keep-alive unanswered fails (EtcdUnavailableError; the next beat goes to the next endpoint)."""
+        """The lease thread's beat: one keep-alive on the long-lived keep-alive stream of the leader's endpoint
+        (follow_leader) or else the current one, sent whether or not earlier ones were answered, and the answers
+        that came until the next is due (`every_s` after this one was sent): the newest renewal (its TTL, its
+        request's send time, the answering member's raft term), or None when none came from a member that is there
+        (etcd busy). Only a member silent for `silent_s` with a keep-alive unanswered fails (EtcdUnavailableError;
+        the next beat goes to the next endpoint). Keep-alives leave a leader that refused one (this beat goes to
+        the current endpoint), that failed slowly (the beat is spent: EtcdUnavailableError), or that answered
+        none of its own for LEADER_MISSES beats."""
         with self._lock:
             leader = self._leader if self._leader != self._current else None
         beat = lambda ep, t: ep.keep_alive(lease_id, t, silent_s)  # noqa: E731
@@ -630,6 +637,8 @@ class EtcdClient:
                 if self._clock() - began >= every_s / 4:  # it took time (a hung leader): this beat is spent
                     raise
                 leader = None  # refused (a dead leader): this beat goes to the current endpoint
+            else:
+                self._count_miss(leader, every_s > 0 and (renewal is None or not renewal.own))
         if leader is None:
             renewal = self._call(beat, timeout_s=every_s, attempts=1)
         if renewal is not None and renewal.term > self._leader_term:  # a new term: the leader may have changed
@@ -638,6 +647,13 @@ class EtcdClient:
                     self._leader_term, self._leader_due = renewal.term, 0.0
         return renewal
 
+    def _count_miss(self, leader: int, missed: bool) -> None:
+        """A beat sent to the leader at `leader` was answered (missed False) or not (True): LEADER_MISSES in a row
+        and keep-alives leave it (a leader that stepped down or is stuck, its connection alive: no new term comes)."""
+        self._leader_misses = self._leader_misses + 1 if missed else 0
+        if self._leader_misses >= LEADER_MISSES:
+            self._leave_leader(leader)
+
     def _leave_leader(self, leader: int) -> None:
         """Keep-alives to the leader at `leader` failed: the next go to the current endpoint, and follow_leader looks
         for the leader again after a new term (an election) or LEADER_RETRY_S (a leader this agent cannot reach, that
@@ -645,32 +661,45 @@ class EtcdClient:
         with self._lock:
             if self._leader != leader:
                 return
-            self._leader = None
+            self._leader, self._leader_misses, self._leader_gen = None, 0, self._leader_gen + 1
             self._leader_due = self._clock() + LEADER_RETRY_S * self._rng.uniform(0.75, 1.25)
+            self._member_ids.pop(leader, None)  # a look must hear from it again before keep-alives go back there
         log.info("etcd: the leader at %s does not answer keep-alives; sending them to %s",
                  self._endpoints[leader].label, self.current_endpoint)
 
     def follow_leader(self, timeout_s: float = 0.25) -> bool:
         """Send keep-alives straight to the member that leads (config.keepalive_to_leader), not to one that forwards
         each to it: one Status of the current endpoint names the leader, and of the others (until one is it) says
-        which endpoint that is. Looks when due: at first, after a keep-alive answered from a newer raft term (an
-        election: the leader may have changed) or the leader stopped answering them; else LEADER_RETRY_S after a look
-        that found none among the endpoints. Called by the lease thread between beats (`timeout_s` bounds each
-        Status). True when keep-alives moved."""
+        which endpoint that is (the leader's own Status, where keep-alives left it before). Looks when due: at
+        first, after a keep-alive answered from a newer raft term (an election: the leader may have changed), and
+        LEADER_RETRY_S after a look that found none among the endpoints or after keep-alives left the leader. An etcd
+        user refused Status stops the looks, with one warning. Called by the lease thread between beats (`timeout_s`
+        bounds each Status). True when keep-alives moved."""
         if not self.config.keepalive_to_leader or len(self._endpoints) < 2:
             return False
         with self._lock:
             now = self._clock()
-            if now < self._leader_due:
+            if self._status_refused or now < self._leader_due:
                 return False
             self._leader_due = now + LEADER_RETRY_S * self._rng.uniform(0.75, 1.25)
-            start, before = self._current, self._keepalive_target()
+            start, before, gen = self._current, self._keepalive_target(), self._leader_gen
         try:
             found, term = self._find_leader(start, timeout_s)
-        except (grpc.RpcError, ElasticRTError, ValueError) as exc:  # ValueError: the client closed meanwhile
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                self._status_refused = True
+                log.warning("etcd at %s refuses user %s its Status request (%s): lease keep-alives go through the "
+                            "member each agent talks to (--rdzv-conf keepalive_to=member says so and skips the look)",
+                            self._endpoints[start].label, self.config.user, exc.code().name)
+            else:
+                log.debug("etcd: could not find the leader (%s); keep-alives go to %s", exc, self.keepalive_endpoint)
+            return False
+        except (ElasticRTError, ValueError) as exc:  # ValueError: the client closed meanwhile
             log.debug("etcd: could not find the leader (%s); keep-alives go to %s", exc, self.keepalive_endpoint)
             return False
         with self._lock:
+            if self._leader_gen != gen:  # keep-alives left a leader meanwhile: this look may have named it
+                return False
             if found is not None:
                 self._leader_due = float("inf")  # until a new term or a failed keep-alive
             self._leader, self._leader_term = found, max(term, self._leader_term)
@@ -704,6 +733,8 @@ class EtcdClient:
                     continue
             if self._member_ids[idx] == leader:
                 return idx, term
+        for idx in [i for i in self._member_ids if i != start]:  # none is it: ask them all again next time (a
+            del self._member_ids[idx]  # member replaced at the same address has a new id)
         return None, term
 
     def revoke_lease(self, lease_id: int) -> None:
