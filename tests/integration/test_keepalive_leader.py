@@ -162,3 +162,22 @@ def test_a_jobs_agents_all_keep_alive_on_the_leader_and_a_dead_leader_costs_no_l
         finally:
             for h in handlers:
                 h.shutdown()
+
+
+def test_an_etcd_user_limited_to_its_run_keeps_alive_on_the_leader(run_id):
+    """With auth on, a job's user may read and write its run's prefix only: the look authenticates on each member it
+    asks (etcd 3.4 and 3.5.1 allow Status to every authenticated user) and keep-alives go to the leader."""
+    with EtcdCluster(3) as c:
+        c.enable_auth("root-" + run_id, {"agent": ("agent-pw", (f"/elastic-rt/{run_id}/",))})
+        leader = c.leader_index()
+        first = (leader + 1) % 3
+        client = EtcdClient(c.client_config(first=first, user="agent", password="agent-pw"))
+        try:
+            lease = client.grant_lease(10)
+            _on(client, lease, c.members[leader].endpoint, "keep-alives on the leader")
+            before = _keep_alives(c)
+            _beats(client, lease, 5)
+            got = [a - b for a, b in zip(_keep_alives(c), before)]
+            assert got[leader] >= 5 and got[first] == 0, got
+        finally:
+            client.close()
