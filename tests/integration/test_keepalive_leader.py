@@ -41,6 +41,13 @@ def _beats(client: EtcdClient, lease: int, count: int) -> None:
         client.follow_leader()
 
 
+def _arrivals(cluster, client: EtcdClient, lease: int, count: int) -> list[float]:
+    """`count` beats; the keep-alives each member received meanwhile (its own counter)."""
+    before = _keep_alives(cluster)
+    _beats(client, lease, count)
+    return [a - b for a, b in zip(_keep_alives(cluster), before)]
+
+
 def _on(client: EtcdClient, lease: int, endpoint: str, what: str) -> None:
     """Beat until keep-alives go to `endpoint` (a look that failed is tried again LEADER_RETRY_S later)."""
     wait_until(what, lambda: (_beats(client, lease, 1), client.keepalive_endpoint == endpoint)[1], 30, poll_s=0)
@@ -61,9 +68,7 @@ def test_keep_alives_go_to_the_leader_not_through_the_member_the_client_talks_to
         _on(client, lease, cluster.members[leader].endpoint, "keep-alives on the leader")  # the first beat goes to
         # the member, the look after it finds the leader
         assert client.current_endpoint == cluster.members[first].endpoint  # other calls stay on the member
-        before = _keep_alives(cluster)
-        _beats(client, lease, 10)
-        got = [a - b for a, b in zip(_keep_alives(cluster), before)]
+        got = _arrivals(cluster, client, lease, 10)
         assert got[leader] >= 10 and got[first] == 0, got
     finally:
         client.close()
@@ -74,9 +79,7 @@ def test_keepalive_to_member_keeps_them_on_the_member(cluster):
     client = EtcdClient(cluster.client_config(first=first, keepalive_to_leader=False))
     try:
         lease = client.grant_lease(10)
-        before = _keep_alives(cluster)
-        _beats(client, lease, 10)
-        got = [a - b for a, b in zip(_keep_alives(cluster), before)]
+        got = _arrivals(cluster, client, lease, 10)
         assert got[first] >= 10 and sum(got) == got[first], got
         assert client.keepalive_endpoint == cluster.members[first].endpoint
     finally:
@@ -93,9 +96,7 @@ def test_keep_alives_follow_the_leader_when_it_moves(cluster):
         new = next(i for i in range(3) if i not in (old, first))  # neither the old leader nor the client's member
         cluster.move_leader(new)
         _on(client, lease, cluster.members[new].endpoint, "keep-alives on the new leader")
-        before = _keep_alives(cluster)
-        _beats(client, lease, 5)
-        got = [a - b for a, b in zip(_keep_alives(cluster), before)]
+        got = _arrivals(cluster, client, lease, 5)
         assert got[new] >= 5 and got[new] == sum(got), got
     finally:
         client.close()
@@ -175,9 +176,7 @@ def test_an_etcd_user_limited_to_its_run_keeps_alive_on_the_leader(run_id):
         try:
             lease = client.grant_lease(10)
             _on(client, lease, c.members[leader].endpoint, "keep-alives on the leader")
-            before = _keep_alives(c)
-            _beats(client, lease, 5)
-            got = [a - b for a, b in zip(_keep_alives(c), before)]
+            got = _arrivals(c, client, lease, 5)
             assert got[leader] >= 5 and got[first] == 0, got
         finally:
             client.close()
