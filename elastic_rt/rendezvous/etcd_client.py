@@ -685,17 +685,15 @@ class EtcdClient:
             start, before, gen = self._current, self._keepalive_target(), self._leader_gen
         try:
             found, term = self._find_leader(start, timeout_s)
-        except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+        except (grpc.RpcError, ElasticRTError, ValueError) as exc:  # ValueError: the client closed meanwhile
+            code = exc.code() if isinstance(exc, grpc.RpcError) else None
+            if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                 self._status_refused = True
                 log.warning("etcd at %s refuses user %s its Status request (%s): lease keep-alives go through the "
                             "member each agent talks to (--rdzv-conf keepalive_to=member says so and skips the look)",
-                            self._endpoints[start].label, self.config.user, exc.code().name)
+                            self._endpoints[start].label, self.config.user, code.name)
             else:
                 log.debug("etcd: could not find the leader (%s); keep-alives go to %s", exc, self.keepalive_endpoint)
-            return False
-        except (ElasticRTError, ValueError) as exc:  # ValueError: the client closed meanwhile
-            log.debug("etcd: could not find the leader (%s); keep-alives go to %s", exc, self.keepalive_endpoint)
             return False
         with self._lock:
             if self._leader_gen != gen:  # keep-alives left a leader meanwhile: this look may have named it
