@@ -638,7 +638,8 @@ class EtcdClient:
                     raise
                 leader = None  # refused (a dead leader): this beat goes to the current endpoint
             else:
-                self._count_miss(leader, every_s > 0 and (renewal is None or not renewal.own))
+                if every_s > 0:  # a registration's keep-alive waits for no answer: it neither misses nor answers
+                    self._count_miss(leader, renewal is None or not renewal.own)
         if leader is None:
             renewal = self._call(beat, timeout_s=every_s, attempts=1)
         if renewal is not None and renewal.term > self._leader_term:  # a new term: the leader may have changed
