@@ -178,6 +178,13 @@ def _all_lapses(run: "Run") -> list[tuple[float, str, float, float, int]]:
     return [x for block in run.ask_all("lapses") for x in block]
 
 
+def _busy_answers(run: "Run", since: float, until: float) -> int:
+    """Keep-alives etcd answered in [since, until) with "request timed out": its leader renews a lease only once it
+    has applied every entry committed before the renewal, and gives up after a second (waiting for the applied
+    index); a follower's forwarded renewal ends the same way. Each such answer renewed nothing."""
+    return sum(1 for block in run.ask_all("busy") for t in block if since <= t < until)
+
+
 def _lease_lapses(nodes: list[Node]) -> list[tuple[float, str, float, float, int, int | None]]:
     """Each time a node's lease was found gone (the newest few per node): when (monotonic, the keep-alive's send),
     whose silence (LeaseLapse.cause), the longest stretch with no keep-alive sent, how long the lease had gone
@@ -336,6 +343,9 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
             conn.send(("ticking", None))
         elif cmd == "ticks":
             conn.send(("ticks", counts["ticks"]))
+        elif cmd == "busy":  # when etcd answered a keep-alive of this process's nodes that it timed out (etcd-v3)
+            conn.send(("busy", [t for x in nodes for ep in x.h._client._endpoints for t in list(ep.busy)]
+                       if kind == "etcd-v3" else []))
         elif cmd == "lapses":  # every lease lapse of this process's nodes (etcd-v3), as (at, cause, silence, unrenewed)
             conn.send(("lapses", _lease_lapses(nodes) if kind == "etcd-v3" else []))
         elif cmd == "kill":  # arg: the node's name
@@ -362,12 +372,13 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
 # ---- the parent: etcd, metrics, one (kind, N) run ---------------------------------------------
 def etcd_metrics(cluster) -> dict:
     """Sum over members: gRPC messages received by method, client gRPC bytes in + out, watch events sent, and the
-    leader changes the members saw (each member counts one it saw: 3 for one change on 3 members); and which member
-    leads (its index, None with no leader)."""
+    leader changes the members saw (each member counts one it saw: 3 for one change on 3 members), the applies that
+    took more than 100 ms (etcd_server_slow_apply_total); and which member leads (its index, None with no leader)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {"requests": {}, "member_requests": [0.0] * len(cluster.members), "bytes": 0.0, "events": 0.0,
-           "leader_changes": 0.0, "leader": None, "fsync": {"count": 0.0, "sum": 0.0, "buckets": {}}}
+           "leader_changes": 0.0, "leader": None, "fsync": {"count": 0.0, "sum": 0.0, "buckets": {}},
+           "slow_applies": 0.0}
     for index, m in enumerate(cluster.members):
         with urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=30) as resp:
             text = resp.read().decode()
@@ -381,6 +392,8 @@ def etcd_metrics(cluster) -> dict:
                     out["events"] += s.value
                 elif fam.name == "etcd_server_leader_changes_seen" and s.name.endswith("_total"):
                     out["leader_changes"] += s.value
+                elif fam.name == "etcd_server_slow_apply" and s.name.endswith("_total"):
+                    out["slow_applies"] += s.value  # applies that took more than 100 ms
                 elif fam.name == "etcd_disk_wal_fsync_duration_seconds":  # 3.4 fsyncs to this machine's disk
                     fsync = out["fsync"]
                     if s.name.endswith("_count") or s.name.endswith("_sum"):
@@ -418,6 +431,7 @@ def metrics_delta(after: dict, before: dict) -> dict:
             "bytes": after["bytes"] - before["bytes"],
             "events": after["events"] - before["events"],
             "leader_changes": after.get("leader_changes", 0.0) - before.get("leader_changes", 0.0),
+            "slow_applies": after.get("slow_applies", 0.0) - before.get("slow_applies", 0.0),
             "fsync": fsync_delta(after["fsync"], before["fsync"])}
 
 
@@ -687,6 +701,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         row["unmet"] = _unmet(reports)
         if kind == "etcd-v3":
             row["meet_lease_lapses"] = lapse_summary(_all_lapses(run), t0, t0 + row["meet_cpu_s"]["wall"])
+            row["meet_keepalive_busy"] = _busy_answers(run, t0, t0 + row["meet_cpu_s"]["wall"])
         row["meet_spread"] = _spread(reports, t0)
         row["client_cpu_ms_per_node_round"] = 1000 * row["meet_cpu_s"]["clients"] / n
         row["round"] = metrics_delta(etcd_metrics(cluster), before)
@@ -758,6 +773,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
         row["unmet"] = _unmet(reports)
         if kind == "etcd-v3":
             row["reform_lease_lapses"] = lapse_summary(_all_lapses(run), t_kill, t_kill + row["reform_cpu_s"]["wall"])
+            row["reform_keepalive_busy"] = _busy_answers(run, t_kill, t_kill + row["reform_cpu_s"]["wall"])
         row["reform_spread"] = _spread(reports, t_kill)
         row["reform_round"] = metrics_delta(etcd_metrics(cluster), before)
         row["reform_req_per_node"] = sum(

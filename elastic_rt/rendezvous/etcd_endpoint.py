@@ -47,6 +47,8 @@ class Endpoint:
         self.auth_lock = threading.Lock()
         self.keepalive_lock = threading.Lock()
         self.keepalive: _KeepAliveStream | None = None  # opened by the first keep-alive, kept while it works
+        self.busy: collections.deque[float] = collections.deque(maxlen=64)  # when etcd answered a keep-alive
+        # that it timed out (monotonic): its leader was too far behind in applying to renew
 
     def connection(self, timeout_s: float) -> Connection:
         conn = self._conn
@@ -102,6 +104,7 @@ class Endpoint:
                     stream.close()
                     self.keepalive = None
                     if isinstance(exc, CallError) and _busy(exc):
+                        self.busy.append(time.monotonic())
                         return None
                 raise
 
