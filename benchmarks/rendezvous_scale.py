@@ -4,10 +4,14 @@
 Starts a real 3-member etcd on loopback. Per handler kind (elastic-rt's `etcd-v3`, torch's handler on
 etcd v3 `etcd-v3-torch`, torch's `c10d`) and per N, P worker processes each create N/P handlers
 through torch's handler registry and, on a signal, call next_rendezvous() in one thread per handler;
-afterwards each process ticks every handler as the agent's monitor loop does (membership_change()
-or num_nodes_waiting(), every 0.1 s). Measured per N, from etcd's own /metrics summed over members:
+from that signal on, each process ticks every handler whose rendezvous returned as the agent's monitor loop
+does (membership_change() or num_nodes_waiting(), every 0.1 s), and a handler that says its group must re-form
+(a node left out waits to join, a lease lapsed) calls next_rendezvous() again. Measured per N, from etcd's own
+/metrics summed over members:
 
-  meet_s            signal -> the last handler's next_rendezvous() returned
+  meet_s            signal -> every handler's last next_rendezvous() returned a group of all N in one round (a
+                    round that left a node out, and the members' next one for it, as real agents start it, count
+                    in it; meet_rejoined: the nodes that made more than one rendezvous in the meeting)
   req/node/round    etcd requests (gRPC messages received, lease keepalives aside) per node in the round
   bytes/node/round  etcd client gRPC bytes (received + sent, everything) per node in the round
   events/node/round watch events etcd sent (etcd_debugging_mvcc_events_total) per node in the round
@@ -134,9 +138,11 @@ def _tick(nodes: list[Node], kind: str, stop: threading.Event, counts: dict) -> 
         stop.wait(max(0.0, TICK_S - (time.monotonic() - t0)))
 
 
-def _wait_done(nodes: list[Node], count: int, deadline: float) -> None:
-    while time.monotonic() < deadline and any(len(x.done) < count for x in nodes if x.state != "dead"):
-        time.sleep(0.05)
+def _start_ticking(nodes: list[Node], kind: str, stop: threading.Event, counts: dict) -> None:
+    """The agents' monitor loops (_tick), once per process."""
+    if not counts.get("started"):
+        counts["started"] = True
+        threading.Thread(target=_tick, args=(nodes, kind, stop, counts), daemon=True).start()
 
 
 def _wait_world(nodes: list[Node], world: int, deadline: float) -> None:
@@ -247,9 +253,9 @@ def _unsettled(reports: list[list[dict]]) -> list[dict]:
     return [r for r in rows if id(r) not in largest][:3]
 
 
-def _report(nodes: list[Node], count: int) -> list[dict]:
-    return [{"node": x.name, **(x.done[count - 1] if len(x.done) >= count else _timeout(x))}
-            for x in nodes if x.state != "dead"]
+def _report_met(nodes: list[Node]) -> list[dict]:
+    """Each node's last rendezvous in the meeting, or what it was doing (_timeout) while it has none or is in one."""
+    return [{"node": x.name, **(x.done[-1] if x.done and x.state == "ticking" else _timeout(x))} for x in nodes]
 
 
 def _after(node: Node, since: float) -> dict | None:
@@ -336,10 +342,11 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
         if cmd == "meet":  # arg: deadline (monotonic, shared by all processes on this machine)
             for x in nodes:
                 threading.Thread(target=x.rendezvous, daemon=True).start()
-            _wait_done(nodes, 1, arg)
-            conn.send(("met", _report(nodes, 1)))
+            _start_ticking(nodes, kind, stop, counts)  # the agents' monitor loops run from their first round on
+            _wait_world(nodes, n, arg)
+            conn.send(("met", [{**r, "count": len(x.done)} for r, x in zip(_report_met(nodes), nodes)]))
         elif cmd == "tick":
-            threading.Thread(target=_tick, args=(nodes, kind, stop, counts), daemon=True).start()
+            _start_ticking(nodes, kind, stop, counts)
             conn.send(("ticking", None))
         elif cmd == "ticks":
             conn.send(("ticks", counts["ticks"]))
@@ -699,6 +706,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
             row["meet_host"] = host_delta(host_counters(), host0, row["meet_cpu_s"]["wall"])
         row["meet_s"], row["error"] = _met(reports, t0, n)
         row["unmet"] = _unmet(reports)
+        row["meet_rejoined"] = sum(1 for block in reports for r in block if r.get("count", 1) > 1)
         if kind == "etcd-v3":
             row["meet_lease_lapses"] = lapse_summary(_all_lapses(run), t0, t0 + row["meet_cpu_s"]["wall"])
             row["meet_keepalive_busy"] = _busy_answers(run, t0, t0 + row["meet_cpu_s"]["wall"])

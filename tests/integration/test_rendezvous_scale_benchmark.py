@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,7 +77,10 @@ def test_quick_run_writes_results_that_parse(tmp_path):
         assert 0 <= r["reform_host"]["steal_cpu_share"] < 1, r
         assert r["round"]["fsync"]["count"] >= 0 and set(r["reform_round"]["fsync"]) == {"count", "mean_ms", "p99_ms"}
         for phase in ("meet_lease_lapses", "reform_lease_lapses"):  # whose silence each lapse was (none expected)
-            assert set(r[phase]) == {*_bench()._causes(), "silence_s", "unrenewed_s", "first_s"}, r[phase]
+            assert set(r[phase]) == {*_bench()._causes(), "silence_s", "unrenewed_s", "first_s", "by_member",
+                                     "by_keepalive_member"}, r[phase]
+        assert r["meet_keepalive_busy"] >= 0 and r["reform_keepalive_busy"] >= 0 and r["round"]["slow_applies"] >= 0
+        assert r["meet_rejoined"] == 0, r  # every node met in its first rendezvous
         assert rows[("c10d", n)]["reform_s"] is None  # --quick skips torch's 45 s re-form
 
 
@@ -250,3 +254,40 @@ def test_the_nodes_that_did_not_settle_are_the_ones_outside_the_largest_group():
     odd = {"node": "n3", "world": 4, "round": 1, "detail": {"state": "rejoining"}}
     assert bench._unsettled([group[:2], [group[2], odd]]) == [odd]
     assert bench._unsettled([group]) == []
+
+
+def test_a_node_left_out_of_the_first_round_is_met_by_the_members_next_round(run_id):
+    """The meeting as the benchmark runs it: the agents' monitor loops tick from the first round on, so the members of a
+    round that left a node out (two of 2:3 met before the third asked) see it wait (SCALE_UP) and meet again, as real
+    agents do; the meeting ends when every node's last rendezvous is a group of all N in one round."""
+    import threading
+
+    from etcd_testbed.server import EtcdCluster
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from elastic_rt.rendezvous.registration import register
+
+    bench = _bench()
+    register()
+    with EtcdCluster(1) as cluster:
+        args = {"conf": {"last_call_timeout": "0.5"}, "etcd_endpoints": cluster.endpoints, "run_id": run_id}
+        nodes = [bench.Node(f"n{i}", rendezvous_handler_registry.create_handler(
+            bench._params("etcd-v3", f"n{i}", i, 3, args))) for i in range(3)]
+        stop, counts = threading.Event(), {"ticks": 0}
+        try:
+            t0 = time.monotonic()
+            for x in nodes[:2]:
+                threading.Thread(target=x.rendezvous, daemon=True).start()
+            bench._start_ticking(nodes, "etcd-v3", stop, counts)
+            bench._start_ticking(nodes, "etcd-v3", stop, counts)  # once per process, however often asked
+            bench._wait_world(nodes[:2], 2, time.monotonic() + 60)
+            assert [x.done[-1].get("world") for x in nodes[:2]] == [2, 2]
+            threading.Thread(target=nodes[2].rendezvous, daemon=True).start()
+            bench._wait_world(nodes, 3, time.monotonic() + 60)
+            rows = bench._report_met(nodes)
+            assert bench._met([rows], t0, 3)[0] is not None, rows
+            assert [len(x.done) for x in nodes] == [2, 2, 1], [x.done for x in nodes]
+            assert sum(1 for t in threading.enumerate() if "(_tick)" in t.name) == 1  # one monitor loop
+        finally:
+            stop.set()
+            bench._close(nodes, "etcd-v3")
