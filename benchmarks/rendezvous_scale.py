@@ -254,8 +254,10 @@ def _unsettled(reports: list[list[dict]]) -> list[dict]:
 
 
 def _report_met(nodes: list[Node]) -> list[dict]:
-    """Each node's last rendezvous in the meeting, or what it was doing (_timeout) while it has none or is in one."""
-    return [{"node": x.name, **(x.done[-1] if x.done and x.state == "ticking" else _timeout(x))} for x in nodes]
+    """Each node's last rendezvous in the meeting, or what it was doing (_timeout) while it has none or is in one;
+    `rendezvous`: how many it made (more than one: it met again, for a node left out or a lease that lapsed)."""
+    return [{"node": x.name, "rendezvous": len(x.done),
+             **(x.done[-1] if x.done and x.state == "ticking" else _timeout(x))} for x in nodes]
 
 
 def _after(node: Node, since: float) -> dict | None:
@@ -344,7 +346,7 @@ def worker_main(conn, kind: str, names: list[str], first_index: int, n: int, arg
                 threading.Thread(target=x.rendezvous, daemon=True).start()
             _start_ticking(nodes, kind, stop, counts)  # the agents' monitor loops run from their first round on
             _wait_world(nodes, n, arg)
-            conn.send(("met", [{**r, "count": len(x.done)} for r, x in zip(_report_met(nodes), nodes)]))
+            conn.send(("met", _report_met(nodes)))
         elif cmd == "tick":
             _start_ticking(nodes, kind, stop, counts)
             conn.send(("ticking", None))
@@ -706,7 +708,7 @@ def run_one(kind: str, n: int, cluster, args) -> dict:
             row["meet_host"] = host_delta(host_counters(), host0, row["meet_cpu_s"]["wall"])
         row["meet_s"], row["error"] = _met(reports, t0, n)
         row["unmet"] = _unmet(reports)
-        row["meet_rejoined"] = sum(1 for block in reports for r in block if r.get("count", 1) > 1)
+        row["meet_rejoined"] = sum(1 for block in reports for r in block if r.get("rendezvous", 1) > 1)
         if kind == "etcd-v3":
             row["meet_lease_lapses"] = lapse_summary(_all_lapses(run), t0, t0 + row["meet_cpu_s"]["wall"])
             row["meet_keepalive_busy"] = _busy_answers(run, t0, t0 + row["meet_cpu_s"]["wall"])

@@ -287,6 +287,7 @@ def test_a_node_left_out_of_the_first_round_is_met_by_the_members_next_round(run
             rows = bench._report_met(nodes)
             assert bench._met([rows], t0, 3)[0] is not None, rows
             assert [len(x.done) for x in nodes] == [2, 2, 1], [x.done for x in nodes]
+            assert [r["rendezvous"] for r in rows] == [2, 2, 1], rows  # what meet_rejoined counts
             assert sum(1 for t in threading.enumerate() if "(_tick)" in t.name) == 1  # one monitor loop
         finally:
             stop.set()
